@@ -26,7 +26,7 @@ apt_install() {
 
 kernel_headers() {
     local mods="/lib/modules/$KERNEL"
-    if [ -e "$mods/build/include/linux/kconfig.h" ]; then return 0; fi
+    if [ -e "$mods/build/Makefile" ] && [ -e "$mods/source/include/linux/kconfig.h" ]; then return 0; fi
     if apt-get install -y -qq --no-install-recommends "linux-headers-$KERNEL" >/dev/null 2>&1; then return 0; fi
     apt_install linux-headers-amd64
     local build common
@@ -70,7 +70,7 @@ venv_setup() {
     want=$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)
     if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
         say "installing the project into $VENV (pip, pinned versions)"
-        "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[test]"
+        "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[test]" 2> >(grep -v "is ignored: it is neither" >&2)
         echo "$want" >"$STAMP"
     fi
     expose_bcc

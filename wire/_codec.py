@@ -1,0 +1,61 @@
+"""Frames on the wire: [kind, schema version, msgpack payload]; decoding validates everything."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+import msgspec
+
+from ._exceptions import (
+    FrameCountError,
+    InvalidFieldError,
+    MalformedError,
+    NonFiniteError,
+    OversizedError,
+    SchemaVersionError,
+    UnknownKindError,
+)
+from ._messages import SCHEMA_VERSION, Heartbeat, Message, NodeVector, RoutingTable, SnapshotRequest
+
+MAX_VECTOR_BYTES = 64 * 1024
+MAX_TABLE_BYTES = 16 * 1024 * 1024
+
+KINDS: dict[type, bytes] = {
+    NodeVector: b"prism.node",
+    RoutingTable: b"prism.table",
+    Heartbeat: b"prism.heartbeat",
+    SnapshotRequest: b"prism.snapshot?",
+}
+_TYPES = {kind: cls for cls, kind in KINDS.items()}
+_VERSION = str(SCHEMA_VERSION).encode()
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {cls: msgspec.msgpack.Decoder(cls) for cls in KINDS}
+
+M = TypeVar("M", bound=Message)
+
+
+def encode(message: Message) -> list[bytes]:
+    return [KINDS[type(message)], _VERSION, _ENCODER.encode(message)]
+
+
+def decode(frames: Sequence[bytes], expect: tuple[type[M], ...], max_bytes: int) -> M:
+    """Decode one multipart message into one of the expected types, or raise a `WireError`."""
+    if len(frames) != 3:
+        raise FrameCountError(f"expected 3 frames, got {len(frames)}")
+    kind, version, payload = (bytes(f) for f in frames)
+    cls = _TYPES.get(kind)
+    if cls is None or cls not in expect:
+        raise UnknownKindError(f"unexpected message kind {kind[:40]!r}")
+    if version != _VERSION:
+        raise SchemaVersionError(f"schema version {version[:16]!r}, this build speaks {SCHEMA_VERSION}")
+    if len(payload) > max_bytes:
+        raise OversizedError(f"{len(payload)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        return _DECODERS[cls].decode(payload)
+    except msgspec.ValidationError as exc:
+        if "not finite" in str(exc):
+            raise NonFiniteError(str(exc)) from None
+        raise InvalidFieldError(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise MalformedError(str(exc)) from None

@@ -1,0 +1,51 @@
+"""Every exception Prism raises, in one module."""
+
+from __future__ import annotations
+
+
+class PrismError(Exception):
+    """Base class of all Prism errors."""
+
+
+class ConfigError(PrismError):
+    """A setting is missing or out of range."""
+
+
+class WireError(PrismError):
+    """A message failed to decode; `kind` names the failure for counting and logging."""
+
+    kind = "malformed"
+
+
+class FrameCountError(WireError):
+    kind = "frames"
+
+
+class UnknownKindError(WireError):
+    kind = "unknown_kind"
+
+
+class SchemaVersionError(WireError):
+    kind = "schema_version"
+
+
+class OversizedError(WireError):
+    kind = "oversized"
+
+
+class MalformedError(WireError):
+    kind = "malformed"
+
+
+class InvalidFieldError(WireError):
+    """Wrong type, out-of-range value or negative count."""
+
+    kind = "invalid_field"
+
+
+class NonFiniteError(WireError):
+    kind = "non_finite"
+
+
+class NoRouteError(PrismError):
+    """The router has no table yet, or no node in the requested slice."""

@@ -1,0 +1,100 @@
+"""Messages shared by agent, brain and router (msgspec structs, msgpack on the wire).
+
+Units are in field names. A metric that was not measured is absent (None, omitted on the wire), never 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
+NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+Labels = Annotated[dict[Annotated[str, msgspec.Meta(min_length=1, max_length=64)], Name], msgspec.Meta(max_length=64)]
+Weight = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+
+
+def _require_finite(struct: msgspec.Struct) -> None:
+    for name in struct.__struct_fields__:
+        value = getattr(struct, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{type(struct).__name__}.{name} is not finite: {value!r}")
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    def __post_init__(self) -> None:
+        _require_finite(self)
+
+
+class NodeMetrics(_Message, kw_only=True):
+    """One node's measurements for one sample; absent fields were not measured."""
+
+    cpu_util_ratio: Ratio | None = None
+    mem_used_bytes: Count | None = None
+    mem_total_bytes: Count | None = None
+    connect_calls_total: Count | None = None
+    gpu_mem_frag_ratio: Ratio | None = None
+    kv_cache_miss_ratio: Ratio | None = None
+    cpu_preproc_p95_ms: NonNegative | None = None
+    nvlink_util_ratio: Ratio | None = None
+
+
+class NodeVector(_Message, kw_only=True):
+    """What an agent reports about its node every period."""
+
+    node_id: NodeId
+    host: Name
+    endpoint: Name
+    zone: Name = ""
+    labels: Labels = {}
+    seq: Count
+    sample_time_unix_s: NonNegative
+    period_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
+    metrics: NodeMetrics
+
+
+class TableNode(_Message, kw_only=True):
+    node_id: NodeId
+    endpoint: Name
+    weight: Weight
+    zone: Name = ""
+
+
+class SliceTable(_Message, kw_only=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    nodes: Annotated[list[TableNode], msgspec.Meta(max_length=100_000)]
+
+
+class RoutingTable(_Message, kw_only=True):
+    """A complete, versioned routing table; (epoch, version) orders tables across brain restarts."""
+
+    epoch: Count
+    version: Count
+    issued_unix_s: NonNegative
+    slices: Annotated[list[SliceTable], msgspec.Meta(max_length=64)]
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.epoch, self.version)
+
+
+class Heartbeat(_Message, kw_only=True):
+    """Sent by the brain between tables so routers can tell a quiet brain from a missed table."""
+
+    epoch: Count
+    version: Count
+    issued_unix_s: NonNegative
+
+
+class SnapshotRequest(_Message, kw_only=True):
+    """A late-joining router asks for the current table."""
+
+
+Message = NodeVector | RoutingTable | Heartbeat | SnapshotRequest

@@ -1,0 +1,53 @@
+"""Counting rejected input: every reject is counted by kind, the first of each kind is logged."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from prometheus_client import CollectorRegistry, Counter
+
+from ._exceptions import WireError
+
+
+class RejectCounter:
+    """Counts `WireError`s per kind for one receiver and logs the first of each kind once."""
+
+    def __init__(self, receiver: str, logger: logging.Logger, registry: CollectorRegistry | None = None) -> None:
+        self.receiver = receiver
+        self._log = logger
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._metric = (
+            Counter(
+                "prism_rejected_messages",
+                "Messages rejected by a receiver, by kind of failure",
+                ["receiver", "kind"],
+                registry=registry,
+            )
+            if registry is not None
+            else None
+        )
+
+    def record(self, error: WireError) -> None:
+        with self._lock:
+            first = error.kind not in self._counts
+            self._counts[error.kind] = self._counts.get(error.kind, 0) + 1
+        if self._metric is not None:
+            self._metric.labels(self.receiver, error.kind).inc()
+        if first:
+            self._log.warning(
+                "%s rejected a message (%s): %s; further rejects of this kind are only counted",
+                self.receiver,
+                error.kind,
+                error,
+            )
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._counts.values())

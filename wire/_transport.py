@@ -1,0 +1,261 @@
+"""ZeroMQ links: agents PUSH node vectors to the brain's PULL; the brain serves routers by the clone
+pattern (PUB for every table and a heartbeat, ROUTER for snapshots to late joiners)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from ._codec import MAX_TABLE_BYTES, MAX_VECTOR_BYTES, decode, encode
+from ._curve import ClientCurve, ServerCurve
+from ._exceptions import WireError
+from ._messages import Heartbeat, NodeVector, RoutingTable, SnapshotRequest
+from ._rejects import RejectCounter
+
+_log = logging.getLogger("prism.wire")
+_FRAME_SLACK = 1024
+
+
+@dataclass(frozen=True)
+class BrainAddress:
+    """Where one brain publishes tables (`updates`, PUB) and answers snapshot requests (`snapshot`)."""
+
+    updates: str
+    snapshot: str
+
+
+def _socket(ctx: zmq.Context, kind: int, *, hwm: int, max_bytes: int) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.linger = 0
+    sock.sndhwm = hwm
+    sock.rcvhwm = hwm
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + _FRAME_SLACK)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    return sock
+
+
+class VectorSender:
+    """Agent side: a PUSH socket with a bounded queue; a full queue drops the vector and counts it."""
+
+    def __init__(
+        self, ctx: zmq.Context, endpoint: str, *, curve: ClientCurve | None = None, hwm: int = 64
+    ) -> None:
+        self._sock = _socket(ctx, zmq.PUSH, hwm=hwm, max_bytes=MAX_VECTOR_BYTES)
+        if curve is not None:
+            curve.apply(self._sock)
+        self._sock.connect(endpoint)
+        self.sent = 0
+        self.dropped = 0
+
+    def send(self, vector: NodeVector) -> bool:
+        try:
+            self._sock.send_multipart(encode(vector), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+            return False
+        self.sent += 1
+        return True
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> VectorSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class VectorReceiver:
+    """Brain side: a bound PULL socket; malformed vectors are counted by `rejects` and skipped."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        rejects: RejectCounter,
+        *,
+        curve: ServerCurve | None = None,
+        hwm: int = 10_000,
+    ) -> None:
+        self.socket = _socket(ctx, zmq.PULL, hwm=hwm, max_bytes=MAX_VECTOR_BYTES)
+        if curve is not None:
+            curve.apply(self.socket)
+        self.socket.bind(endpoint)
+        self._rejects = rejects
+
+    def drain(self, limit: int = 10_000) -> list[NodeVector]:
+        """Every vector waiting now, up to `limit`; never blocks."""
+        out: list[NodeVector] = []
+        for _ in range(limit):
+            try:
+                frames = self.socket.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                out.append(decode(frames, (NodeVector,), MAX_VECTOR_BYTES))
+            except WireError as exc:
+                self._rejects.record(exc)
+        return out
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class TablePublisher:
+    """Brain side of the clone pattern: PUB for tables and heartbeats, ROUTER for snapshots."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        updates: str,
+        snapshot: str,
+        rejects: RejectCounter,
+        *,
+        curve: ServerCurve | None = None,
+    ) -> None:
+        self._pub = _socket(ctx, zmq.PUB, hwm=1000, max_bytes=MAX_TABLE_BYTES)
+        self.snapshot_socket = _socket(ctx, zmq.ROUTER, hwm=1000, max_bytes=MAX_VECTOR_BYTES)
+        for sock in (self._pub, self.snapshot_socket):
+            if curve is not None:
+                curve.apply(sock)
+        self._pub.bind(updates)
+        self.snapshot_socket.bind(snapshot)
+        self._rejects = rejects
+        self.current: RoutingTable | None = None
+        self._current_frames: list[bytes] = []
+        self.snapshots_served = 0
+
+    def publish(self, table: RoutingTable) -> None:
+        self.current = table
+        self._current_frames = encode(table)
+        self._pub.send_multipart(self._current_frames)
+
+    def heartbeat(self) -> None:
+        if self.current is not None:
+            hb = Heartbeat(epoch=self.current.epoch, version=self.current.version, issued_unix_s=time.time())
+            self._pub.send_multipart(encode(hb))
+
+    def serve_snapshots(self) -> None:
+        """Answer every waiting snapshot request with the current table; never blocks."""
+        while True:
+            try:
+                frames = self.snapshot_socket.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, body = frames[0], frames[1:]
+            try:
+                decode(body, (SnapshotRequest,), MAX_VECTOR_BYTES)
+            except WireError as exc:
+                self._rejects.record(exc)
+                continue
+            if self.current is not None:
+                try:
+                    self.snapshot_socket.send_multipart([identity, *self._current_frames], flags=zmq.NOBLOCK)
+                    self.snapshots_served += 1
+                except zmq.Again:
+                    pass
+
+    def close(self) -> None:
+        self._pub.close()
+        self.snapshot_socket.close()
+
+
+class TableSubscriber:
+    """Router side of the clone pattern: subscribes to every brain, asks for a snapshot at start (and
+    again whenever a heartbeat shows a newer table than ours), and hands each newer table to `on_table`.
+    Tables are ordered by (epoch, version), so with two brains the router follows the highest."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        brains: Sequence[BrainAddress],
+        on_table: Callable[[RoutingTable], None],
+        rejects: RejectCounter,
+        *,
+        curve: ClientCurve | None = None,
+        snapshot_retry_s: float = 0.25,
+    ) -> None:
+        if not brains:
+            raise ValueError("at least one brain address is needed")
+        self._ctx = ctx
+        self._brains = list(brains)
+        self._on_table = on_table
+        self._rejects = rejects
+        self._curve = curve
+        self._retry_s = snapshot_retry_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prism-table-subscriber", daemon=True)
+        self.current_order: tuple[int, int] = (-1, -1)
+        self.last_heard_monotonic: float | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _make(self, kind: int, max_bytes: int) -> zmq.Socket:
+        sock = _socket(self._ctx, kind, hwm=1000, max_bytes=max_bytes)
+        if self._curve is not None:
+            self._curve.apply(sock)
+        return sock
+
+    def _run(self) -> None:
+        sub = self._make(zmq.SUB, MAX_TABLE_BYTES)
+        sub.setsockopt(zmq.SUBSCRIBE, b"prism.")
+        dealers = [self._make(zmq.DEALER, MAX_TABLE_BYTES) for _ in self._brains]
+        for brain, dealer in zip(self._brains, dealers, strict=True):
+            sub.connect(brain.updates)
+            dealer.connect(brain.snapshot)
+        poller = zmq.Poller()
+        for sock in (sub, *dealers):
+            poller.register(sock, zmq.POLLIN)
+        want_snapshot = True
+        next_request = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if want_snapshot and now >= next_request:
+                    for dealer in dealers:
+                        try:
+                            dealer.send_multipart(encode(SnapshotRequest()), flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            pass
+                    next_request = now + self._retry_s
+                for sock, _ in poller.poll(timeout=50):
+                    want_snapshot = self._receive(sock) or (want_snapshot and self.current_order[0] < 0)
+        finally:
+            sub.close()
+            for dealer in dealers:
+                dealer.close()
+
+    def _receive(self, sock: zmq.Socket) -> bool:
+        """Handle every waiting message on `sock`; True when a heartbeat shows we are behind."""
+        behind = False
+        while True:
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return behind
+            try:
+                msg = decode(frames, (RoutingTable, Heartbeat), MAX_TABLE_BYTES)
+            except WireError as exc:
+                self._rejects.record(exc)
+                continue
+            self.last_heard_monotonic = time.monotonic()
+            order = (msg.epoch, msg.version)
+            if isinstance(msg, RoutingTable):
+                if order > self.current_order:
+                    self.current_order = order
+                    self._on_table(msg)
+            elif order > self.current_order:
+                behind = True
