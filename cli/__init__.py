@@ -1,1 +1,33 @@
-"""placeholder"""
+"""The `prism` command: one entry point, one subcommand per service or tool."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from prismlb import agent, brain, router
+
+from . import _demo, _keys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prism", description="Prism: load balancing for multimodal LLM inference")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    agent.add_parser(subparsers)
+    brain.add_parser(subparsers)
+    router.add_parser(subparsers)
+    _keys.add_parser(subparsers)
+    _demo.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+__all__ = ["build_parser", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

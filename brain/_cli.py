@@ -1,0 +1,44 @@
+"""`prism brain`: run the cluster service."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+from prismlb.wire import ConfigError, setup_logging, stop_on_signals
+
+from ._brain import Brain
+from ._config import resolve_config
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("brain", help="run the brain: ingest node vectors, publish routing tables")
+    p.add_argument("--ingest", help="bind address for node vectors (env PRISM_BRAIN_INGEST; tcp://127.0.0.1:5555)")
+    p.add_argument("--updates", help="bind address for table updates (env PRISM_BRAIN_UPDATES; tcp://127.0.0.1:5556)")
+    p.add_argument(
+        "--snapshot", help="bind address for table snapshots (env PRISM_BRAIN_SNAPSHOT; tcp://127.0.0.1:5557)"
+    )
+    p.add_argument("--stale-periods", help="missed periods before a node is dropped (3)")
+    p.add_argument("--heartbeat-s", help="seconds between heartbeats (1)")
+    p.add_argument("--state-dir", help="folder for the persisted epoch (env PRISM_BRAIN_STATE_DIR)")
+    p.add_argument("--curve-secret", help="brain's CURVE secret key file (env PRISM_CURVE_SECRET)")
+    p.add_argument("--curve-clients", help="folder of authorised client public keys (env PRISM_CURVE_CLIENTS)")
+    p.add_argument("--metrics-port", help="Prometheus /metrics port, 0 = off (env PRISM_BRAIN_METRICS_PORT)")
+    p.add_argument("--metrics-addr", help="address for /metrics (127.0.0.1)")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        config = resolve_config(args, os.environ)
+    except ConfigError as exc:
+        print(f"prism brain: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(args.log_level)
+    stop = threading.Event()
+    stop_on_signals(stop)
+    Brain(config).run(stop)
+    return 0

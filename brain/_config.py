@@ -1,0 +1,81 @@
+"""Brain settings: argument > documented environment variable > default, validated here only."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from prismlb.wire import ConfigError, ServerCurve
+
+ENV = {
+    "ingest": "PRISM_BRAIN_INGEST",
+    "updates": "PRISM_BRAIN_UPDATES",
+    "snapshot": "PRISM_BRAIN_SNAPSHOT",
+    "state_dir": "PRISM_BRAIN_STATE_DIR",
+    "metrics_port": "PRISM_BRAIN_METRICS_PORT",
+    "curve_secret": "PRISM_CURVE_SECRET",
+    "curve_clients": "PRISM_CURVE_CLIENTS",
+}
+
+
+@dataclass(frozen=True)
+class BrainConfig:
+    ingest: str = "tcp://127.0.0.1:5555"
+    updates: str = "tcp://127.0.0.1:5556"
+    snapshot: str = "tcp://127.0.0.1:5557"
+    stale_periods: float = 3.0
+    heartbeat_s: float = 1.0
+    cycle_s: float = 0.2
+    state_dir: Path | None = None
+    curve: ServerCurve | None = None
+    metrics_port: int = 0
+    metrics_addr: str = "127.0.0.1"
+
+
+def _pick(args: argparse.Namespace, environ: Mapping[str, str], name: str) -> str | None:
+    value = getattr(args, name, None)
+    if value is None and name in ENV:
+        value = environ.get(ENV[name])
+    return None if value is None else str(value)
+
+
+def _endpoint(name: str, value: str) -> str:
+    if not value.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(f"{name} must be a ZeroMQ endpoint (tcp://host:port or ipc://path), got {value!r}")
+    return value
+
+
+def _number(name: str, value: str, *, minimum: float) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if not number >= minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
+    return number
+
+
+def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> BrainConfig:
+    defaults = BrainConfig()
+    secret = _pick(args, environ, "curve_secret")
+    clients = _pick(args, environ, "curve_clients")
+    if (secret is None) != (clients is None):
+        raise ConfigError("CURVE needs both --curve-secret and --curve-clients (or neither)")
+    state_dir = _pick(args, environ, "state_dir")
+    metrics_port = _pick(args, environ, "metrics_port")
+    port = int(_number("metrics port", metrics_port, minimum=0)) if metrics_port is not None else 0
+    if port > 65535:
+        raise ConfigError(f"metrics port must be <= 65535, got {port}")
+    return BrainConfig(
+        ingest=_endpoint("ingest", _pick(args, environ, "ingest") or defaults.ingest),
+        updates=_endpoint("updates", _pick(args, environ, "updates") or defaults.updates),
+        snapshot=_endpoint("snapshot", _pick(args, environ, "snapshot") or defaults.snapshot),
+        stale_periods=_number("stale periods", _pick(args, environ, "stale_periods") or "3", minimum=1),
+        heartbeat_s=_number("heartbeat", _pick(args, environ, "heartbeat_s") or "1", minimum=0.05),
+        state_dir=Path(state_dir) if state_dir else None,
+        curve=ServerCurve(Path(secret), Path(clients)) if secret and clients else None,
+        metrics_port=port,
+        metrics_addr=_pick(args, environ, "metrics_addr") or defaults.metrics_addr,
+    )

@@ -1,0 +1,33 @@
+"""Prometheus view of the registry: per-node health, weight, alarms and latest metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ._registry import Registry
+
+
+class RegistryCollector(Collector):
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        health = GaugeMetricFamily("prism_brain_node_health", "Health score in [0, 1]", labels=["node"])
+        weight = GaugeMetricFamily("prism_brain_node_weight", "Published routing weight", labels=["node"])
+        alarm = GaugeMetricFamily("prism_brain_node_alarm", "1 while a dimension is over its alarm", labels=["node", "dimension"])
+        metric = GaugeMetricFamily(
+            "prism_brain_node_metric", "Latest value the node reported (unit in the name)", labels=["node", "metric"]
+        )
+        for node_id, state in list(self._registry.nodes.items()):
+            health.add_metric([node_id], state.health.score)
+            weight.add_metric([node_id], state.weight)
+            for name in state.health.alarms:
+                alarm.add_metric([node_id, name], 1.0)
+            for name, value in msgspec.structs.asdict(state.vector.metrics).items():
+                if value is not None:
+                    metric.add_metric([node_id, name], float(value))
+        yield from (health, weight, alarm, metric)

@@ -1,0 +1,5 @@
+import sys
+
+from prismlb.cli import main
+
+sys.exit(main())

@@ -1,0 +1,130 @@
+"""`prism demo`: a brain, three agents and an in-process router on loopback, narrated.
+
+Half-way through, one agent is killed; the demo shows that only that node's keys move. Ends by itself."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+from prismlb.router import Router
+from prismlb.wire import BrainAddress, RoutingTable
+
+SAMPLE_KEYS = tuple(f"session-{i:02d}" for i in range(16))
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("demo", help="run brain + 3 agents + a router on loopback and show routing")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds to run (10..55, default 30)")
+    p.add_argument("--no-ebpf", action="store_true", help="run the agents without the eBPF probe")
+    p.set_defaults(func=_run)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pump(name: str, stream: IO[str]) -> None:
+    for line in stream:
+        print(f"  [{name}] {line.rstrip()}", flush=True)
+
+
+def spawn(name: str, args: Sequence[str]) -> subprocess.Popen[str]:
+    """Start `prism <args>` as a child process whose log lines are echoed with a `[name]` prefix."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prismlb.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    threading.Thread(target=_pump, args=(name, proc.stdout), daemon=True).start()
+    return proc
+
+
+def placement(router: Router) -> dict[str, str]:
+    return {key: router.route(key).node_id for key in SAMPLE_KEYS}
+
+
+def _show(table: RoutingTable, where: dict[str, str]) -> None:
+    nodes = table.slices[0].nodes if table.slices else []
+    print(f"\n== routing table {table.epoch}.{table.version}: {len(nodes)} node(s)")
+    for node in nodes:
+        keys = [k for k, n in where.items() if n == node.node_id]
+        print(f"   {node.node_id:<24} weight {node.weight:.2f}  {node.endpoint:<24} keys: {' '.join(keys)}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    duration = min(55.0, max(10.0, args.duration))
+    ingest, updates, snapshot = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    host = socket.gethostname()
+    node_ids = [host, f"{host}-2", f"{host}-3"]
+    print(f"prism demo: brain + {len(node_ids)} agents + router on loopback for {duration:.0f} s")
+    procs = [spawn("brain", ["brain", "--ingest", ingest, "--updates", updates, "--snapshot", snapshot])]
+    for i, node_id in enumerate(node_ids):
+        agent_args = ["agent", "--brain", ingest, "--endpoint", f"http://127.0.0.1:{8001 + i}"]
+        if i:
+            agent_args += ["--node-id", node_id]
+        if args.no_ebpf:
+            agent_args.append("--no-ebpf")
+        procs.append(spawn(node_ids[i], agent_args))
+    victim = procs[-1]
+    start = time.monotonic()
+    before: dict[str, str] | None = None
+    killed = False
+    try:
+        with Router.connect(BrainAddress(updates=updates, snapshot=snapshot)) as router:
+            seen = (-1, -1)
+            while time.monotonic() - start < duration:
+                table = router.table
+                if table is not None and table.order != seen and table.slices and table.slices[0].nodes:
+                    seen = table.order
+                    where = placement(router)
+                    _show(table, where)
+                    live = {n.node_id for n in table.slices[0].nodes}
+                    if not killed and live == set(node_ids):
+                        before = where
+                    if killed and before is not None and node_ids[-1] not in live:
+                        _report_moves(before, where, node_ids[-1])
+                        before = None
+                if not killed and time.monotonic() - start >= duration / 2:
+                    print(f"\n== killing agent {node_ids[-1]} (SIGKILL); the brain drops it after 3 missed periods")
+                    victim.send_signal(signal.SIGKILL)
+                    killed = True
+                time.sleep(0.1)
+            table = router.table
+            print(
+                f"\n== done: last table {table.epoch}.{table.version}, table age {router.table_age_s:.1f} s"
+                if table is not None
+                else "\n== done: no routing table arrived (is the brain running?)"
+            )
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+def _report_moves(before: dict[str, str], after: dict[str, str], victim: str) -> None:
+    moved = [k for k in SAMPLE_KEYS if before[k] != after[k]]
+    from_victim = [k for k in moved if before[k] == victim]
+    print(
+        f"\n== {len(moved)} of {len(SAMPLE_KEYS)} sample keys moved; {len(from_victim)} of them were on {victim}; "
+        f"keys on surviving nodes stayed put: {'yes' if len(from_victim) == len(moved) else 'no'}"
+    )

@@ -1,0 +1,250 @@
+"""Codec round trips, every reject kind, and fuzzed frames against both receivers."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from prismlb.wire import (
+    MAX_VECTOR_BYTES,
+    BrainAddress,
+    FrameCountError,
+    Heartbeat,
+    InvalidFieldError,
+    MalformedError,
+    NodeMetrics,
+    NodeVector,
+    NonFiniteError,
+    OversizedError,
+    RejectCounter,
+    RoutingTable,
+    SchemaVersionError,
+    SliceTable,
+    TableNode,
+    TablePublisher,
+    TableSubscriber,
+    UnknownKindError,
+    VectorReceiver,
+    VectorSender,
+    decode,
+    encode,
+)
+
+from .conftest import free_port
+
+LOG = logging.getLogger("test")
+
+
+def vector(seq: int = 1, **metrics: float) -> NodeVector:
+    return NodeVector(
+        node_id="node-a",
+        host="h",
+        endpoint="http://127.0.0.1:8000",
+        labels={"gpu": "a100"},
+        seq=seq,
+        sample_time_unix_s=time.time(),
+        period_s=1.0,
+        metrics=NodeMetrics(**metrics),
+    )
+
+
+def raw_vector(**overrides: object) -> bytes:
+    fields: dict[str, object] = {
+        "node_id": "node-a",
+        "host": "h",
+        "endpoint": "e",
+        "seq": 1,
+        "sample_time_unix_s": 1.0,
+        "period_s": 1.0,
+        "metrics": {},
+    }
+    fields.update(overrides)
+    return msgspec.msgpack.encode(fields)
+
+
+def test_round_trip_keeps_absent_metrics_absent() -> None:
+    v = vector(cpu_util_ratio=0.25, mem_used_bytes=10)
+    frames = encode(v)
+    assert frames[0] == b"prism.node" and frames[1] == b"1"
+    assert b"kv_cache_miss_ratio" not in frames[2]
+    back = decode(frames, (NodeVector,), MAX_VECTOR_BYTES)
+    assert back == v
+    assert back.metrics.kv_cache_miss_ratio is None
+
+
+@pytest.mark.parametrize(
+    ("frames", "error"),
+    [
+        ([b"prism.node", b"1"], FrameCountError),
+        ([b"prism.nope", b"1", raw_vector()], UnknownKindError),
+        ([b"prism.table", b"1", raw_vector()], UnknownKindError),
+        ([b"prism.node", b"2", raw_vector()], SchemaVersionError),
+        ([b"prism.node", b"1", b"\xc1garbage"], MalformedError),
+        ([b"prism.node", b"1", raw_vector()[:-3]], MalformedError),
+        ([b"prism.node", b"1", raw_vector(seq=-1)], InvalidFieldError),
+        ([b"prism.node", b"1", raw_vector(seq="1")], InvalidFieldError),
+        ([b"prism.node", b"1", raw_vector(node_id="bad id!")], InvalidFieldError),
+        ([b"prism.node", b"1", raw_vector(metrics={"mem_used_bytes": -5})], InvalidFieldError),
+        ([b"prism.node", b"1", raw_vector(metrics={"cpu_util_ratio": 1.5})], InvalidFieldError),
+        ([b"prism.node", b"1", raw_vector(metrics={"cpu_preproc_p95_ms": float("inf")})], NonFiniteError),
+        ([b"prism.node", b"1", raw_vector(sample_time_unix_s=float("inf"))], NonFiniteError),
+        ([b"prism.node", b"1", raw_vector(metrics={"kv_cache_miss_ratio": float("nan")})], InvalidFieldError),
+        ([b"prism.node", b"1", b"\x00" * (MAX_VECTOR_BYTES + 1)], OversizedError),
+    ],
+)
+def test_decode_rejects_with_typed_error(frames: list[bytes], error: type[Exception]) -> None:
+    with pytest.raises(error):
+        decode(frames, (NodeVector,), MAX_VECTOR_BYTES)
+
+
+def test_nan_float_without_range_is_non_finite() -> None:
+    payload = msgspec.msgpack.encode({"epoch": 1, "version": 1, "issued_unix_s": float("nan")})
+    with pytest.raises((NonFiniteError, InvalidFieldError)):
+        decode([b"prism.heartbeat", b"1", payload], (Heartbeat,), 1000)
+
+
+def test_reject_counter_logs_once_per_kind(caplog: pytest.LogCaptureFixture) -> None:
+    counter = RejectCounter("brain", LOG)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            counter.record(MalformedError("x"))
+        counter.record(OversizedError("y"))
+    assert counter.counts() == {"malformed": 5, "oversized": 1}
+    assert len(caplog.records) == 2
+
+
+def fuzz_frames(rng: random.Random) -> list[bytes]:
+    """Random, truncated or corrupted versions of valid messages."""
+    valid = encode(vector(seq=rng.randrange(100), cpu_util_ratio=0.5))
+    choice = rng.randrange(5)
+    if choice == 0:
+        return [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 5))]
+    if choice == 1:
+        return valid[: rng.randrange(0, 3)] or [b""]
+    if choice == 2:
+        return [valid[0], valid[1], valid[2][: rng.randrange(len(valid[2]))]]
+    if choice == 3:
+        body = bytearray(valid[2])
+        body[rng.randrange(len(body))] = rng.randrange(256)
+        return [valid[0], valid[1], bytes(body)] if bytes(body) != valid[2] else [b"x"]
+    return [valid[0], rng.choice([b"0", b"99", b""]), valid[2]]
+
+
+def test_vector_receiver_survives_fuzz_and_counts_everything(ctx: zmq.Context, endpoint: str) -> None:
+    rejects = RejectCounter("brain", LOG)
+    receiver = VectorReceiver(ctx, endpoint, rejects)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(endpoint)
+    rng = random.Random(7)
+    sent_bad = 0
+    accepted_by_codec = 0
+    for _ in range(500):
+        frames = fuzz_frames(rng)
+        try:
+            decode(frames, (NodeVector,), MAX_VECTOR_BYTES)
+            accepted_by_codec += 1
+        except Exception:
+            sent_bad += 1
+        push.send_multipart(frames)
+    push.send_multipart(encode(vector(seq=1000)))
+    got: list[NodeVector] = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (rejects.total < sent_bad or len(got) < accepted_by_codec + 1):
+        receiver.socket.poll(100)
+        got.extend(receiver.drain())
+    assert rejects.total == sent_bad
+    assert len(got) == accepted_by_codec + 1
+    assert got[-1].seq == 1000
+    receiver.close()
+    push.close()
+
+
+def test_oversized_frames_are_dropped_by_the_socket(ctx: zmq.Context, endpoint: str) -> None:
+    receiver = VectorReceiver(ctx, endpoint, RejectCounter("brain", LOG))
+    sender = VectorSender(ctx, endpoint)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(endpoint)
+    push.send_multipart([b"prism.node", b"1", b"\x00" * (4 * MAX_VECTOR_BYTES)])
+    time.sleep(0.2)
+    assert sender.send(vector(seq=5))
+    got: list[NodeVector] = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not got:
+        receiver.socket.poll(100)
+        got.extend(receiver.drain())
+    assert [v.seq for v in got] == [5]
+    for closable in (receiver, sender, push):
+        closable.close()
+
+
+def table(epoch: int, version: int, nodes: tuple[str, ...] = ("a", "b")) -> RoutingTable:
+    return RoutingTable(
+        epoch=epoch,
+        version=version,
+        issued_unix_s=time.time(),
+        slices=[SliceTable(name="default", nodes=[TableNode(node_id=n, endpoint=f"http://{n}", weight=1.0) for n in nodes])],
+    )
+
+
+def test_table_subscriber_survives_fuzz_and_counts_everything(ctx: zmq.Context) -> None:
+    updates = f"tcp://127.0.0.1:{free_port()}"
+    snapshot = f"tcp://127.0.0.1:{free_port()}"
+    rejects = RejectCounter("router", LOG)
+    got: list[RoutingTable] = []
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(updates)
+    subscriber = TableSubscriber(ctx, [BrainAddress(updates, snapshot)], got.append, rejects)
+    subscriber.start()
+    time.sleep(0.5)
+    rng = random.Random(11)
+    bad = 0
+    for _ in range(300):
+        frames = fuzz_frames(rng)
+        frames[0] = b"prism.table"
+        try:
+            decode(frames, (RoutingTable,), 1 << 24)
+        except Exception:
+            bad += 1
+            pub.send_multipart(frames)
+    pub.send_multipart(encode(table(1, 1)))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (rejects.total < bad or not got):
+        time.sleep(0.05)
+    subscriber.stop()
+    pub.close()
+    assert rejects.total == bad
+    assert [t.order for t in got] == [(1, 1)]
+
+
+def test_clone_pattern_late_joiner_and_highest_order(ctx: zmq.Context) -> None:
+    addresses = [BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(2)]
+    publishers = [TablePublisher(ctx, a.updates, a.snapshot, RejectCounter("brain", LOG)) for a in addresses]
+    publishers[0].publish(table(5, 3, ("old",)))
+    publishers[1].publish(table(6, 1, ("new",)))
+    got: list[RoutingTable] = []
+    subscriber = TableSubscriber(ctx, addresses, got.append, RejectCounter("router", LOG))
+    started = time.monotonic()
+    subscriber.start()
+    while time.monotonic() - started < 3 and subscriber.current_order != (6, 1):
+        for p in publishers:
+            p.serve_snapshots()
+        time.sleep(0.01)
+    assert subscriber.current_order == (6, 1)
+    assert time.monotonic() - started < 1.0
+    publishers[0].publish(table(5, 4, ("old",)))
+    publishers[1].publish(table(6, 2, ("new", "newer")))
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and subscriber.current_order != (6, 2):
+        time.sleep(0.01)
+    subscriber.stop()
+    orders = [t.order for t in got]
+    assert orders[-1] == (6, 2)
+    assert orders == sorted(set(orders)), "tables must arrive in strictly increasing (epoch, version)"
+    assert (5, 4) not in orders
+    for p in publishers:
+        p.close()
