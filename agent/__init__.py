@@ -1,1 +1,20 @@
-"""placeholder"""
+"""The Prism node agent: samples its GPU host (eBPF through bcc, psutil) and streams node vectors to the brain."""
+
+from ._agent import Agent
+from ._cli import add_parser
+from ._config import AgentConfig, resolve_config
+from ._ebpf import CheckRow, ConnectCounter, check, probe_ebpf
+from ._host import HostSample, HostSampler
+
+__all__ = [
+    "Agent",
+    "AgentConfig",
+    "CheckRow",
+    "ConnectCounter",
+    "HostSample",
+    "HostSampler",
+    "add_parser",
+    "check",
+    "probe_ebpf",
+    "resolve_config",
+]

@@ -29,11 +29,17 @@ def _require_finite(struct: msgspec.Struct) -> None:
 
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    pass
+
+
+class _FiniteMessage(_Message, kw_only=True):
+    """A message with unbounded float fields: NaN and infinities are rejected after decoding."""
+
     def __post_init__(self) -> None:
         _require_finite(self)
 
 
-class NodeMetrics(_Message, kw_only=True):
+class NodeMetrics(_FiniteMessage, kw_only=True):
     """One node's measurements for one sample; absent fields were not measured."""
 
     cpu_util_ratio: Ratio | None = None
@@ -46,7 +52,7 @@ class NodeMetrics(_Message, kw_only=True):
     nvlink_util_ratio: Ratio | None = None
 
 
-class NodeVector(_Message, kw_only=True):
+class NodeVector(_FiniteMessage, kw_only=True):
     """What an agent reports about its node every period."""
 
     node_id: NodeId
@@ -72,7 +78,7 @@ class SliceTable(_Message, kw_only=True):
     nodes: Annotated[list[TableNode], msgspec.Meta(max_length=100_000)]
 
 
-class RoutingTable(_Message, kw_only=True):
+class RoutingTable(_FiniteMessage, kw_only=True):
     """A complete, versioned routing table; (epoch, version) orders tables across brain restarts."""
 
     epoch: Count
@@ -85,7 +91,7 @@ class RoutingTable(_Message, kw_only=True):
         return (self.epoch, self.version)
 
 
-class Heartbeat(_Message, kw_only=True):
+class Heartbeat(_FiniteMessage, kw_only=True):
     """Sent by the brain between tables so routers can tell a quiet brain from a missed table."""
 
     epoch: Count

@@ -1,0 +1,73 @@
+"""`prism agent`: run the node agent, print its BPF program, or check what this host supports."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+from prismlb.bpf import program_text
+from prismlb.wire import ConfigError, setup_logging, stop_on_signals
+
+from ._agent import Agent
+from ._config import DEFAULT_BRAIN, DEFAULT_METRICS_ADDR, DEFAULT_PERIOD_S, resolve_config
+from ._ebpf import PROGRAM, check
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register the `agent` subcommand; every setting flag defaults to None so PRISM_* variables apply."""
+    parser = subparsers.add_parser(
+        "agent",
+        help="report this node's vector to the brain",
+        description="Sample this node (eBPF connect() counter, CPU, memory) and push a node vector to the brain "
+        "every period. A flag beats its environment variable, which beats the default.",
+    )
+    parser.add_argument("--node-id", help="node id (PRISM_NODE_ID; default: hostname)")
+    parser.add_argument("--host", help="host name reported (default: hostname)")
+    parser.add_argument(
+        "--endpoint", help="inference server URL this node serves (PRISM_ENDPOINT; default: http://HOSTNAME:8000)"
+    )
+    parser.add_argument("--brain", help=f"brain ingest endpoint (PRISM_BRAIN_INGEST; default: {DEFAULT_BRAIN})")
+    parser.add_argument("--zone", help="zone (PRISM_ZONE; default: none)")
+    parser.add_argument(
+        "--label", action="append", metavar="KEY=VALUE", help="a label, repeatable (PRISM_LABELS=k=v,k=v)"
+    )
+    parser.add_argument(
+        "--period", type=float, metavar="SECONDS", help=f"reporting period (PRISM_PERIOD_S; default: {DEFAULT_PERIOD_S})"
+    )
+    parser.add_argument(
+        "--no-ebpf", dest="ebpf", action="store_false", default=None, help="do not load the eBPF connect() counter"
+    )
+    parser.add_argument("--curve-secret", metavar="FILE", help="our CURVE secret key file (PRISM_CURVE_SECRET)")
+    parser.add_argument("--brain-public", metavar="FILE", help="the brain's CURVE public key file (PRISM_BRAIN_PUBLIC)")
+    parser.add_argument(
+        "--metrics-port", type=int, help="port for Prometheus /metrics (PRISM_AGENT_METRICS_PORT; default: 0, off)"
+    )
+    parser.add_argument("--metrics-addr", help=f"address for /metrics (default: {DEFAULT_METRICS_ADDR})")
+    parser.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, help="log level (default: INFO)")
+    parser.add_argument("--print-bpf", action="store_true", help="print the BPF program and exit")
+    parser.add_argument("--check", action="store_true", help="print what works on this host and exit")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.print_bpf:
+        print(program_text(PROGRAM), end="")
+        return 0
+    if args.check:
+        for name, ok, detail in check():
+            print(f"{'ok' if ok else 'no':<3} {name:<15} {detail}")
+        return 0
+    try:
+        config = resolve_config(args, os.environ)
+        setup_logging(args.log_level or "INFO")
+        stop = threading.Event()
+        stop_on_signals(stop)
+        Agent(config).run(stop)
+    except ConfigError as exc:
+        print(f"prism agent: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,189 @@
+"""The agent's settings: command-line argument, then environment variable, then default; validated here."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+from prismlb.wire import ClientCurve, ConfigError, NodeVector
+
+DEFAULT_BRAIN = "tcp://127.0.0.1:5555"
+DEFAULT_ENDPOINT_PORT = 8000
+DEFAULT_PERIOD_S = 1.0
+DEFAULT_METRICS_ADDR = "127.0.0.1"
+
+_VECTOR_FIELDS = {f.name: f.type for f in msgspec.structs.fields(NodeVector)}
+
+
+def _default_endpoint() -> str:
+    return f"http://{socket.gethostname()}:{DEFAULT_ENDPOINT_PORT}"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What one agent reports, where to, and how often."""
+
+    node_id: str = field(default_factory=socket.gethostname)
+    host: str = field(default_factory=socket.gethostname)
+    endpoint: str = field(default_factory=_default_endpoint)
+    brain: str = DEFAULT_BRAIN
+    zone: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    period_s: float = DEFAULT_PERIOD_S
+    ebpf: bool = True
+    curve: ClientCurve | None = None
+    metrics_port: int = 0
+    metrics_addr: str = DEFAULT_METRICS_ADDR
+
+
+def _choose(args: argparse.Namespace, attr: str, flag: str, environ: Mapping[str, str], env: str) -> tuple[Any, str]:
+    """(value, where it came from): the argument when given, else a non-empty env var, else (None, "")."""
+    value = getattr(args, attr, None)
+    if value is not None:
+        return value, flag
+    if env and environ.get(env):
+        return environ[env], env
+    return None, ""
+
+
+def _as_vector_field(name: str, value: object, source: str) -> None:
+    """Raise ConfigError unless `value` is valid as NodeVector.`name` on the wire."""
+    try:
+        msgspec.convert(value, _VECTOR_FIELDS[name])
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: invalid {name.replace('_', ' ')} {value!r}: {exc}") from None
+
+
+def _labels(items: list[str], source: str) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.strip().partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{source}: malformed label {item!r}, expected KEY=VALUE")
+        if key in labels:
+            raise ConfigError(f"{source}: label {key!r} given twice")
+        labels[key] = value
+    return labels
+
+
+def _period(raw: str | float, source: str) -> float:
+    try:
+        period = float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: period {raw!r} is not a number of seconds") from None
+    if not math.isfinite(period) or period <= 0:
+        raise ConfigError(f"{source}: period must be a positive number of seconds, got {raw!r}")
+    return period
+
+
+def _port(raw: str | int, source: str) -> int:
+    try:
+        port = int(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: metrics port {raw!r} is not an integer") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{source}: metrics port must be 0 (off) to 65535, got {port}")
+    return port
+
+
+def _check_endpoint(endpoint: str, source: str) -> None:
+    try:
+        parts = urlsplit(endpoint)
+        _ = parts.port  # raises ValueError when the port is not a number in range
+    except ValueError as exc:
+        raise ConfigError(f"{source}: inference endpoint {endpoint!r} is not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{source}: inference endpoint {endpoint!r} must look like http://HOST:PORT")
+
+
+def _check_brain(brain: str, source: str) -> None:
+    scheme, sep, rest = brain.partition("://")
+    host, colon, port = rest.rpartition(":")
+    tcp_ok = scheme == "tcp" and bool(host) and bool(colon) and port.isdigit() and 0 < int(port) < 65536
+    ipc_ok = scheme == "ipc" and bool(rest)
+    if not sep or not (tcp_ok or ipc_ok):
+        raise ConfigError(f"{source}: brain ingest endpoint {brain!r} must be tcp://HOST:PORT or ipc://PATH")
+
+
+def _curve(args: argparse.Namespace, environ: Mapping[str, str]) -> ClientCurve | None:
+    secret, secret_source = _choose(args, "curve_secret", "--curve-secret", environ, "PRISM_CURVE_SECRET")
+    public, public_source = _choose(args, "brain_public", "--brain-public", environ, "PRISM_BRAIN_PUBLIC")
+    if secret is None and public is None:
+        return None
+    if secret is None or public is None:
+        given = secret_source or public_source
+        raise ConfigError(
+            f"{given} given alone: CURVE needs both --curve-secret (PRISM_CURVE_SECRET) "
+            "and --brain-public (PRISM_BRAIN_PUBLIC)"
+        )
+    for path, source in ((secret, secret_source), (public, public_source)):
+        if not Path(path).is_file():
+            raise ConfigError(f"{source}: CURVE key file {path} does not exist")
+    return ClientCurve(secret_file=Path(secret), server_public_file=Path(public))
+
+
+def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentConfig:
+    """Settings from `args` (None = not given), then `environ` (PRISM_*), then defaults; ConfigError if invalid."""
+    node_id, node_source = _choose(args, "node_id", "--node-id", environ, "PRISM_NODE_ID")
+    node_id = node_id if node_id is not None else socket.gethostname()
+    _as_vector_field("node_id", node_id, node_source or "hostname as node id")
+
+    host = getattr(args, "host", None)
+    host = host if host is not None else socket.gethostname()
+    _as_vector_field("host", host, "--host")
+
+    endpoint, endpoint_source = _choose(args, "endpoint", "--endpoint", environ, "PRISM_ENDPOINT")
+    endpoint = endpoint if endpoint is not None else _default_endpoint()
+    _check_endpoint(endpoint, endpoint_source or "default endpoint")
+    _as_vector_field("endpoint", endpoint, endpoint_source or "default endpoint")
+
+    brain, brain_source = _choose(args, "brain", "--brain", environ, "PRISM_BRAIN_INGEST")
+    brain = brain if brain is not None else DEFAULT_BRAIN
+    _check_brain(brain, brain_source or "default brain")
+
+    zone, zone_source = _choose(args, "zone", "--zone", environ, "PRISM_ZONE")
+    zone = zone if zone is not None else ""
+    _as_vector_field("zone", zone, zone_source)
+
+    label_args = getattr(args, "label", None)
+    if label_args is not None:
+        labels = _labels(label_args, "--label")
+    elif environ.get("PRISM_LABELS"):
+        labels = _labels(environ["PRISM_LABELS"].split(","), "PRISM_LABELS")
+    else:
+        labels = {}
+    _as_vector_field("labels", labels, "--label" if label_args is not None else "PRISM_LABELS")
+
+    raw_period, period_source = _choose(args, "period", "--period", environ, "PRISM_PERIOD_S")
+    period = _period(raw_period, period_source) if raw_period is not None else DEFAULT_PERIOD_S
+    _as_vector_field("period_s", period, period_source)
+
+    raw_port, port_source = _choose(args, "metrics_port", "--metrics-port", environ, "PRISM_AGENT_METRICS_PORT")
+    metrics_port = _port(raw_port, port_source) if raw_port is not None else 0
+
+    metrics_addr = getattr(args, "metrics_addr", None)
+    if metrics_addr is not None and not metrics_addr:
+        raise ConfigError("--metrics-addr: empty address")
+
+    ebpf = getattr(args, "ebpf", None)
+    return AgentConfig(
+        node_id=node_id,
+        host=host,
+        endpoint=endpoint,
+        brain=brain,
+        zone=zone,
+        labels=labels,
+        period_s=period,
+        ebpf=ebpf if ebpf is not None else True,
+        curve=_curve(args, environ),
+        metrics_port=metrics_port,
+        metrics_addr=metrics_addr if metrics_addr is not None else DEFAULT_METRICS_ADDR,
+    )

@@ -1,0 +1,112 @@
+"""Health scoring, registry staleness and table versioning."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import pytest
+
+from prismlb.brain import BrainConfig, Registry, TableBuilder, health, next_epoch, resolve_config
+from prismlb.wire import ConfigError, NodeMetrics, NodeVector
+
+
+def vec(node_id: str, seq: int, period_s: float = 1.0, **metrics: float) -> NodeVector:
+    return NodeVector(
+        node_id=node_id,
+        host="h",
+        endpoint=f"http://{node_id}:8000",
+        seq=seq,
+        sample_time_unix_s=1000.0 + seq,
+        period_s=period_s,
+        metrics=NodeMetrics(**metrics),
+    )
+
+
+def test_health_is_neutral_without_dimensions() -> None:
+    h = health(NodeMetrics())
+    assert h.score == 1.0 and h.dimensions == () and h.alarms == ()
+
+
+def test_health_renormalises_over_present_dimensions() -> None:
+    only_kv = health(NodeMetrics(kv_cache_miss_ratio=0.18))
+    assert only_kv.score == pytest.approx(0.5)
+    assert only_kv.alarms == ()
+    both = health(NodeMetrics(kv_cache_miss_ratio=0.36, gpu_mem_frag_ratio=0.0))
+    assert both.score == pytest.approx((0.27 * 0.0 + 0.32 * 1.0) / (0.27 + 0.32))
+    assert both.alarms == ("kv_cache_miss_ratio",)
+
+
+def test_health_alarms_at_article_thresholds() -> None:
+    h = health(
+        NodeMetrics(gpu_mem_frag_ratio=0.46, kv_cache_miss_ratio=0.17, cpu_preproc_p95_ms=121.0, nvlink_util_ratio=0.83)
+    )
+    assert set(h.alarms) == {"gpu_mem_frag_ratio", "cpu_preproc_p95_ms", "nvlink_util_ratio"}
+
+
+def test_registry_drops_node_after_three_missed_periods() -> None:
+    reg = Registry(stale_periods=3)
+    reg.update(vec("a", 1, period_s=1.0), now=0.0)
+    reg.update(vec("b", 1, period_s=2.0), now=0.0)
+    assert reg.expire(now=2.9) == []
+    assert reg.expire(now=3.1) == ["a"]
+    assert reg.expire(now=5.9) == []
+    assert reg.expire(now=6.1) == ["b"]
+    assert reg.nodes == {}
+
+
+def test_registry_ignores_replayed_vectors() -> None:
+    reg = Registry()
+    reg.update(vec("a", 5, cpu_util_ratio=0.1), now=0.0)
+    reg.update(vec("a", 4, cpu_util_ratio=0.9), now=1.0)
+    assert reg.replayed == 1
+    assert reg.nodes["a"].vector.seq == 5
+    assert reg.nodes["a"].last_seen == 0.0
+
+
+def test_weight_hysteresis_ignores_small_changes() -> None:
+    reg = Registry()
+    reg.update(vec("a", 1, cpu_util_ratio=0.0), now=0.0)
+    assert reg.nodes["a"].weight == 1.0
+    reg.update(vec("a", 2, cpu_util_ratio=0.1), now=1.0)
+    assert reg.nodes["a"].weight == 1.0
+    reg.update(vec("a", 3, cpu_util_ratio=0.9), now=2.0)
+    assert reg.nodes["a"].weight == pytest.approx(0.5)
+
+
+def test_table_version_moves_only_on_change() -> None:
+    reg = Registry()
+    builder = TableBuilder(epoch=7)
+    reg.update(vec("a", 1), now=0.0)
+    first = builder.build(reg.nodes)
+    assert first is not None and first.order == (7, 1)
+    reg.update(vec("a", 2), now=1.0)
+    assert builder.build(reg.nodes) is None
+    reg.update(vec("b", 1), now=1.0)
+    second = builder.build(reg.nodes)
+    assert second is not None and second.order == (7, 2)
+    assert [n.node_id for n in second.slices[0].nodes] == ["a", "b"]
+
+
+def test_epoch_is_persisted_and_monotonic(tmp_path: Path) -> None:
+    first = next_epoch(tmp_path)
+    second = next_epoch(tmp_path)
+    assert second > first
+    (tmp_path / "epoch").write_text(str(int(time.time()) + 1000))
+    assert next_epoch(tmp_path) == int(time.time()) + 1001
+
+
+def test_config_resolution_order_and_validation() -> None:
+    args = argparse.Namespace(ingest=None, updates="tcp://127.0.0.1:7001", snapshot=None)
+    env = {"PRISM_BRAIN_INGEST": "tcp://127.0.0.1:7000", "PRISM_BRAIN_UPDATES": "tcp://127.0.0.1:9999"}
+    cfg = resolve_config(args, env)
+    assert cfg.ingest == "tcp://127.0.0.1:7000"
+    assert cfg.updates == "tcp://127.0.0.1:7001"
+    assert cfg.snapshot == BrainConfig().snapshot
+    with pytest.raises(ConfigError):
+        resolve_config(argparse.Namespace(ingest="127.0.0.1:5555"), {})
+    with pytest.raises(ConfigError):
+        resolve_config(argparse.Namespace(curve_secret="x"), {})
+    with pytest.raises(ConfigError):
+        resolve_config(argparse.Namespace(metrics_port="70000"), {})

@@ -1,0 +1,175 @@
+"""End to end on loopback: a brain and three agents as real subprocesses, an in-process router."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from prismlb.router import Router
+from prismlb.wire import BrainAddress, RoutingTable
+
+from .conftest import free_port
+
+NODES = ("node-a", "node-b", "node-c")
+KEYS = [f"prefix-{i}" for i in range(3000)]
+
+
+@dataclass
+class Cluster:
+    brain: subprocess.Popen[bytes]
+    agents: dict[str, subprocess.Popen[bytes]]
+    address: BrainAddress
+    metrics_port: int
+    logs: Path
+
+
+def prism(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    out = log.open("wb")
+    return subprocess.Popen([sys.executable, "-m", "prismlb.cli", *args], stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def node_ids(table: RoutingTable | None) -> set[str]:
+    return {n.node_id for n in table.slices[0].nodes} if table and table.slices else set()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    logs = tmp_path_factory.mktemp("e2e")
+    ingest = f"tcp://127.0.0.1:{free_port()}"
+    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    metrics_port = free_port()
+    brain = prism(
+        [
+            "brain",
+            "--ingest", ingest,
+            "--updates", address.updates,
+            "--snapshot", address.snapshot,
+            "--metrics-port", str(metrics_port),
+            "--state-dir", str(logs / "state"),
+        ],
+        logs / "brain.log",
+    )
+    agents = {
+        node: prism(
+            ["agent", "--node-id", node, "--brain", ingest, "--period", "0.5", "--endpoint", f"http://127.0.0.1:{9000 + i}"],
+            logs / f"{node}.log",
+        )
+        for i, node in enumerate(NODES)
+    }
+    cluster = Cluster(brain, agents, address, metrics_port, logs)
+    yield cluster
+    for proc in [brain, *agents.values()]:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def brain_metric(port: int, node: str, metric: str) -> float | None:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    pattern = rf'prism_brain_node_metric\{{(?=[^}}]*metric="{metric}")(?=[^}}]*node="{node}")[^}}]*\}} (\S+)'
+    match = re.search(pattern, text)
+    return float(match.group(1)) if match else None
+
+
+def ebpf_absent_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "not root: the eBPF probe needs root"
+    try:
+        import bcc  # noqa: F401
+    except ImportError:
+        return "bcc (python3-bpfcc) is not installed"
+    if not Path("/sys/kernel/tracing/events/syscalls/sys_enter_connect").exists():
+        return "tracefs has no syscalls:sys_enter_connect"
+    return None
+
+
+def test_router_gets_a_table_with_all_agents(cluster: Cluster) -> None:
+    with Router.connect(cluster.address) as router:
+        wait_for(lambda: node_ids(router.table) == set(NODES), 30, "a table with all three agents")
+        owners = {router.route(k).node_id for k in KEYS}
+        assert owners == set(NODES)
+        assert router.route("prefix-1").address.startswith("http://127.0.0.1:90")
+
+
+def test_ebpf_counter_sees_connections_the_test_makes(cluster: Cluster) -> None:
+    reason = ebpf_absent_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    wait_for(lambda: brain_metric(cluster.metrics_port, "node-a", "connect_calls_total") is not None, 20, "eBPF counter")
+    before = brain_metric(cluster.metrics_port, "node-a", "connect_calls_total")
+    assert before is not None
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        for _ in range(40):
+            with socket.create_connection(listener.getsockname()):
+                pass
+    wait_for(
+        lambda: (brain_metric(cluster.metrics_port, "node-a", "connect_calls_total") or 0) >= before + 40,
+        10,
+        "the connect counter to count the test's 40 connections",
+    )
+
+
+def test_only_the_killed_nodes_keys_move(cluster: Cluster) -> None:
+    with Router.connect(cluster.address) as router:
+        wait_for(lambda: node_ids(router.table) == set(NODES), 30, "a table with all three agents")
+        before_table = router.table
+        assert before_table is not None
+        before = {k: router.route(k).node_id for k in KEYS}
+        cluster.agents["node-c"].send_signal(signal.SIGKILL)
+        wait_for(lambda: node_ids(router.table) == {"node-a", "node-b"}, 15, "node-c to leave the table")
+        after_table = router.table
+        assert after_table is not None and after_table.order > before_table.order
+        after = {k: router.route(k).node_id for k in KEYS}
+    weight = {n.node_id: n.weight for n in before_table.slices[0].nodes}
+    reweighted = {n.node_id for n in after_table.slices[0].nodes if n.weight != weight[n.node_id]}
+    moved = {k for k in KEYS if before[k] != after[k]}
+    on_c = {k for k in KEYS if before[k] == "node-c"}
+    assert on_c and on_c <= moved, "every key of the killed node must move"
+    unexplained = {k for k in moved - on_c if not {before[k], after[k]} & reweighted}
+    assert not unexplained, f"{len(unexplained)} keys moved between surviving nodes"
+    if not reweighted:
+        assert moved == on_c
+
+
+def test_router_keeps_last_table_when_brain_is_gone(cluster: Cluster) -> None:
+    with Router.connect(cluster.address) as router:
+        wait_for(lambda: router.table is not None, 10, "a table")
+        table = router.table
+        cluster.brain.send_signal(signal.SIGTERM)
+        assert cluster.brain.wait(timeout=10) == 0, "the brain exits cleanly on SIGTERM"
+        time.sleep(1.5)
+        assert router.table is table
+        assert router.route("prefix-1").node_id in node_ids(table)
+        age = router.last_heard_age_s
+        assert age is not None and age > 1.0
+
+
+def test_agents_exit_cleanly_on_sigterm(cluster: Cluster) -> None:
+    for node in ("node-a", "node-b"):
+        proc = cluster.agents[node]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    log = (cluster.logs / "brain.log").read_text()
+    assert "node node-c stale" in log

@@ -1,0 +1,132 @@
+"""The weighted consistent-hash ring: minimal disruption, determinism, weight-proportional shares."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prismlb.router import Ring
+from prismlb.wire import TableNode
+
+KEYS = [f"session-{i}" for i in range(2000)]
+NODE_IDS = st.from_regex(r"[a-z][a-z0-9-]{0,11}", fullmatch=True)
+WEIGHTS = st.sampled_from([0.1, 0.25, 0.3, 0.5, 0.7, 0.9, 1.0])
+
+
+def node(node_id: str, weight: float = 1.0) -> TableNode:
+    return TableNode(node_id=node_id, endpoint=f"{node_id}.example:8000", weight=weight)
+
+
+def owners(ring: Ring, keys: list[str] = KEYS) -> list[str]:
+    return [ring.lookup(key).node_id for key in keys]
+
+
+def spec_hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+@st.composite
+def node_sets(draw: st.DrawFn, min_size: int, max_size: int) -> list[TableNode]:
+    ids = draw(st.lists(NODE_IDS, min_size=min_size, max_size=max_size, unique=True))
+    return [node(i, draw(WEIGHTS)) for i in ids]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(nodes=node_sets(2, 12), data=st.data())
+def test_removing_a_node_moves_exactly_its_keys(nodes: list[TableNode], data: st.DataObject) -> None:
+    gone = data.draw(st.sampled_from(nodes)).node_id
+    before = owners(Ring.build(nodes))
+    after = owners(Ring.build([n for n in nodes if n.node_id != gone]))
+    assert gone in before
+    for old, new in zip(before, after, strict=True):
+        assert new == old if old != gone else new != gone
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(ids=st.lists(NODE_IDS, min_size=2, max_size=13, unique=True))
+def test_adding_a_node_moves_its_fair_share_only_onto_it(ids: list[str]) -> None:
+    nodes = [node(i) for i in ids]
+    new = nodes.pop()
+    before = owners(Ring.build(nodes))
+    after = owners(Ring.build([*nodes, new]))
+    moved = [(old, now) for old, now in zip(before, after, strict=True) if old != now]
+    assert all(now == new.node_id for _, now in moved)
+    fair = len(KEYS) / (len(nodes) + 1)
+    assert 0.5 * fair <= len(moved) <= 1.8 * fair
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(nodes=node_sets(2, 10), data=st.data())
+def test_reweighting_a_node_moves_keys_only_to_or_from_it(nodes: list[TableNode], data: st.DataObject) -> None:
+    index = data.draw(st.integers(0, len(nodes) - 1))
+    target = nodes[index]
+    weight = data.draw(WEIGHTS.filter(lambda w: w != target.weight))
+    changed = [*nodes[:index], node(target.node_id, weight), *nodes[index + 1 :]]
+    before = owners(Ring.build(nodes))
+    after = owners(Ring.build(changed))
+    assert all(old == new or target.node_id in (old, new) for old, new in zip(before, after, strict=True))
+    moved = sum(old != new for old, new in zip(before, after, strict=True))
+    assert moved > 0
+    if weight > target.weight:
+        assert all(new == target.node_id for old, new in zip(before, after, strict=True) if old != new)
+    else:
+        assert all(old == target.node_id for old, new in zip(before, after, strict=True) if old != new)
+
+
+@settings(max_examples=30, deadline=None)
+@given(nodes=node_sets(1, 10), order=st.randoms(use_true_random=False))
+def test_input_order_does_not_matter(nodes: list[TableNode], order: random.Random) -> None:
+    shuffled = list(nodes)
+    order.shuffle(shuffled)
+    assert owners(Ring.build(nodes)) == owners(Ring.build(shuffled))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(nodes=node_sets(2, 6))
+def test_key_share_follows_weight(nodes: list[TableNode]) -> None:
+    keys = [f"user-{i}" for i in range(20_000)]
+    counts = Counter(owners(Ring.build(nodes, base_points=1024), keys))
+    total_weight = sum(n.weight for n in nodes)
+    for n in nodes:
+        expected = len(keys) * n.weight / total_weight
+        assert abs(counts[n.node_id] / expected - 1) < 0.35, (n, counts, expected)
+
+
+def test_lookup_matches_a_linear_scan_of_the_specified_points() -> None:
+    nodes = [node("a", 0.05), node("b", 0.1), node("c", 0.02)]
+    ring = Ring.build(nodes, base_points=100)
+    points = sorted(
+        (spec_hash(f"{n.node_id}#{i}".encode()), n.node_id)
+        for n in nodes
+        for i in range(max(1, round(100 * n.weight)))
+    )
+    assert len(points) == 5 + 10 + 2
+    wrapped = 0
+    for key in KEYS:
+        h = spec_hash(key.encode())
+        expected = next((owner for point, owner in points if point >= h), points[0][1])
+        wrapped += h > points[-1][0]
+        assert ring.lookup(key).node_id == expected
+        assert ring.lookup(key.encode()).node_id == expected
+    assert wrapped > 0
+
+
+def test_every_node_gets_at_least_one_point() -> None:
+    ring = Ring.build([node("heavy"), node("light", 0.001)], base_points=128)
+    assert "light" in owners(ring, [f"k{i}" for i in range(20_000)])
+
+
+def test_invalid_node_lists_are_rejected() -> None:
+    with pytest.raises(ValueError, match="at least one node"):
+        Ring.build([])
+    with pytest.raises(ValueError, match="'a' appears more than once"):
+        Ring.build([node("a"), node("b"), node("a", 0.5)])
+    with pytest.raises(ValueError, match="outside"):
+        Ring.build([node("a", 1.5)])
+    with pytest.raises(ValueError, match="base_points"):
+        Ring.build([node("a")], base_points=0)
