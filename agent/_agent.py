@@ -61,7 +61,7 @@ class Agent:
         """Report every `period_s` on a fixed monotonic schedule until `stop` is set."""
         config = self.config
         try:
-            serve_metrics(config.metrics_port, self.registry, config.metrics_addr)
+            metrics = serve_metrics(config.metrics_port, self.registry, config.metrics_addr)
         except OSError as exc:
             raise ConfigError(f"cannot serve /metrics on {config.metrics_addr}:{config.metrics_port}: {exc}") from None
         counter = self._open_counter()
@@ -76,6 +76,8 @@ class Agent:
                 sender.close()
         finally:
             ctx.destroy(linger=0)
+            if metrics is not None:
+                metrics.close()
             if counter is not None:
                 counter.close()
                 self._ebpf_up.set(0)

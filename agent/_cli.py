@@ -36,7 +36,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--label", action="append", metavar="KEY=VALUE", help="a label, repeatable (PRISM_LABELS=k=v,k=v)"
     )
     parser.add_argument(
-        "--period", type=float, metavar="SECONDS", help=f"reporting period (PRISM_PERIOD_S; default: {DEFAULT_PERIOD_S})"
+        "--period",
+        type=float,
+        metavar="SECONDS",
+        help=f"reporting period (PRISM_PERIOD_S; default: {DEFAULT_PERIOD_S})",
     )
     parser.add_argument(
         "--no-ebpf", dest="ebpf", action="store_false", default=None, help="do not load the eBPF connect() counter"

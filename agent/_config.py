@@ -137,8 +137,9 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Agen
     _as_vector_field("node_id", node_id, node_source or "hostname as node id")
 
     host = getattr(args, "host", None)
+    host_source = "--host" if host is not None else "hostname"
     host = host if host is not None else socket.gethostname()
-    _as_vector_field("host", host, "--host")
+    _as_vector_field("host", host, host_source)
 
     endpoint, endpoint_source = _choose(args, "endpoint", "--endpoint", environ, "PRISM_ENDPOINT")
     endpoint = endpoint if endpoint is not None else _default_endpoint()
@@ -151,7 +152,7 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Agen
 
     zone, zone_source = _choose(args, "zone", "--zone", environ, "PRISM_ZONE")
     zone = zone if zone is not None else ""
-    _as_vector_field("zone", zone, zone_source)
+    _as_vector_field("zone", zone, zone_source or "default zone")
 
     label_args = getattr(args, "label", None)
     if label_args is not None:
@@ -164,7 +165,7 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Agen
 
     raw_period, period_source = _choose(args, "period", "--period", environ, "PRISM_PERIOD_S")
     period = _period(raw_period, period_source) if raw_period is not None else DEFAULT_PERIOD_S
-    _as_vector_field("period_s", period, period_source)
+    _as_vector_field("period_s", period, period_source or "default period")
 
     raw_port, port_source = _choose(args, "metrics_port", "--metrics-port", environ, "PRISM_AGENT_METRICS_PORT")
     metrics_port = _port(raw_port, port_source) if raw_port is not None else 0

@@ -22,7 +22,7 @@ class ConnectCounter:
 
     def __init__(self, bpf: Any) -> None:
         self._bpf = bpf
-        self._table = bpf["connect_calls"]
+        self._table = bpf[b"connect_calls"]
 
     def total(self) -> int:
         """The per-CPU counts, summed."""
@@ -78,7 +78,7 @@ def _prerequisites() -> list[CheckRow]:
 def _load() -> tuple[ConnectCounter | None, str]:
     bcc = importlib.import_module("bcc")
     try:
-        bpf = bcc.BPF(text=program_text(PROGRAM))
+        bpf = bcc.BPF(text=program_text(PROGRAM).encode())
     except Exception as exc:  # bcc raises a bare Exception when compiling or attaching fails
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return None, f"loading {PROGRAM}.c failed ({first_line}); make setup links kernel headers that match"

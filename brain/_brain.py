@@ -54,53 +54,58 @@ class Brain:
         cfg = self.config
         ctx = zmq.Context()
         auth = start_authenticator(ctx, cfg.curve) if cfg.curve is not None else None
-        receiver = VectorReceiver(ctx, cfg.ingest, self.rejects, curve=cfg.curve)
-        publisher = TablePublisher(ctx, cfg.updates, cfg.snapshot, self.rejects, curve=cfg.curve)
-        serve_metrics(cfg.metrics_port, self.metrics, cfg.metrics_addr)
+        metrics = None
+        try:
+            receiver = VectorReceiver(ctx, cfg.ingest, self.rejects, curve=cfg.curve)
+            publisher = TablePublisher(ctx, cfg.updates, cfg.snapshot, self.rejects, curve=cfg.curve)
+            metrics = serve_metrics(cfg.metrics_port, self.metrics, cfg.metrics_addr)
+            _log.info(
+                "brain epoch %d up: ingest %s, tables %s, snapshots %s, CURVE %s",
+                self.tables.epoch,
+                cfg.ingest,
+                cfg.updates,
+                cfg.snapshot,
+                "on" if cfg.curve else "off",
+            )
+            sd_notify("READY=1")
+            self._loop(stop, receiver, publisher)
+        finally:
+            sd_notify("STOPPING=1")
+            if auth is not None:
+                auth.stop()
+            if metrics is not None:
+                metrics.close()
+            ctx.destroy(linger=0)
+            _log.info("brain stopped at table version %d", self.tables.version)
+
+    def _loop(self, stop: threading.Event, receiver: VectorReceiver, publisher: TablePublisher) -> None:
+        cfg = self.config
         poller = zmq.Poller()
         poller.register(receiver.socket, zmq.POLLIN)
         poller.register(publisher.snapshot_socket, zmq.POLLIN)
-        _log.info(
-            "brain epoch %d up: ingest %s, tables %s, snapshots %s, CURVE %s",
-            self.tables.epoch,
-            cfg.ingest,
-            cfg.updates,
-            cfg.snapshot,
-            "on" if cfg.curve else "off",
-        )
-        sd_notify("READY=1")
         watchdog = watchdog_interval_s()
         next_cycle = next_heartbeat = next_watchdog = time.monotonic()
-        try:
-            while not stop.is_set():
-                wait = max(0.0, min(next_cycle, next_heartbeat) - time.monotonic())
-                poller.poll(timeout=wait * 1000)
-                now = time.monotonic()
-                for vector in receiver.drain():
-                    self.registry.update(vector, now)
-                    self._vectors.inc()
-                publisher.serve_snapshots()
-                if now >= next_cycle:
-                    next_cycle = now + cfg.cycle_s
-                    table = self.cycle(now)
-                    if table is not None:
-                        publisher.publish(table)
-                        self._published.inc()
-                        next_heartbeat = now + cfg.heartbeat_s
-                if now >= next_heartbeat:
+        while not stop.is_set():
+            wait = max(0.0, min(next_cycle, next_heartbeat) - time.monotonic())
+            poller.poll(timeout=wait * 1000)
+            now = time.monotonic()
+            for vector in receiver.drain():
+                self.registry.update(vector, now)
+                self._vectors.inc()
+            publisher.serve_snapshots()
+            if now >= next_cycle:
+                next_cycle = now + cfg.cycle_s
+                table = self.cycle(now)
+                if table is not None:
+                    publisher.publish(table)
+                    self._published.inc()
                     next_heartbeat = now + cfg.heartbeat_s
-                    publisher.heartbeat()
-                if watchdog is not None and now >= next_watchdog:
-                    next_watchdog = now + watchdog
-                    sd_notify("WATCHDOG=1")
-        finally:
-            sd_notify("STOPPING=1")
-            receiver.close()
-            publisher.close()
-            if auth is not None:
-                auth.stop()
-            ctx.term()
-            _log.info("brain stopped at table version %d", self.tables.version)
+            if now >= next_heartbeat:
+                next_heartbeat = now + cfg.heartbeat_s
+                publisher.heartbeat()
+            if watchdog is not None and now >= next_watchdog:
+                next_watchdog = now + watchdog
+                sd_notify("WATCHDOG=1")
 
     def cycle(self, now: float) -> RoutingTable | None:
         """Expire silent nodes and build a new table if routing changed."""

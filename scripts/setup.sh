@@ -20,15 +20,18 @@ apt_install() {
     done
     [ ${#missing[@]} -eq 0 ] && return 0
     say "installing ${missing[*]} (apt)"
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    if ! { DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; }; then
+        say "apt-get could not install ${missing[*]}; what needs them (the eBPF probe, nft) stays off"
+        return 1
+    fi
 }
 
 kernel_headers() {
     local mods="/lib/modules/$KERNEL"
     if [ -e "$mods/build/Makefile" ] && [ -e "$mods/source/include/linux/kconfig.h" ]; then return 0; fi
     if apt-get install -y -qq --no-install-recommends "linux-headers-$KERNEL" >/dev/null 2>&1; then return 0; fi
-    apt_install linux-headers-amd64
+    apt_install linux-headers-amd64 || return 0
     local build common
     build=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n 1)
     common=$(ls -d /usr/src/linux-headers-*-common 2>/dev/null | sort -V | tail -n 1)
@@ -59,7 +62,7 @@ system_setup() {
         say "no apt-get: install bcc (python3-bpfcc), kernel headers and nftables yourself; the eBPF probe may stay off"
         return 0
     fi
-    apt_install python3-bpfcc nftables iproute2 python3-venv
+    apt_install python3-bpfcc nftables iproute2 python3-venv || true
     kernel_headers
     mount_tracefs
 }

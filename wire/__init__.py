@@ -26,7 +26,7 @@ from ._messages import (
     TableNode,
 )
 from ._rejects import RejectCounter
-from ._service import serve_metrics, sd_notify, setup_logging, stop_on_signals, watchdog_interval_s
+from ._service import MetricsServer, serve_metrics, sd_notify, setup_logging, stop_on_signals, watchdog_interval_s
 from ._transport import BrainAddress, TablePublisher, TableSubscriber, VectorReceiver, VectorSender
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "Heartbeat",
     "InvalidFieldError",
     "MalformedError",
+    "MetricsServer",
     "NoRouteError",
     "NodeMetrics",
     "NodeVector",

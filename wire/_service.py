@@ -50,8 +50,19 @@ def watchdog_interval_s() -> float | None:
     return int(usec) / 2e6 if usec and usec.isdigit() else None
 
 
-def serve_metrics(port: int, registry: CollectorRegistry, addr: str = "127.0.0.1") -> None:
-    """Serve Prometheus `/metrics` for `registry` on `addr:port` (0 turns it off)."""
-    if port:
-        start_http_server(port, addr=addr, registry=registry)
+class MetricsServer:
+    """A running `/metrics` endpoint; `close()` stops it and frees the port."""
+
+    def __init__(self, port: int, registry: CollectorRegistry, addr: str) -> None:
+        self._server, self._thread = start_http_server(port, addr=addr, registry=registry)
         logging.getLogger("prism").info("serving /metrics on http://%s:%d/metrics", addr, port)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve_metrics(port: int, registry: CollectorRegistry, addr: str = "127.0.0.1") -> MetricsServer | None:
+    """Serve Prometheus `/metrics` for `registry` on `addr:port`; port 0 turns it off (returns None)."""
+    return MetricsServer(port, registry, addr) if port else None

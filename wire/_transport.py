@@ -29,8 +29,22 @@ class BrainAddress:
     snapshot: str
 
 
-def _socket(ctx: zmq.Context, kind: int, *, hwm: int, max_bytes: int) -> zmq.Socket:
+def _socket(
+    ctx: zmq.Context, kind: int, *, hwm: int, max_bytes: int, curve: ClientCurve | ServerCurve | None = None
+) -> zmq.Socket:
+    """A socket with Prism's limits and, when given, CURVE applied; closed again if set-up fails."""
     sock = ctx.socket(kind)
+    try:
+        _configure(sock, hwm=hwm, max_bytes=max_bytes)
+        if curve is not None:
+            curve.apply(sock)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _configure(sock: zmq.Socket, *, hwm: int, max_bytes: int) -> None:
     sock.linger = 0
     sock.sndhwm = hwm
     sock.rcvhwm = hwm
@@ -38,6 +52,15 @@ def _socket(ctx: zmq.Context, kind: int, *, hwm: int, max_bytes: int) -> zmq.Soc
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+
+
+def _attach(sock: zmq.Socket, endpoint: str, *, bind: bool) -> zmq.Socket:
+    """Bind or connect `sock`; on failure close it so the context can still terminate."""
+    try:
+        sock.bind(endpoint) if bind else sock.connect(endpoint)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
@@ -47,10 +70,8 @@ class VectorSender:
     def __init__(
         self, ctx: zmq.Context, endpoint: str, *, curve: ClientCurve | None = None, hwm: int = 64
     ) -> None:
-        self._sock = _socket(ctx, zmq.PUSH, hwm=hwm, max_bytes=MAX_VECTOR_BYTES)
-        if curve is not None:
-            curve.apply(self._sock)
-        self._sock.connect(endpoint)
+        sock = _socket(ctx, zmq.PUSH, hwm=hwm, max_bytes=MAX_VECTOR_BYTES, curve=curve)
+        self._sock = _attach(sock, endpoint, bind=False)
         self.sent = 0
         self.dropped = 0
 
@@ -85,10 +106,8 @@ class VectorReceiver:
         curve: ServerCurve | None = None,
         hwm: int = 10_000,
     ) -> None:
-        self.socket = _socket(ctx, zmq.PULL, hwm=hwm, max_bytes=MAX_VECTOR_BYTES)
-        if curve is not None:
-            curve.apply(self.socket)
-        self.socket.bind(endpoint)
+        sock = _socket(ctx, zmq.PULL, hwm=hwm, max_bytes=MAX_VECTOR_BYTES, curve=curve)
+        self.socket = _attach(sock, endpoint, bind=True)
         self._rejects = rejects
 
     def drain(self, limit: int = 10_000) -> list[NodeVector]:
@@ -121,13 +140,13 @@ class TablePublisher:
         *,
         curve: ServerCurve | None = None,
     ) -> None:
-        self._pub = _socket(ctx, zmq.PUB, hwm=1000, max_bytes=MAX_TABLE_BYTES)
-        self.snapshot_socket = _socket(ctx, zmq.ROUTER, hwm=1000, max_bytes=MAX_VECTOR_BYTES)
-        for sock in (self._pub, self.snapshot_socket):
-            if curve is not None:
-                curve.apply(sock)
-        self._pub.bind(updates)
-        self.snapshot_socket.bind(snapshot)
+        self._pub = _attach(_socket(ctx, zmq.PUB, hwm=1000, max_bytes=MAX_TABLE_BYTES, curve=curve), updates, bind=True)
+        try:
+            sock = _socket(ctx, zmq.ROUTER, hwm=1000, max_bytes=MAX_VECTOR_BYTES, curve=curve)
+            self.snapshot_socket = _attach(sock, snapshot, bind=True)
+        except BaseException:
+            self._pub.close()
+            raise
         self._rejects = rejects
         self.current: RoutingTable | None = None
         self._current_frames: list[bytes] = []
@@ -204,10 +223,7 @@ class TableSubscriber:
         self._thread.join(timeout=5)
 
     def _make(self, kind: int, max_bytes: int) -> zmq.Socket:
-        sock = _socket(self._ctx, kind, hwm=1000, max_bytes=max_bytes)
-        if self._curve is not None:
-            self._curve.apply(sock)
-        return sock
+        return _socket(self._ctx, kind, hwm=1000, max_bytes=max_bytes, curve=self._curve)
 
     def _run(self) -> None:
         sub = self._make(zmq.SUB, MAX_TABLE_BYTES)

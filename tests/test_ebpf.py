@@ -1,0 +1,86 @@
+"""The real eBPF connect() counter through bcc, and the host check; skipped only without root or bcc."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import socket
+
+import pytest
+
+from prismlb.agent import add_parser, check, probe_ebpf
+from prismlb.bpf import program_text
+
+pytestmark = pytest.mark.ebpf
+
+CHECK_NAMES = ["root", "bcc", "tracefs", "kernel headers", "bpf load", "nvml"]
+
+
+def _require_root_and_bcc() -> None:
+    if os.geteuid() != 0:
+        pytest.skip(f"eBPF needs root; running as uid {os.geteuid()}")
+    try:
+        importlib.import_module("bcc")
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"bcc is not importable ({exc}); apt-get install python3-bpfcc")
+
+
+def _run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="prism")
+    add_parser(parser.add_subparsers(required=True))
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+def test_counter_sees_every_connect() -> None:
+    _require_root_and_bcc()
+    counter, detail = probe_ebpf()
+    assert counter is not None, detail
+    with counter, socket.create_server(("127.0.0.1", 0), backlog=64) as listener:
+        address = listener.getsockname()
+        before = counter.total()
+        for _ in range(20):
+            with socket.create_connection(address, timeout=2):
+                pass
+        after = counter.total()
+    assert after - before >= 20
+
+
+def test_probe_without_root_says_run_as_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    counter, detail = probe_ebpf()
+    assert counter is None
+    assert "run as root" in detail
+    assert "\n" not in detail
+
+
+def test_print_bpf_prints_the_tracepoint_program(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run_cli(["agent", "--print-bpf"]) == 0
+    out = capsys.readouterr().out
+    assert "TRACEPOINT_PROBE(syscalls, sys_enter_connect)" in out
+    assert out == program_text("connect_count")
+
+
+def test_unknown_program_is_an_error() -> None:
+    with pytest.raises(FileNotFoundError):
+        program_text("no_such_program")
+
+
+def test_check_lists_every_item() -> None:
+    rows = check()
+    assert [name for name, _ok, _detail in rows] == CHECK_NAMES
+    for _name, ok, detail in rows:
+        assert isinstance(ok, bool)
+        assert detail and "\n" not in detail
+    _name, nvml_ok, nvml_detail = rows[-1]
+    assert nvml_ok or nvml_detail.startswith("no NVIDIA driver")
+
+
+def test_check_as_root_loads_the_program() -> None:
+    _require_root_and_bcc()
+    rows = {name: (ok, detail) for name, ok, detail in check()}
+    for name in ("root", "bcc", "tracefs", "kernel headers", "bpf load"):
+        ok, detail = rows[name]
+        assert ok, f"{name}: {detail}"
