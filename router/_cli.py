@@ -12,7 +12,7 @@ from prismlb.wire import BrainAddress, ClientCurve, ConfigError, NoRouteError
 from ._router import Router
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "route",
         help="print where keys go on the brain's current table",
@@ -21,19 +21,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--updates",
         default=os.environ.get("PRISM_BRAIN_UPDATES", "tcp://127.0.0.1:5556"),
-        help="the brain's table PUB endpoint (env PRISM_BRAIN_UPDATES; default %(default)s)",
+        help="the brain's table PUB endpoint (env PRISM_BRAIN_UPDATES; default: %(default)s)",
     )
     parser.add_argument(
         "--snapshot",
         default=os.environ.get("PRISM_BRAIN_SNAPSHOT", "tcp://127.0.0.1:5557"),
-        help="the brain's snapshot endpoint (env PRISM_BRAIN_SNAPSHOT; default %(default)s)",
+        help="the brain's snapshot endpoint (env PRISM_BRAIN_SNAPSHOT; default: %(default)s)",
     )
-    parser.add_argument("--slice", default="default", help="modality slice to route in (default %(default)s)")
+    parser.add_argument("--slice", default="default", help="modality slice to route in (default: %(default)s)")
     parser.add_argument("--curve-secret", type=Path, metavar="FILE", help="our CURVE secret key file")
     parser.add_argument("--brain-public", type=Path, metavar="FILE", help="the brain's CURVE public key file")
-    parser.add_argument(
-        "--timeout", type=float, default=5.0, help="seconds to wait for a table (default %(default)s)"
-    )
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a table (default: %(default)s)")
     parser.add_argument("keys", nargs="+", help="affinity keys to route")
     parser.set_defaults(func=_run)
 

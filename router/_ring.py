@@ -20,7 +20,7 @@ class Ring:
     weight alone: adding, removing or reweighting one node moves only keys to or from that node.
     """
 
-    __slots__ = ("_points", "_owners", "_nodes")
+    __slots__ = ("_nodes", "_owners", "_points")
 
     _points: list[int]
     _owners: list[TableNode]
@@ -44,7 +44,7 @@ class Ring:
             seen.add(node.node_id)
             if not 0.0 < node.weight <= 1.0:
                 raise ValueError(f"node {node.node_id!r} has weight {node.weight}, outside (0, 1]")
-            count = max(1, round(base_points * node.weight / max(n.weight for n in nodes)))
+            count = max(1, round(base_points * node.weight))
             placed.extend((_hash(f"{node.node_id}#{i}".encode()), node.node_id, node) for i in range(count))
         placed.sort(key=lambda p: (p[0], p[1]))
         ring = cls.__new__(cls)

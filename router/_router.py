@@ -51,7 +51,7 @@ class _Snapshot:
     applied_monotonic: float
 
 
-def _snapshot(table: RoutingTable) -> _Snapshot:
+def _build_snapshot(table: RoutingTable) -> _Snapshot:
     """Build the rings of every slice; ValueError when the table cannot be routed on."""
     slices: dict[str, _Slice | None] = {}
     for slice_table in table.slices:
@@ -69,7 +69,9 @@ def _snapshot(table: RoutingTable) -> _Snapshot:
     return _Snapshot(table, slices, time.monotonic())
 
 
-def _check_config(ctx: zmq.Context, brains: Sequence[BrainAddress], curve: ClientCurve | None) -> None:
+def _check_config(
+    ctx: zmq.Context[zmq.Socket[bytes]], brains: Sequence[BrainAddress], curve: ClientCurve | None
+) -> None:
     """Fail in the caller's thread on what would otherwise silently stop the subscriber's thread."""
     probe = ctx.socket(zmq.DEALER)
     try:
@@ -100,7 +102,7 @@ class Router:
         self._snapshot: _Snapshot | None = None
         self._apply_lock = threading.Lock()
         self._has_table = threading.Event()
-        self._ctx: zmq.Context | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._subscriber: TableSubscriber | None = None
         self._closed = False
         if registry is not None:
@@ -126,17 +128,18 @@ class Router:
         Raises ConfigError at once for an unusable CURVE key file or a malformed endpoint.
         """
         addresses = [brains] if isinstance(brains, BrainAddress) else list(brains)
-        router = cls(registry=registry)
+        if not addresses:
+            raise ValueError("at least one brain address is needed")
         ctx = zmq.Context()
         try:
             _check_config(ctx, addresses, curve)
-            subscriber = TableSubscriber(ctx, addresses, router._on_table, router.rejects, curve=curve)
         except BaseException:
             ctx.term()
             raise
+        router = cls(registry=registry)
         router._ctx = ctx
-        router._subscriber = subscriber
-        subscriber.start()
+        router._subscriber = TableSubscriber(ctx, addresses, router._on_table, router.rejects, curve=curve)
+        router._subscriber.start()
         _log.info("following routing tables from %s", ", ".join(a.updates for a in addresses))
         return router
 
@@ -148,7 +151,7 @@ class Router:
         current = self._snapshot
         if current is not None and table.order <= current.table.order:
             return False
-        snapshot = _snapshot(table)
+        snapshot = _build_snapshot(table)
         with self._apply_lock:
             current = self._snapshot
             if current is not None and table.order <= current.table.order:
@@ -164,11 +167,12 @@ class Router:
         )
         return True
 
-    def _on_table(self, table: RoutingTable) -> None:
+    def _on_table(self, table: RoutingTable) -> bool:
         try:
-            self.apply(table)
+            return self.apply(table)
         except ValueError as exc:
             self.rejects.record(InvalidFieldError(f"table {_describe(table)}: {exc}"))
+            return False
 
     def route(self, key: str | bytes, slice_name: str = "default") -> Endpoint:
         """The endpoint that owns `key` in `slice_name`; NoRouteError without a table or nodes."""
@@ -234,19 +238,18 @@ class _RouterCollector:
         return self._families(None, None, None, None)
 
     def collect(self) -> list[Metric]:
-        router = self._router
-        table = router.table
+        snapshot = self._router._snapshot
+        if snapshot is None:
+            return self._families(None, None, None, self._router.last_heard_age_s)
         return self._families(
-            None if table is None else table.epoch,
-            None if table is None else table.version,
-            router.table_age_s,
-            router.last_heard_age_s,
+            snapshot.table.epoch,
+            snapshot.table.version,
+            time.monotonic() - snapshot.applied_monotonic,
+            self._router.last_heard_age_s,
         )
 
     @staticmethod
-    def _families(
-        epoch: int | None, version: int | None, age_s: float | None, heard_s: float | None
-    ) -> list[Metric]:
+    def _families(epoch: int | None, version: int | None, age_s: float | None, heard_s: float | None) -> list[Metric]:
         gauges = (
             ("prism_router_table_epoch", "Epoch of the routing table in use", epoch),
             ("prism_router_table_version", "Version of the routing table in use", version),

@@ -96,7 +96,7 @@ def test_tables_reach_only_authorised_routers(ctx: zmq.Context, keys: Path) -> N
         TableSubscriber(
             ctx,
             [address],
-            got[name].append,
+            lambda t, name=name: got[name].append(t) is None,
             RejectCounter("router", LOG),
             curve=ClientCurve(keys / f"{name}.key_secret", keys / "brain.key"),
         )

@@ -98,14 +98,13 @@ def test_key_share_follows_weight(nodes: list[TableNode]) -> None:
 
 
 def test_lookup_matches_a_linear_scan_of_the_specified_points() -> None:
-    nodes = [node("a", 0.05), node("b", 0.1), node("c", 0.02)]
+    nodes = [node("gpu-0", 0.05), node("gpu-1", 0.1), node("gpu-2", 0.02)]
     ring = Ring.build(nodes, base_points=100)
     points = sorted(
-        (spec_hash(f"{n.node_id}#{i}".encode()), n.node_id)
-        for n in nodes
-        for i in range(max(1, round(100 * n.weight)))
+        (spec_hash(f"{n.node_id}#{i}".encode()), n.node_id) for n in nodes for i in range(max(1, round(100 * n.weight)))
     )
     assert len(points) == 5 + 10 + 2
+    assert points[0][1] != points[-1][1]  # so a lookup that fails to wrap would be caught
     wrapped = 0
     for key in KEYS:
         h = spec_hash(key.encode())

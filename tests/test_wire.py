@@ -198,7 +198,7 @@ def test_table_subscriber_survives_fuzz_and_counts_everything(ctx: zmq.Context) 
     got: list[RoutingTable] = []
     pub = ctx.socket(zmq.PUB)
     pub.bind(updates)
-    subscriber = TableSubscriber(ctx, [BrainAddress(updates, snapshot)], got.append, rejects)
+    subscriber = TableSubscriber(ctx, [BrainAddress(updates, snapshot)], lambda t: got.append(t) is None, rejects)
     subscriber.start()
     time.sleep(0.5)
     rng = random.Random(11)
@@ -227,7 +227,7 @@ def test_clone_pattern_late_joiner_and_highest_order(ctx: zmq.Context) -> None:
     publishers[0].publish(table(5, 3, ("old",)))
     publishers[1].publish(table(6, 1, ("new",)))
     got: list[RoutingTable] = []
-    subscriber = TableSubscriber(ctx, addresses, got.append, RejectCounter("router", LOG))
+    subscriber = TableSubscriber(ctx, addresses, lambda t: got.append(t) is None, RejectCounter("router", LOG))
     started = time.monotonic()
     subscriber.start()
     while time.monotonic() - started < 3 and subscriber.current_order != (6, 1):
@@ -248,3 +248,68 @@ def test_clone_pattern_late_joiner_and_highest_order(ctx: zmq.Context) -> None:
     assert (5, 4) not in orders
     for p in publishers:
         p.close()
+
+
+def test_heartbeat_ahead_of_us_triggers_a_new_snapshot(ctx: zmq.Context) -> None:
+    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG))
+    publisher.publish(table(1, 1))
+    got: list[RoutingTable] = []
+    subscriber = TableSubscriber(ctx, [address], lambda t: got.append(t) is None, RejectCounter("router", LOG))
+    subscriber.start()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and subscriber.current_order != (1, 1):
+        publisher.serve_snapshots()
+        time.sleep(0.01)
+    # Version 2 goes out while nobody listens on PUB (as if dropped at a full queue): only the
+    # heartbeat tells the subscriber it is behind, and it must fetch the snapshot.
+    sub_less = TablePublisher(ctx, f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", RejectCounter("b", LOG))
+    sub_less.publish(table(1, 2, ("a", "b", "c")))
+    publisher.current, publisher._current_frames = sub_less.current, encode(sub_less.current)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and subscriber.current_order != (1, 2):
+        publisher.heartbeat()
+        publisher.serve_snapshots()
+        time.sleep(0.05)
+    subscriber.stop()
+    assert [t.order for t in got] == [(1, 1), (1, 2)]
+    for p in (publisher, sub_less):
+        p.close()
+
+
+def test_a_table_the_callback_refuses_is_not_taken(ctx: zmq.Context) -> None:
+    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG))
+    publisher.publish(table(1, 5))
+    calls: list[tuple[int, int]] = []
+
+    def refuse_then_crash(t: RoutingTable) -> bool:
+        calls.append(t.order)
+        if len(calls) == 1:
+            return False
+        raise RuntimeError("callback bug")
+
+    subscriber = TableSubscriber(ctx, [address], refuse_then_crash, RejectCounter("router", LOG))
+    subscriber.start()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and len(calls) < 3:
+        publisher.serve_snapshots()
+        time.sleep(0.02)
+    subscriber.stop()
+    publisher.close()
+    assert subscriber.current_order == (-1, -1)
+    assert len(calls) >= 3, "refused tables are asked for again, and a crashing callback does not stop the thread"
+
+
+def test_publisher_refuses_a_table_routers_would_reject(ctx: zmq.Context) -> None:
+    publisher = TablePublisher(ctx, f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", RejectCounter("b", LOG))
+    bad = RoutingTable(
+        epoch=1,
+        version=1,
+        issued_unix_s=time.time(),
+        slices=[SliceTable(name="default", nodes=[TableNode(node_id="bad id!", endpoint="e", weight=7.0)])],
+    )
+    with pytest.raises(InvalidFieldError):
+        publisher.publish(bad)
+    assert publisher.current is None
+    publisher.close()

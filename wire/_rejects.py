@@ -4,10 +4,28 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 from prometheus_client import CollectorRegistry, Counter
 
 from ._exceptions import WireError
+
+
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
+_METRICS_LOCK = threading.Lock()
+
+
+def _metric(registry: CollectorRegistry) -> Counter:
+    """One `prism_rejected_messages_total` per registry, shared by every receiver registered on it."""
+    with _METRICS_LOCK:
+        if registry not in _METRICS:
+            _METRICS[registry] = Counter(
+                "prism_rejected_messages",
+                "Messages rejected by a receiver, by kind of failure",
+                ["receiver", "kind"],
+                registry=registry,
+            )
+        return _METRICS[registry]
 
 
 class RejectCounter:
@@ -18,16 +36,7 @@ class RejectCounter:
         self._log = logger
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
-        self._metric = (
-            Counter(
-                "prism_rejected_messages",
-                "Messages rejected by a receiver, by kind of failure",
-                ["receiver", "kind"],
-                registry=registry,
-            )
-            if registry is not None
-            else None
-        )
+        self._metric = _metric(registry) if registry is not None else None
 
     def record(self, error: WireError) -> None:
         with self._lock:

@@ -153,8 +153,11 @@ class TablePublisher:
         self.snapshots_served = 0
 
     def publish(self, table: RoutingTable) -> None:
+        """Send `table` to every subscriber; raises `WireError` for a table routers would reject."""
+        frames = encode(table)
+        decode(frames, (RoutingTable,), MAX_TABLE_BYTES)
         self.current = table
-        self._current_frames = encode(table)
+        self._current_frames = frames
         self._pub.send_multipart(self._current_frames)
 
     def heartbeat(self) -> None:
@@ -190,13 +193,14 @@ class TablePublisher:
 class TableSubscriber:
     """Router side of the clone pattern: subscribes to every brain, asks for a snapshot at start (and
     again whenever a heartbeat shows a newer table than ours), and hands each newer table to `on_table`.
-    Tables are ordered by (epoch, version), so with two brains the router follows the highest."""
+    Tables are ordered by (epoch, version), so with two brains the router follows the highest; a table
+    counts as received only when `on_table` returns True."""
 
     def __init__(
         self,
         ctx: zmq.Context,
         brains: Sequence[BrainAddress],
-        on_table: Callable[[RoutingTable], None],
+        on_table: Callable[[RoutingTable], bool],
         rejects: RejectCounter,
         *,
         curve: ClientCurve | None = None,
@@ -228,7 +232,12 @@ class TableSubscriber:
     def _run(self) -> None:
         sub = self._make(zmq.SUB, MAX_TABLE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, b"prism.")
-        dealers = [self._make(zmq.DEALER, MAX_TABLE_BYTES) for _ in self._brains]
+        dealers = []
+        for _ in self._brains:
+            dealer = self._make(zmq.DEALER, MAX_TABLE_BYTES)
+            dealer.sndhwm = 1
+            dealer.setsockopt(zmq.IMMEDIATE, 1)
+            dealers.append(dealer)
         for brain, dealer in zip(self._brains, dealers, strict=True):
             sub.connect(brain.updates)
             dealer.connect(brain.snapshot)
@@ -247,8 +256,10 @@ class TableSubscriber:
                         except zmq.Again:
                             pass
                     next_request = now + self._retry_s
+                behind = False
                 for sock, _ in poller.poll(timeout=50):
-                    want_snapshot = self._receive(sock) or (want_snapshot and self.current_order[0] < 0)
+                    behind |= self._receive(sock)
+                want_snapshot = behind or self.current_order[0] < 0
         finally:
             sub.close()
             for dealer in dealers:
@@ -269,9 +280,17 @@ class TableSubscriber:
                 continue
             self.last_heard_monotonic = time.monotonic()
             order = (msg.epoch, msg.version)
-            if isinstance(msg, RoutingTable):
-                if order > self.current_order:
-                    self.current_order = order
-                    self._on_table(msg)
-            elif order > self.current_order:
+            if order <= self.current_order:
+                continue
+            if isinstance(msg, Heartbeat):
                 behind = True
+            elif self._deliver(msg):
+                self.current_order = order
+
+    def _deliver(self, table: RoutingTable) -> bool:
+        """Hand `table` to the callback; a callback failure is logged and the table not taken."""
+        try:
+            return self._on_table(table)
+        except Exception:
+            _log.exception("routing table %d.%d was not applied", table.epoch, table.version)
+            return False
