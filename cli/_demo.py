@@ -12,8 +12,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from typing import IO
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from prismlb.router import Router
 from prismlb.wire import BrainAddress, RoutingTable
@@ -57,21 +60,43 @@ def placement(router: Router) -> dict[str, str]:
     return {key: router.route(key).node_id for key in SAMPLE_KEYS}
 
 
-def _show(table: RoutingTable, where: dict[str, str]) -> None:
+def connect_counts(metrics_port: int) -> dict[str, int]:
+    """Each node's eBPF connect() count as the brain last heard it, from the brain's /metrics."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1).read().decode()
+    except OSError:
+        return {}
+    return {
+        sample.labels["node"]: int(sample.value)
+        for family in text_string_to_metric_families(text)
+        if family.name == "prism_brain_node_metric"
+        for sample in family.samples
+        if sample.labels.get("metric") == "connect_calls_total"
+    }
+
+
+def _show(table: RoutingTable, where: dict[str, str], counts: dict[str, int]) -> None:
     nodes = table.slices[0].nodes if table.slices else []
     print(f"\n== routing table {table.epoch}.{table.version}: {len(nodes)} node(s)")
     for node in nodes:
         keys = [k for k, n in where.items() if n == node.node_id]
         print(f"   {node.node_id:<24} weight {node.weight:.2f}  {node.endpoint:<24} keys: {' '.join(keys)}")
+    if counts:
+        seen = ", ".join(f"{node}={count}" for node, count in sorted(counts.items()))
+        print(f"   connect() calls on this host counted by each agent's eBPF probe: {seen}")
+    else:
+        print("   no eBPF connect() counts (probe off: see the agents' log lines)")
 
 
 def _run(args: argparse.Namespace) -> int:
     duration = min(55.0, max(10.0, args.duration))
     ingest, updates, snapshot = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    metrics_port = free_port()
     host = socket.gethostname()
     node_ids = [host, f"{host}-2", f"{host}-3"]
     print(f"prism demo: brain + {len(node_ids)} agents + router on loopback for {duration:.0f} s")
-    procs = [spawn("brain", ["brain", "--ingest", ingest, "--updates", updates, "--snapshot", snapshot])]
+    brain_args = ["brain", "--ingest", ingest, "--updates", updates, "--snapshot", snapshot]
+    procs = [spawn("brain", [*brain_args, "--metrics-port", str(metrics_port)])]
     for i, node_id in enumerate(node_ids):
         agent_args = ["agent", "--brain", ingest, "--endpoint", f"http://127.0.0.1:{8001 + i}"]
         if i:
@@ -81,7 +106,7 @@ def _run(args: argparse.Namespace) -> int:
         procs.append(spawn(node_ids[i], agent_args))
     victim = procs[-1]
     start = time.monotonic()
-    before: dict[str, str] | None = None
+    before: tuple[RoutingTable, dict[str, str]] | None = None
     killed = False
     try:
         with Router.connect(BrainAddress(updates=updates, snapshot=snapshot)) as router:
@@ -91,12 +116,12 @@ def _run(args: argparse.Namespace) -> int:
                 if table is not None and table.order != seen and table.slices and table.slices[0].nodes:
                     seen = table.order
                     where = placement(router)
-                    _show(table, where)
+                    _show(table, where, connect_counts(metrics_port))
                     live = {n.node_id for n in table.slices[0].nodes}
                     if not killed and live == set(node_ids):
-                        before = where
+                        before = (table, where)
                     if killed and before is not None and node_ids[-1] not in live:
-                        _report_moves(before, where, node_ids[-1])
+                        _report_moves(*before, table, where, node_ids[-1])
                         before = None
                 if not killed and time.monotonic() - start >= duration / 2:
                     print(f"\n== killing agent {node_ids[-1]} (SIGKILL); the brain drops it after 3 missed periods")
@@ -121,10 +146,17 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_moves(before: dict[str, str], after: dict[str, str], victim: str) -> None:
-    moved = [k for k in SAMPLE_KEYS if before[k] != after[k]]
-    from_victim = [k for k in moved if before[k] == victim]
+def _report_moves(
+    before: RoutingTable, placed: dict[str, str], after: RoutingTable, now: dict[str, str], victim: str
+) -> None:
+    weight = {n.node_id: n.weight for n in before.slices[0].nodes}
+    reweighted = {n.node_id for n in after.slices[0].nodes if n.weight != weight.get(n.node_id)}
+    moved = [k for k in SAMPLE_KEYS if placed[k] != now[k]]
+    from_victim = [k for k in moved if placed[k] == victim]
+    by_weight = [k for k in moved if placed[k] != victim and {placed[k], now[k]} & reweighted]
+    unexplained = len(moved) - len(from_victim) - len(by_weight)
     print(
-        f"\n== {len(moved)} of {len(SAMPLE_KEYS)} sample keys moved; {len(from_victim)} of them were on {victim}; "
-        f"keys on surviving nodes stayed put: {'yes' if len(from_victim) == len(moved) else 'no'}"
+        f"\n== {len(moved)} of {len(SAMPLE_KEYS)} sample keys moved: {len(from_victim)} from {victim}"
+        + (f", {len(by_weight)} because {', '.join(sorted(reweighted))} changed weight" if by_weight else "")
+        + f"; keys that moved between surviving nodes without a weight change: {unexplained}"
     )
