@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import bisect
-import threading
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 Role = Literal["client", "server"]
@@ -31,7 +28,7 @@ class Connection:
     bytes_sent: int = 0
     bytes_received: int = 0
     retransmits: int = 0
-    spans_joined: int = field(default=0)
+    first_span_unix_ns: int | None = None
 
     @property
     def four_tuple(self) -> FourTuple:
