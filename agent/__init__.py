@@ -3,7 +3,9 @@
 from ._agent import Agent
 from ._cli import add_parser
 from ._config import AgentConfig, resolve_config
-from ._ebpf import CheckRow, ConnectCounter, check, probe_ebpf
+from ._connections import Connection
+from ._conntrack import CheckRow, ConnectionTracer
+from ._ebpf import ConnectCounter, check, probe_ebpf
 from ._host import HostSample, HostSampler
 
 __all__ = [
@@ -11,6 +13,8 @@ __all__ = [
     "AgentConfig",
     "CheckRow",
     "ConnectCounter",
+    "Connection",
+    "ConnectionTracer",
     "HostSample",
     "HostSampler",
     "add_parser",

@@ -23,6 +23,7 @@ from prismlb.wire import (
 from ._config import AgentConfig
 from ._ebpf import ConnectCounter, probe_ebpf
 from ._host import HostSampler
+from ._tracing import TracePath
 
 _log = logging.getLogger("prism.agent")
 
@@ -56,6 +57,7 @@ class Agent:
         self._mem_total = Gauge("prism_agent_mem_total_bytes", "Host memory in total.", registry=self.registry)
         self._seq = 0
         self._dropping = False
+        self.trace_path: TracePath | None = None
 
     def run(self, stop: threading.Event) -> None:
         """Report every `period_s` on a fixed monotonic schedule until `stop` is set."""
@@ -66,7 +68,11 @@ class Agent:
             raise ConfigError(f"cannot serve /metrics on {config.metrics_addr}:{config.metrics_port}: {exc}") from None
         counter = self._open_counter()
         ctx = zmq.Context()
+        trace_path: TracePath | None = None
         try:
+            trace_path = TracePath(config, counter.tracer if counter is not None else None, self.registry)
+            trace_path.start()
+            self.trace_path = trace_path
             sender = VectorSender(ctx, config.brain, curve=config.curve)
             try:
                 self._loop(stop, sender, HostSampler(), counter)
@@ -75,6 +81,8 @@ class Agent:
                 sd_notify("STOPPING=1")
                 sender.close()
         finally:
+            if trace_path is not None:
+                trace_path.close()
             ctx.destroy(linger=0)
             if metrics is not None:
                 metrics.close()
@@ -86,7 +94,7 @@ class Agent:
         if not self.config.ebpf:
             _log.info("eBPF off: disabled by --no-ebpf; connect_calls_total stays absent")
             return None
-        counter, detail = probe_ebpf()
+        counter, detail = probe_ebpf(self.config.trace_ports, self.config.trace_pids)
         if counter is None:
             _log.warning("eBPF off: %s; connect_calls_total stays absent", detail)
         else:

@@ -7,12 +7,12 @@ import os
 import sys
 import threading
 
-from prismlb.bpf import program_text
 from prismlb.wire import ConfigError, setup_logging, stop_on_signals
 
 from ._agent import Agent
 from ._config import DEFAULT_BRAIN, DEFAULT_METRICS_ADDR, DEFAULT_PERIOD_S, resolve_config
-from ._ebpf import PROGRAM, check
+from ._conntrack import ConnectionTracer
+from ._ebpf import check
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -50,6 +50,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--metrics-port", type=int, help="port for Prometheus /metrics (PRISM_AGENT_METRICS_PORT; default: 0, off)"
     )
     parser.add_argument("--metrics-addr", help=f"address for /metrics (default: {DEFAULT_METRICS_ADDR})")
+    parser.add_argument("--otlp-host", help="address the OTLP receiver listens on (PRISM_OTLP_HOST; 127.0.0.1)")
+    parser.add_argument("--otlp-grpc-port", help="OTLP/gRPC port, 0 = off (PRISM_OTLP_GRPC_PORT; 4317)")
+    parser.add_argument("--otlp-http-port", help="OTLP/HTTP port, 0 = off (PRISM_OTLP_HTTP_PORT; 4318)")
+    parser.add_argument(
+        "--trace-port", action="append", help="trace only connections on this port, repeatable (PRISM_TRACE_PORTS)"
+    )
+    parser.add_argument(
+        "--trace-pid", action="append", help="trace only connections of this pid, repeatable (PRISM_TRACE_PIDS)"
+    )
+    parser.add_argument("--join-delay", help="seconds spans wait for kernel events before the join (0.25)")
     parser.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, help="log level (default: INFO)")
     parser.add_argument("--print-bpf", action="store_true", help="print the BPF program and exit")
     parser.add_argument("--check", action="store_true", help="print what works on this host and exit")
@@ -58,11 +68,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def _main(args: argparse.Namespace) -> int:
     if args.print_bpf:
-        print(program_text(PROGRAM), end="")
+        print(ConnectionTracer.program_text(), end="")
         return 0
     if args.check:
-        for name, ok, detail in check():
-            print(f"{'ok' if ok else 'no':<3} {name:<15} {detail}")
+        rows = check()
+        width = max(len(name) for name, _ok, _detail in rows)
+        for name, ok, detail in rows:
+            print(f"{'ok' if ok else 'no':<3} {name:<{width}} {detail}")
         return 0
     try:
         config = resolve_config(args, os.environ)

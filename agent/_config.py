@@ -19,6 +19,10 @@ DEFAULT_BRAIN = "tcp://127.0.0.1:5555"
 DEFAULT_ENDPOINT_PORT = 8000
 DEFAULT_PERIOD_S = 1.0
 DEFAULT_METRICS_ADDR = "127.0.0.1"
+DEFAULT_OTLP_HOST = "127.0.0.1"
+DEFAULT_OTLP_GRPC_PORT = 4317
+DEFAULT_OTLP_HTTP_PORT = 4318
+DEFAULT_JOIN_DELAY_S = 0.25
 
 _VECTOR_FIELDS = {f.name: f.type for f in msgspec.structs.fields(NodeVector)}
 
@@ -42,6 +46,12 @@ class AgentConfig:
     curve: ClientCurve | None = None
     metrics_port: int = 0
     metrics_addr: str = DEFAULT_METRICS_ADDR
+    otlp_host: str = DEFAULT_OTLP_HOST
+    otlp_grpc_port: int = DEFAULT_OTLP_GRPC_PORT
+    otlp_http_port: int = DEFAULT_OTLP_HTTP_PORT
+    trace_ports: frozenset[int] = frozenset()
+    trace_pids: frozenset[int] = frozenset()
+    join_delay_s: float = DEFAULT_JOIN_DELAY_S
 
 
 def _choose(args: argparse.Namespace, attr: str, flag: str, environ: Mapping[str, str], env: str) -> tuple[Any, str]:
@@ -84,14 +94,58 @@ def _period(raw: str | float, source: str) -> float:
     return period
 
 
-def _port(raw: str | int, source: str) -> int:
+def _port(raw: str | int, source: str, what: str = "metrics port") -> int:
     try:
         port = int(raw)
     except (TypeError, ValueError):
-        raise ConfigError(f"{source}: metrics port {raw!r} is not an integer") from None
+        raise ConfigError(f"{source}: {what} {raw!r} is not an integer") from None
     if not 0 <= port <= 65535:
-        raise ConfigError(f"{source}: metrics port must be 0 (off) to 65535, got {port}")
+        raise ConfigError(f"{source}: {what} must be 0 (off) to 65535, got {port}")
     return port
+
+
+def _id_set(raw: str | list[str], source: str, what: str, high: int) -> frozenset[int]:
+    """A comma-separated (or repeated) list of integers in 1..high."""
+    items = raw if isinstance(raw, list) else raw.split(",")
+    values: set[int] = set()
+    for item in (i.strip() for part in items for i in str(part).split(",")):
+        if not item:
+            continue
+        if not item.isdigit() or not 1 <= int(item) <= high:
+            raise ConfigError(f"{source}: {what} {item!r} is not an integer in 1..{high}")
+        values.add(int(item))
+    return frozenset(values)
+
+
+def _otlp(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
+    host, _ = _choose(args, "otlp_host", "--otlp-host", environ, "PRISM_OTLP_HOST")
+    if host is not None and not host:
+        raise ConfigError("--otlp-host: empty address")
+    ports = {}
+    for attr, flag, env, default in (
+        ("otlp_grpc_port", "--otlp-grpc-port", "PRISM_OTLP_GRPC_PORT", DEFAULT_OTLP_GRPC_PORT),
+        ("otlp_http_port", "--otlp-http-port", "PRISM_OTLP_HTTP_PORT", DEFAULT_OTLP_HTTP_PORT),
+    ):
+        raw, source = _choose(args, attr, flag, environ, env)
+        ports[attr] = _port(raw, source, "OTLP port") if raw is not None else default
+    trace_ports, ports_source = _choose(args, "trace_port", "--trace-port", environ, "PRISM_TRACE_PORTS")
+    trace_pids, pids_source = _choose(args, "trace_pid", "--trace-pid", environ, "PRISM_TRACE_PIDS")
+    raw_delay, delay_source = _choose(args, "join_delay", "--join-delay", environ, "PRISM_JOIN_DELAY_S")
+    delay = DEFAULT_JOIN_DELAY_S
+    if raw_delay is not None:
+        try:
+            delay = float(raw_delay)
+        except ValueError:
+            raise ConfigError(f"{delay_source}: join delay {raw_delay!r} is not a number of seconds") from None
+        if not 0 <= delay <= 10:
+            raise ConfigError(f"{delay_source}: join delay must be 0 to 10 seconds, got {raw_delay!r}")
+    return {
+        "otlp_host": host if host is not None else DEFAULT_OTLP_HOST,
+        **ports,
+        "trace_ports": _id_set(trace_ports, ports_source, "port", 65535) if trace_ports is not None else frozenset(),
+        "trace_pids": _id_set(trace_pids, pids_source, "pid", 2**32 - 1) if trace_pids is not None else frozenset(),
+        "join_delay_s": delay,
+    }
 
 
 def _check_endpoint(endpoint: str, source: str) -> None:
@@ -187,4 +241,5 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Agen
         curve=_curve(args, environ),
         metrics_port=metrics_port,
         metrics_addr=metrics_addr if metrics_addr is not None else DEFAULT_METRICS_ADDR,
+        **_otlp(args, environ),
     )

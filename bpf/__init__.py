@@ -6,7 +6,7 @@ from importlib.resources import files
 
 
 def program_text(name: str) -> str:
-    """The source of the BPF program `name` (e.g. "connect_count" for connect_count.c)."""
+    """The source of the BPF program `name` (e.g. "conntrack" for conntrack.c)."""
     resource = files(__name__).joinpath(f"{name}.c")
     if not resource.is_file():
         raise FileNotFoundError(f"no BPF program {name!r} in {__name__}")

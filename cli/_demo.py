@@ -99,6 +99,7 @@ def _run(args: argparse.Namespace) -> int:
     procs = [spawn("brain", [*brain_args, "--metrics-port", str(metrics_port)])]
     for i, node_id in enumerate(node_ids):
         agent_args = ["agent", "--brain", ingest, "--endpoint", f"http://127.0.0.1:{8001 + i}"]
+        agent_args += ["--otlp-grpc-port", "0", "--otlp-http-port", "0"]
         if i:
             agent_args += ["--node-id", node_id]
         if args.no_ebpf:

@@ -71,7 +71,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     )
     agents = {
         node: prism(
-            ["agent", "--node-id", node, "--brain", ingest, "--period", "0.5", "--endpoint", f"http://127.0.0.1:{9000 + i}"],
+            [
+                "agent", "--node-id", node, "--brain", ingest, "--period", "0.5",
+                "--endpoint", f"http://127.0.0.1:{9000 + i}", "--otlp-grpc-port", "0", "--otlp-http-port", "0",
+            ],
             logs / f"{node}.log",
         )
         for i, node in enumerate(NODES)

@@ -1,4 +1,5 @@
-"""The real eBPF connect() counter through bcc, and the host check; skipped only without root or bcc."""
+"""The real eBPF connect() counter through bcc (the connection tracer's program), the CLI's --print-bpf and the
+host check; skipped only without root or bcc."""
 
 from __future__ import annotations
 
@@ -9,12 +10,28 @@ import socket
 
 import pytest
 
-from prismlb.agent import add_parser, check, probe_ebpf
+from prismlb.agent import ConnectionTracer, add_parser, check, probe_ebpf
 from prismlb.bpf import program_text
 
 pytestmark = pytest.mark.ebpf
 
-CHECK_NAMES = ["root", "bcc", "tracefs", "kernel headers", "bpf load", "nvml"]
+TRACEPOINTS = [
+    "syscalls:sys_enter_connect",
+    "sock:inet_sock_set_state",
+    "sock:sock_send_length",
+    "sock:sock_recv_length",
+    "tcp:tcp_retransmit_skb",
+    "tcp:tcp_destroy_sock",
+]
+CHECK_NAMES = [
+    "root",
+    "bcc",
+    "tracefs",
+    "kernel headers",
+    *(f"tracepoint {name}" for name in TRACEPOINTS),
+    "bpf load",
+    "nvml",
+]
 
 
 def _require_root_and_bcc() -> None:
@@ -45,6 +62,7 @@ def test_counter_sees_every_connect() -> None:
             with socket.create_connection(address, timeout=2):
                 pass
         after = counter.total()
+        assert counter.tracer.connect_calls_total() == counter.total()
     assert after - before >= 20
 
 
@@ -59,8 +77,22 @@ def test_probe_without_root_says_run_as_root(monkeypatch: pytest.MonkeyPatch) ->
 def test_print_bpf_prints_the_tracepoint_program(capsys: pytest.CaptureFixture[str]) -> None:
     assert _run_cli(["agent", "--print-bpf"]) == 0
     out = capsys.readouterr().out
-    assert "TRACEPOINT_PROBE(syscalls, sys_enter_connect)" in out
-    assert out == program_text("connect_count")
+    for tracepoint in TRACEPOINTS:
+        category, name = tracepoint.split(":")
+        assert f"TRACEPOINT_PROBE({category}, {name})" in out
+    assert out == program_text("conntrack") == ConnectionTracer.program_text()
+    assert "kprobe" not in out.lower()
+
+
+def test_check_prints_one_aligned_line_per_item(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run_cli(["agent", "--check"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    detail_column = len("ok ") + 1 + max(len(name) for name in CHECK_NAMES) + 1
+    assert len(lines) == len(CHECK_NAMES)
+    for line, name in zip(lines, CHECK_NAMES, strict=True):
+        assert line[:3] in ("ok ", "no ")
+        assert line[4:detail_column].rstrip() == name
+        assert line[detail_column] != " "
 
 
 def test_unknown_program_is_an_error() -> None:
@@ -81,6 +113,6 @@ def test_check_lists_every_item() -> None:
 def test_check_as_root_loads_the_program() -> None:
     _require_root_and_bcc()
     rows = {name: (ok, detail) for name, ok, detail in check()}
-    for name in ("root", "bcc", "tracefs", "kernel headers", "bpf load"):
+    for name in CHECK_NAMES[:-1]:
         ok, detail = rows[name]
         assert ok, f"{name}: {detail}"

@@ -1,0 +1,109 @@
+"""The agent's trace path: kernel connections in, OTLP spans in, joined spans out to the collector."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ._config import AgentConfig
+from ._conntrack import ConnectionTracer
+from ._join import ConnectionIndex, SpanJoiner
+from ._otlp_forward import SpanForwarder, upstream_exporter
+from ._otlp_receiver import OtlpReceiver
+from ._spans import SpanPipeline
+
+_log = logging.getLogger("prism.agent")
+
+
+class TracePath:
+    """Owns the connection index fed by the tracer (when there is one), the OTLP receiver, the join and the
+    forwarder. Spans flow without eBPF too: they are then forwarded unjoined."""
+
+    def __init__(self, config: AgentConfig, tracer: ConnectionTracer | None, registry: CollectorRegistry) -> None:
+        self.tracer = tracer
+        self.index = ConnectionIndex()
+        self.joiner = SpanJoiner(self.index, stats=tracer.stats if tracer is not None else None)
+        self._stop = threading.Event()
+        self._kernel = threading.Thread(target=self._poll_kernel, name="prism-kernel-events", daemon=True)
+        self.receiver: OtlpReceiver | None = None
+        self.forwarder: SpanForwarder | None = None
+        self.pipeline = SpanPipeline(self.joiner, self._forward, join_delay_s=config.join_delay_s)
+        if config.otlp_grpc_port or config.otlp_http_port:
+            self.receiver = OtlpReceiver(
+                self.pipeline.put,
+                lambda _metrics: None,  # counted by the receiver; the metric consumers come with GPU telemetry
+                host=config.otlp_host,
+                grpc_port=config.otlp_grpc_port,
+                http_port=config.otlp_http_port,
+                registry=registry,
+            )
+            exporter = upstream_exporter(self.receiver.addresses)
+            if exporter is not None:
+                self.forwarder = SpanForwarder(exporter, registry=registry)
+        registry.register(_TraceCollector(self))
+
+    def start(self) -> None:
+        if self.tracer is not None:
+            self.tracer.on_established = self.index.established
+            self.tracer.on_closed = self.index.closed
+            self._kernel.start()
+        if self.receiver is not None:
+            self.receiver.start()
+            _log.info(
+                "OTLP receiver on %s",
+                ", ".join(f"{host}:{port}" for host, port in self.receiver.addresses),
+            )
+
+    def _poll_kernel(self) -> None:
+        assert self.tracer is not None
+        while not self._stop.is_set():
+            self.tracer.poll(100)
+
+    def _forward(self, request: ExportTraceServiceRequest) -> None:
+        if self.forwarder is not None:
+            self.forwarder.submit(request)
+
+    def close(self) -> None:
+        """Stop receiving, join and forward what is held, then stop reading kernel events."""
+        if self.receiver is not None:
+            self.receiver.shutdown()
+        self.pipeline.shutdown()
+        if self.forwarder is not None:
+            self.forwarder.shutdown(timeout_s=5.0)
+        self._stop.set()
+        if self._kernel.is_alive():
+            self._kernel.join(timeout=5)
+
+
+class _TraceCollector(Collector):
+    def __init__(self, path: TracePath) -> None:
+        self._path = path
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._path.joiner.counts
+        for name, help_text, value in (
+            ("prism_agent_join_server_spans", "Server spans received", counts.server_spans),
+            ("prism_agent_join_server_spans_with_peer", "Server spans naming a TCP peer", counts.server_spans_with_peer),
+            ("prism_agent_join_server_spans_joined", "Server spans joined to a connection", counts.server_spans_joined),
+            ("prism_agent_join_client_spans", "Client spans received", counts.client_spans),
+            ("prism_agent_join_client_spans_joined", "Client spans joined to a connection", counts.client_spans_joined),
+            ("prism_agent_join_skipped", "Span requests forwarded unjoined (join queue full)", self._path.pipeline.join_skipped),
+        ):
+            yield CounterMetricFamily(name, help_text, value=value)
+        if counts.coverage is not None:
+            yield GaugeMetricFamily(
+                "prism_agent_join_coverage_ratio",
+                "Joined server spans / server spans that had a TCP connection",
+                value=counts.coverage,
+            )
+        yield GaugeMetricFamily("prism_agent_connections_indexed", "Connections kept for the join", value=len(self._path.index))
+        tracer = self._path.tracer
+        if tracer is not None:
+            yield CounterMetricFamily("prism_agent_ebpf_events", "Connection events read from the kernel", value=tracer.events_total)
+            yield CounterMetricFamily("prism_agent_ebpf_lost_events", "Connection events the perf buffer lost", value=tracer.lost_events)

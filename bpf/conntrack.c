@@ -1,0 +1,259 @@
+// Every TCP connection on this host, client and server side, IPv4 and IPv6, from tracepoints only: one
+// ESTABLISHED event (handshake time on the client side) and one CLOSED event (bytes, retransmits) each,
+// plus a per-CPU count of connect() calls. Every field comes from a tracepoint's own arguments or a BPF
+// helper; no kernel struct is read, so the program does not depend on the kernel's struct layouts.
+//
+// The live state of a connection is kept in `conns`, keyed by the socket's address (skaddr), created when
+// the connection starts (client: CLOSE->SYN_SENT inside connect(); server: SYN_RECV->ESTABLISHED) and
+// deleted on ->CLOSE if it never was established, else on tcp_destroy_sock, when the socket is freed: a
+// socket can reach CLOSE with data still to read (a FIN or RST behind it), and those bytes count too.
+// The pid is only read in process context: inside connect() on the client side, on the first
+// sendmsg/recvmsg on the server side (where the ESTABLISHED event waits for it); never in softirq.
+
+#define PRISM_AF_INET 2
+#define PRISM_AF_INET6 10
+#define PRISM_IPPROTO_TCP 6
+#define PRISM_MSG_PEEK 2
+
+#define PRISM_TCP_ESTABLISHED 1
+#define PRISM_TCP_SYN_SENT 2
+#define PRISM_TCP_SYN_RECV 3
+#define PRISM_TCP_CLOSE 7
+
+#define EVENT_ESTABLISHED 1
+#define EVENT_CLOSED 2
+
+#define ROLE_CLIENT 0
+#define ROLE_SERVER 1
+
+#define FILTER_PORTS 0
+#define FILTER_PIDS 1
+
+// A connection as it stands (the value in `conns`) and, with kind and ts_ns set, the event sent to user
+// space: the one definition of the event, which Python reads through bcc's events.event(data).
+struct conn {
+    u64 sock_id;          // the socket's kernel address: the key in `conns`, unique while the socket lives
+    u64 ts_ns;            // event: bpf_ktime_get_ns() when sent (CLOCK_MONOTONIC, like every *_ns here)
+    u64 syn_ns;           // client: CLOSE->SYN_SENT, when connect() sends the SYN; 0 on the server side
+    u64 established_ns;   // ->ESTABLISHED; 0 before
+    u64 closed_ns;        // ->CLOSE; 0 before
+    u64 bytes_sent;       // sendmsg() results > 0
+    u64 bytes_received;   // recvmsg() results > 0, MSG_PEEK excluded
+    u64 announced;        // 1 once the ESTABLISHED event is out (64 bits: atomically exchanged)
+    u32 retransmits;      // segments retransmitted (SYNs included)
+    u32 pid;              // 0 until known
+    u32 tid;
+    u16 family;           // 2 (AF_INET) or 10 (AF_INET6)
+    u16 lport;            // local port: 0 at SYN_SENT, set at ESTABLISHED
+    u16 rport;
+    u8 kind;              // event: EVENT_ESTABLISHED or EVENT_CLOSED; 0 in the map
+    u8 role;              // ROLE_CLIENT or ROLE_SERVER
+    u8 laddr[16];         // IPv4 in the first 4 bytes
+    u8 raddr[16];
+    char comm[16];
+};
+
+BPF_PERCPU_ARRAY(connect_calls, u64, 1);
+BPF_TABLE("lru_hash", u64, struct conn, conns, 65536);
+BPF_HASH(ports, u16, u8, 1024);   // local or remote ports to trace
+BPF_HASH(pids, u32, u8, 1024);    // processes to trace
+// [FILTER_PORTS], [FILTER_PIDS]: 1 while every port / every process is traced. The loader sets them; until
+// then they are 0 and the sets empty, so nothing slips past a filter between attaching and configuring.
+BPF_ARRAY(match_all, u32, 2);
+BPF_PERF_OUTPUT(events);
+
+static __always_inline int filter_on(u32 which) {
+    u32 *all = match_all.lookup(&which);
+    return !all || !*all;
+}
+
+static __always_inline int pid_wanted(u32 pid) {
+    return !filter_on(FILTER_PIDS) || pids.lookup(&pid);
+}
+
+static __always_inline int ports_wanted(u16 lport, u16 rport) {
+    return !filter_on(FILTER_PORTS) || ports.lookup(&lport) || ports.lookup(&rport);
+}
+
+static __always_inline void take_process(struct conn *c) {
+    u64 id = bpf_get_current_pid_tgid();
+    c->pid = id >> 32;
+    c->tid = (u32)id;
+    bpf_get_current_comm(&c->comm, sizeof(c->comm));
+}
+
+static __always_inline void emit(void *ctx, struct conn *c, u8 kind) {
+    struct conn event = *c;
+    event.kind = kind;
+    event.ts_ns = bpf_ktime_get_ns();
+    events.perf_submit(ctx, &event, sizeof(event));
+}
+
+// The CLOSED event of an established connection. A server-side one that no process ever read or wrote has
+// no pid, so a pid filter drops it.
+static __always_inline void finish(void *ctx, struct conn *c) {
+    if (c->established_ns && (c->announced || !filter_on(FILTER_PIDS))) {
+        emit(ctx, c, EVENT_CLOSED);
+    }
+}
+
+// sendmsg/recvmsg run in the calling process's context: count the bytes and, on the server side, take the
+// pid the first time and send the ESTABLISHED event that waited for it.
+static __always_inline void on_io(void *ctx, u64 sk, int bytes, int received) {
+    struct conn *c = conns.lookup(&sk);
+    if (!c) {
+        return;
+    }
+    if (bytes > 0) {
+        if (received) {
+            __sync_fetch_and_add(&c->bytes_received, bytes);
+        } else {
+            __sync_fetch_and_add(&c->bytes_sent, bytes);
+        }
+    }
+    if (c->role != ROLE_SERVER || __sync_lock_test_and_set(&c->announced, 1)) {
+        return;
+    }
+    u64 id = bpf_get_current_pid_tgid();
+    if (!pid_wanted(id >> 32)) {
+        conns.delete(&sk);
+        return;
+    }
+    take_process(c);
+    emit(ctx, c, EVENT_ESTABLISHED);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_connect) {
+    u32 zero = 0;
+    u64 *count = connect_calls.lookup(&zero);
+    if (count) {
+        *count += 1;
+    }
+    return 0;
+}
+
+TRACEPOINT_PROBE(sock, inet_sock_set_state) {
+    if (args->protocol != PRISM_IPPROTO_TCP) {
+        return 0;
+    }
+    if (args->family != PRISM_AF_INET && args->family != PRISM_AF_INET6) {
+        return 0;
+    }
+    u64 sk = (u64)args->skaddr;
+    int newstate = args->newstate;
+
+    if (newstate == PRISM_TCP_SYN_SENT) {  // inside connect(): process context
+        struct conn *reused = conns.lookup(&sk);
+        if (reused) {  // connect() again on a socket whose connection closed: that one is over
+            finish(args, reused);
+        }
+        u64 id = bpf_get_current_pid_tgid();
+        if (!pid_wanted(id >> 32)) {
+            conns.delete(&sk);
+            return 0;
+        }
+        struct conn c = {};
+        c.sock_id = sk;
+        c.role = ROLE_CLIENT;
+        c.syn_ns = bpf_ktime_get_ns();
+        take_process(&c);
+        conns.update(&sk, &c);
+        return 0;
+    }
+
+    if (newstate == PRISM_TCP_CLOSE) {
+        struct conn *c = conns.lookup(&sk);
+        if (!c) {
+            return 0;
+        }
+        if (c->established_ns) {
+            c->closed_ns = bpf_ktime_get_ns();  // the CLOSED event waits for tcp_destroy_sock
+        } else {
+            conns.delete(&sk);  // never established (refused, timed out, closed while connecting): no event
+        }
+        return 0;
+    }
+
+    if (newstate != PRISM_TCP_ESTABLISHED) {
+        return 0;
+    }
+    u16 lport = args->sport;
+    u16 rport = args->dport;
+    struct conn *c;
+    struct conn fresh = {};
+    if (args->oldstate == PRISM_TCP_SYN_SENT) {  // client: softirq, the pid was taken at SYN_SENT
+        c = conns.lookup(&sk);
+        if (!c) {
+            return 0;  // connect() began before the program was attached, or its pid is filtered out
+        }
+        if (!ports_wanted(lport, rport)) {
+            conns.delete(&sk);
+            return 0;
+        }
+    } else if (args->oldstate == PRISM_TCP_SYN_RECV) {  // server: the pid comes with the first send/recv
+        if (!ports_wanted(lport, rport)) {
+            return 0;
+        }
+        fresh.sock_id = sk;
+        fresh.role = ROLE_SERVER;
+        c = &fresh;
+    } else {
+        return 0;
+    }
+    c->established_ns = bpf_ktime_get_ns();
+    c->family = args->family;
+    c->lport = lport;
+    c->rport = rport;
+    if (args->family == PRISM_AF_INET) {
+        __builtin_memcpy(c->laddr, args->saddr, 4);
+        __builtin_memcpy(c->raddr, args->daddr, 4);
+    } else {
+        __builtin_memcpy(c->laddr, args->saddr_v6, 16);
+        __builtin_memcpy(c->raddr, args->daddr_v6, 16);
+    }
+    if (c->role == ROLE_SERVER) {
+        conns.update(&sk, c);
+        return 0;
+    }
+    c->announced = 1;
+    emit(args, c, EVENT_ESTABLISHED);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sock, sock_send_length) {
+    if (args->protocol == PRISM_IPPROTO_TCP) {
+        on_io(args, (u64)args->sk, args->ret, 0);
+    }
+    return 0;
+}
+
+TRACEPOINT_PROBE(sock, sock_recv_length) {
+    if (args->protocol == PRISM_IPPROTO_TCP) {
+        on_io(args, (u64)args->sk, (args->flags & PRISM_MSG_PEEK) ? 0 : args->ret, 1);
+    }
+    return 0;
+}
+
+TRACEPOINT_PROBE(tcp, tcp_retransmit_skb) {
+#ifdef PRISM_RETRANSMIT_HAS_ERR
+    if (args->err) {
+        return 0;  // the attempt failed (e.g. the segment was still queued): the kernel tries again
+    }
+#endif
+    u64 sk = (u64)args->skaddr;
+    struct conn *c = conns.lookup(&sk);
+    if (c) {
+        __sync_fetch_and_add(&c->retransmits, 1);
+    }
+    return 0;
+}
+
+TRACEPOINT_PROBE(tcp, tcp_destroy_sock) {
+    u64 sk = (u64)args->skaddr;
+    struct conn *c = conns.lookup(&sk);
+    if (c) {
+        finish(args, c);
+        conns.delete(&sk);
+    }
+    return 0;
+}
