@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser = subparsers.add_parser(
         "agent",
         help="report this node's vector to the brain",
-        description="Sample this node (eBPF connect() counter, CPU, memory) and push a node vector to the brain "
+        description="Sample this node (eBPF connection tracing, CPU, memory), join OTLP spans to connections, and push a node vector to the brain "
         "every period. A flag beats its environment variable, which beats the default.",
     )
     parser.add_argument("--node-id", help="node id (PRISM_NODE_ID; default: hostname)")
@@ -42,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"reporting period (PRISM_PERIOD_S; default: {DEFAULT_PERIOD_S})",
     )
     parser.add_argument(
-        "--no-ebpf", dest="ebpf", action="store_false", default=None, help="do not load the eBPF connect() counter"
+        "--no-ebpf", dest="ebpf", action="store_false", default=None, help="do not load the eBPF program (no connection tracing, no connect() count)"
     )
     parser.add_argument("--curve-secret", metavar="FILE", help="our CURVE secret key file (PRISM_CURVE_SECRET)")
     parser.add_argument("--brain-public", metavar="FILE", help="the brain's CURVE public key file (PRISM_BRAIN_PUBLIC)")

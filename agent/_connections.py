@@ -23,6 +23,7 @@ class Connection:
     pid: int | None = None
     tid: int | None = None
     comm: str | None = None
+    process_start_unix_s: float | None = None
     handshake_us: float | None = None
     closed_unix_ns: int | None = None
     bytes_sent: int = 0

@@ -8,6 +8,7 @@ import re
 import socket
 import threading
 from collections.abc import Callable, Iterable
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,29 @@ def _address(family: int, raw: Any) -> str:
     return socket.inet_ntop(family, packed[:4] if family == socket.AF_INET else packed)
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@lru_cache(maxsize=1)
+def _boot_unix_s() -> float:
+    with open("/proc/stat") as stat:
+        return float(next(line.split()[1] for line in stat if line.startswith("btime ")))
+
+
+@lru_cache(maxsize=4096)
+def process_start_unix_s(pid: int, comm: str) -> float | None:
+    """When process `pid` started (epoch seconds), read once per (pid, comm) from /proc; None once it is gone.
+
+    The kernel's own `task_struct` is off limits (its layout differs from the packaged headers), so the
+    start time comes from user space; with `comm` in the key a recycled pid is read again."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return _boot_unix_s() + int(fields[19]) / _CLOCK_TICKS
+
+
 class ConnectionTracer:
     """TCP connections of this host, client and server side, seen from tracepoints; open with `open()`.
 
@@ -183,6 +207,7 @@ class ConnectionTracer:
     def _on_event(self, _cpu: int, data: Any, _size: int) -> None:
         event = self._events.event(data)
         to_unix = self._clock.to_unix_ns
+        comm = event.comm.decode(errors="replace") if event.pid else None
         connection = Connection(
             sock_id=event.sock_id,
             role="server" if event.role == _ROLE_SERVER else "client",
@@ -193,7 +218,8 @@ class ConnectionTracer:
             established_unix_ns=to_unix(event.established_ns),
             pid=event.pid or None,
             tid=event.tid or None,
-            comm=event.comm.decode(errors="replace") if event.pid else None,
+            comm=comm,
+            process_start_unix_s=process_start_unix_s(event.pid, comm) if comm is not None else None,
             handshake_us=(event.established_ns - event.syn_ns) / 1000 if event.syn_ns else None,
             closed_unix_ns=to_unix(event.closed_ns) if event.kind == _EVENT_CLOSED else None,
             bytes_sent=event.bytes_sent,

@@ -94,6 +94,7 @@ class ConnectionIndex:
             conn.pid = conn.pid or final.pid
             conn.tid = conn.tid or final.tid
             conn.comm = conn.comm or final.comm
+            conn.process_start_unix_s = conn.process_start_unix_s or final.process_start_unix_s
 
     def _evict(self, now_ns: int) -> None:
         horizon = now_ns - self.retention_ns
@@ -252,7 +253,7 @@ class SpanJoiner:
                 continue
             if local_port is not None and conn.local_port != local_port:
                 continue
-            if conn.established_unix_ns > end + self._slack_ns:
+            if conn.established_unix_ns > end:  # no slack here: the next connection may follow within µs
                 continue
             if conn.closed_unix_ns is not None and conn.closed_unix_ns < start - self._slack_ns:
                 continue
@@ -265,7 +266,7 @@ class SpanJoiner:
         inside = [
             c
             for c in self.index.by_thread(pid, tid)
-            if c.role == "client" and start - self._slack_ns <= c.established_unix_ns <= end + self._slack_ns
+            if c.role == "client" and start - self._slack_ns <= c.established_unix_ns <= end
         ]
         if not inside or (tid is None and len(inside) > 1):
             return None  # without a thread id, only an unambiguous connection will do
@@ -299,6 +300,8 @@ class SpanJoiner:
             extra.append(("prism.net.handshake_us", conn.handshake_us))
         if conn.pid is not None:
             extra.append(("prism.net.pid", conn.pid))
+        if conn.process_start_unix_s is not None:
+            extra.append(("prism.net.process.start_unix_s", conn.process_start_unix_s))
         span.attributes.extend(_kv(k, v) for k, v in extra)
 
 

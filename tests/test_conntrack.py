@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
 from prismlb.agent import Connection, ConnectionTracer
@@ -167,6 +168,7 @@ def _check_connections(seen: _Seen, clients: list[tuple[FourTuple, int, int, int
     for four_tuple, size, started_ns, connected_ns in clients:
         client = seen.one("established", "client", four_tuple)
         assert (client.pid, client.tid, client.comm) == (pid, tid, _comm(tid))
+        assert client.process_start_unix_s == pytest.approx(psutil.Process().create_time(), abs=0.05)
         assert client.handshake_us is not None and client.handshake_us > 0
         assert client.handshake_us <= (connected_ns - started_ns) / 1000
         assert started_ns - 1_000_000 <= client.established_unix_ns <= connected_ns + 1_000_000

@@ -176,3 +176,13 @@ def test_pipeline_holds_joins_and_never_drops() -> None:
     pipeline.put(ExportTraceServiceRequest())
     pipeline.shutdown()
     assert len(out) == 7, "shutdown hands on what was still held"
+
+
+def test_client_span_does_not_take_the_next_connection() -> None:
+    index = ConnectionIndex()
+    index.established(conn(1, "client", ("127.0.0.1", 41000), ("127.0.0.1", 8000), 0, pid=7))
+    index.closed(conn(1, "client", ("127.0.0.1", 41000), ("127.0.0.1", 8000), 0, pid=7, closed_unix_ns=T0 + 2 * MS))
+    index.established(conn(2, "client", ("127.0.0.1", 41001), ("127.0.0.1", 8000), 2.1, pid=7))
+    joiner = SpanJoiner(index)
+    (s,) = enrich(joiner, [span(3, 0.2, {"server.address": "127.0.0.1", "server.port": 8000}, end_ms=1.9)], pid=7)
+    assert attrs_of(s)["prism.net.local.port"] == 41000

@@ -15,17 +15,31 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import ProcessResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, Tracer
 
-provider = TracerProvider(
-    resource=Resource.create({"service.name": "test-http-server"}).merge(ProcessResourceDetector().detect())
-)
-provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(), schedule_delay_millis=100, max_queue_size=20000))
-tracer = provider.get_tracer("prism.tests.server")
+
+def make_provider() -> TracerProvider:
+    """A provider exporting over OTLP/HTTP to where OTEL_EXPORTER_OTLP_TRACES_ENDPOINT says."""
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": "test-http-server"}).merge(ProcessResourceDetector().detect())
+    )
+    provider.add_span_processor(
+        BatchSpanProcessor(OTLPSpanExporter(), schedule_delay_millis=100, max_queue_size=20000, max_export_batch_size=512)
+    )
+    return provider
+
+
+def make_server(host: str, port: int, tracer: Tracer) -> ThreadingHTTPServer:
+    """A threading HTTP server whose requests each make one SERVER span with `tracer`."""
+    handler = type("Handler", (Handler,), {"tracer": tracer})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
 
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    tracer: Tracer
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         peer_addr, peer_port = self.client_address[:2]
@@ -43,7 +57,7 @@ class Handler(BaseHTTPRequestHandler):
             "test.client.local_port": int(self.headers.get("X-Test-Local-Port", "0")),
             "test.client.local_address": self.headers.get("X-Test-Local-Address", ""),
         }
-        with tracer.start_as_current_span("GET", kind=SpanKind.SERVER, attributes=attributes):
+        with self.tracer.start_as_current_span("GET", kind=SpanKind.SERVER, attributes=attributes):
             body = b"ok\n"
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
@@ -55,8 +69,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main() -> None:
-    server = ThreadingHTTPServer((sys.argv[1], int(sys.argv[2])), Handler)
-    server.daemon_threads = True
+    provider = make_provider()
+    server = make_server(sys.argv[1], int(sys.argv[2]), provider.get_tracer("prism.tests.server"))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -1,0 +1,233 @@
+"""The agent's trace path for real: kernel connections joined to the spans of an OpenTelemetry-instrumented
+HTTP server that exports to the agent over OTLP; the agent forwards to an upstream collector."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from prometheus_client import CollectorRegistry
+
+from prismlb.agent import Agent, AgentConfig
+from prismlb.agent._otlp_receiver import EPHEMERAL_PORT, OtlpReceiver
+
+from ._netns import veth_pair
+from .apps.otel_http_server import make_provider, make_server
+from .conftest import free_port
+
+APPS = Path(__file__).parent / "apps"
+REQUESTS = 1000
+
+
+def require_ebpf() -> None:
+    if os.geteuid() != 0:
+        pytest.skip(f"the kernel path needs root; running as uid {os.geteuid()}")
+    try:
+        importlib.import_module("bcc")
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"bcc is not importable ({exc}); apt-get install python3-bpfcc")
+
+
+@dataclass
+class Running:
+    agent: Agent
+    http_port: int
+    upstream: list[ExportTraceServiceRequest]
+
+
+@pytest.fixture
+def agent(monkeypatch: pytest.MonkeyPatch) -> Iterator[Running]:
+    require_ebpf()
+    upstream_requests: list[ExportTraceServiceRequest] = []
+    upstream = OtlpReceiver(upstream_requests.append, lambda _m: None, grpc_port=0, http_port=EPHEMERAL_PORT)
+    upstream.start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{upstream.http_port}/v1/traces")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    http_port = free_port()
+    config = AgentConfig(
+        node_id="join-test",
+        brain=f"tcp://127.0.0.1:{free_port()}",
+        otlp_grpc_port=0,
+        otlp_http_port=http_port,
+        period_s=0.5,
+    )
+    agent = Agent(config, CollectorRegistry())
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while agent.trace_path is None or agent.trace_path.receiver is None or agent.trace_path.tracer is None:
+        assert time.monotonic() < deadline and thread.is_alive(), "the agent did not start its trace path"
+        time.sleep(0.05)
+    yield Running(agent, http_port, upstream_requests)
+    stop.set()
+    thread.join(timeout=15)
+    upstream.shutdown()
+
+
+def attributes(span: Span) -> dict[str, object]:
+    return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}
+
+
+def spans_of(requests: list[ExportTraceServiceRequest], kind: int) -> list[dict[str, object]]:
+    return [
+        attributes(span)
+        for request in list(requests)
+        for rs in request.resource_spans
+        for ss in rs.scope_spans
+        for span in ss.spans
+        if span.kind == kind
+    ]
+
+
+def server_spans(requests: list[ExportTraceServiceRequest]) -> list[dict[str, object]]:
+    return spans_of(requests, Span.SpanKind.SPAN_KIND_SERVER)
+
+
+def wait_for_spans(running: Running, count: int, timeout_s: float = 30) -> list[dict[str, object]]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        spans = server_spans(running.upstream)
+        if len(spans) >= count:
+            return spans
+        time.sleep(0.1)
+    raise AssertionError(f"upstream got {len(server_spans(running.upstream))} of {count} server spans")
+
+
+def check_join(running: Running, client_tuples: list[list[object]], server_address: str, server_port: int) -> None:
+    spans = wait_for_spans(running, len(client_tuples))
+    assert len(spans) == len(client_tuples), "every span is forwarded, joined or not"
+    joined = [s for s in spans if "prism.net.join" in s]
+    coverage = len(joined) / len(spans)
+    counts = running.agent.trace_path.joiner.counts  # type: ignore[union-attr]
+    assert counts.server_spans_with_peer == len(spans)
+    assert counts.coverage == pytest.approx(coverage)
+    print(f"join coverage {coverage:.4f} ({len(joined)}/{len(spans)} server spans)")
+    assert coverage >= 0.94, f"join coverage {coverage:.3f}"
+    expected = {(str(t[0]), int(t[1])) for t in client_tuples}
+    for span in joined:
+        client = (span["test.client.local_address"], span["test.client.local_port"])
+        assert client in expected
+        assert (span["prism.net.peer.address"], span["prism.net.peer.port"]) == client
+        assert (span["prism.net.local.address"], span["prism.net.local.port"]) == (server_address, server_port)
+        assert span["prism.net.role"] == "server" and span["prism.net.join"] == "4-tuple"
+        assert int(span["prism.net.bytes_received"]) > 0  # type: ignore[call-overload]
+    reused = [s for s in joined if s["prism.net.reused"]]
+    assert reused, "connections carrying several requests are marked reused"
+
+
+def run_client(argv: list[str], env: dict[str, str]) -> list[list[object]]:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True, env=env).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["failures"] == 0
+    return report["tuples"]
+
+
+def test_loopback_server_spans_join_with_the_right_four_tuple(agent: Running) -> None:
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{agent.http_port}/v1/traces"}
+    env.pop("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", None)
+    server = subprocess.Popen(
+        [sys.executable, str(APPS / "otel_http_server.py"), "127.0.0.1", "0"], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline().split()[1])
+        tuples = run_client([sys.executable, str(APPS / "http_client.py"), "127.0.0.1", str(port), str(REQUESTS)], env)
+    finally:
+        server.terminate()
+        server.wait(timeout=15)
+    assert len(tuples) == REQUESTS
+    check_join(agent, tuples, "127.0.0.1", port)
+    deadline = time.monotonic() + 20
+    while len(spans_of(agent.upstream, Span.SpanKind.SPAN_KIND_CLIENT)) < REQUESTS and time.monotonic() < deadline:
+        time.sleep(0.1)
+    clients = spans_of(agent.upstream, Span.SpanKind.SPAN_KIND_CLIENT)
+    assert len(clients) == REQUESTS
+    joined = [s for s in clients if s.get("prism.net.join") == "peer+pid"]
+    print(f"client spans joined by peer + pid: {len(joined)}/{len(clients)}")
+    assert len(joined) / len(clients) >= 0.94
+    for span in joined:
+        assert (span["prism.net.local.address"], span["prism.net.local.port"]) == (
+            span["test.client.local_address"],
+            span["test.client.local_port"],
+        )
+        assert (span["prism.net.peer.address"], span["prism.net.peer.port"]) == ("127.0.0.1", port)
+        assert float(span["prism.net.handshake_us"]) > 0  # type: ignore[arg-type]
+
+
+def test_spans_across_two_namespaces_join_over_veth(agent: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{agent.http_port}/v1/traces")
+    provider = make_provider()  # its export thread stays in this (root) namespace and reaches the agent
+    with veth_pair() as (a, b):
+        with b.entered():
+            server = make_server(b.address, 0, provider.get_tracer("prism.tests.netns"))
+        port = server.server_address[1]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            client_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+            client = a.popen(
+                [sys.executable, str(APPS / "http_client.py"), b.address, str(port), str(REQUESTS)],
+                stdout=subprocess.PIPE,
+                env=client_env,
+            )
+            out, _ = client.communicate(timeout=120)
+        finally:
+            server.shutdown()
+            server.server_close()
+            provider.shutdown()
+        report = json.loads(out.decode().strip().splitlines()[-1])
+        assert report["failures"] == 0
+        assert all(t[0] == a.address for t in report["tuples"])
+        check_join(agent, report["tuples"], b.address, port)
+
+
+def test_without_ebpf_spans_are_still_received_and_forwarded_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    upstream_requests: list[ExportTraceServiceRequest] = []
+    upstream = OtlpReceiver(upstream_requests.append, lambda _m: None, grpc_port=0, http_port=EPHEMERAL_PORT)
+    upstream.start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{upstream.http_port}/v1/traces")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    http_port = free_port()
+    agent = Agent(
+        AgentConfig(node_id="no-ebpf", brain=f"tcp://127.0.0.1:{free_port()}", ebpf=False, otlp_grpc_port=0, otlp_http_port=http_port),
+        CollectorRegistry(),
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while agent.trace_path is None or agent.trace_path.receiver is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{http_port}/v1/traces")
+        provider = make_provider()
+        server = make_server("127.0.0.1", 0, provider.get_tracer("prism.tests.no-ebpf"))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        run_client([sys.executable, str(APPS / "http_client.py"), "127.0.0.1", str(server.server_address[1]), "20"], env)
+        server.shutdown()
+        server.server_close()
+        provider.shutdown()
+        deadline = time.monotonic() + 20
+        while len(server_spans(upstream_requests)) < 20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        spans = server_spans(upstream_requests)
+        assert len(spans) == 20
+        assert not any(key.startswith("prism.net.") for span in spans for key in span)
+        assert agent.trace_path.tracer is None
+    finally:
+        stop.set()
+        thread.join(timeout=15)
+        upstream.shutdown()
