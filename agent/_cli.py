@@ -22,8 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser = subparsers.add_parser(
         "agent",
         help="report this node's vector to the brain",
-        description="Sample this node (eBPF connection tracing, CPU, memory), join OTLP spans to connections, and push a node vector to the brain "
-        "every period. A flag beats its environment variable, which beats the default.",
+        description="Sample this node (eBPF connection tracing, CPU, memory), join OTLP spans to connections, "
+        "and push a node vector to the brain every period. A flag beats its environment variable, which beats "
+        "the default.",
     )
     parser.add_argument("--node-id", help="node id (PRISM_NODE_ID; default: hostname)")
     parser.add_argument("--host", help="host name reported (default: hostname)")
