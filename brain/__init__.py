@@ -3,22 +3,17 @@
 from ._brain import Brain
 from ._cli import add_parser
 from ._config import BrainConfig, resolve_config
-from ._health import DIMENSIONS, Dimension, Health, health
 from ._registry import NodeState, Registry
 from ._tables import DEFAULT_SLICE, TableBuilder, next_epoch
 
 __all__ = [
     "DEFAULT_SLICE",
-    "DIMENSIONS",
     "Brain",
     "BrainConfig",
-    "Dimension",
-    "Health",
     "NodeState",
     "Registry",
     "TableBuilder",
     "add_parser",
-    "health",
     "next_epoch",
     "resolve_config",
 ]

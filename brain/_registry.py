@@ -5,9 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from prismlb.wire import NodeVector
-
-from ._health import Health, health
+from prismlb.wire import Health, NodeVector, health
 
 _log = logging.getLogger("prism.brain")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from prismlb.brain import BrainConfig, Registry, TableBuilder, health, next_epoch, resolve_config
-from prismlb.wire import ConfigError, NodeMetrics, NodeVector
+from prismlb.brain import BrainConfig, Registry, TableBuilder, next_epoch, resolve_config
+from prismlb.wire import ConfigError, NodeMetrics, NodeVector, health
 
 
 def vec(node_id: str, seq: int, period_s: float = 1.0, **metrics: float) -> NodeVector:

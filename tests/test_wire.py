@@ -313,3 +313,44 @@ def test_publisher_refuses_a_table_routers_would_reject(ctx: zmq.Context) -> Non
         publisher.publish(bad)
     assert publisher.current is None
     publisher.close()
+
+
+@pytest.mark.parametrize(
+    ("signature", "expected"),
+    [
+        ("text", ("llm", True)),
+        ("TEXT", ("llm", True)),
+        ("image+text", ("vlm", True)),
+        ("text + Image", ("vlm", True)),
+        ("audio+video", ("av", True)),
+        ("video", ("av", True)),
+        ("speech,text", ("av", True)),
+        ("rag+text", ("rag", True)),
+        ("retrieval+image+text", ("rag", True)),
+        ("", ("llm", False)),
+        (None, ("llm", False)),
+        ("hologram+text", ("llm", False)),
+        ("+++", ("llm", False)),
+        ("text" * 100, ("llm", False)),
+    ],
+)
+def test_modality_signature_grammar(signature: str | None, expected: tuple[str, bool]) -> None:
+    from prismlb.wire import parse_signature
+
+    assert parse_signature(signature) == expected
+
+
+def test_vector_with_gpus_latency_and_kv_round_trips() -> None:
+    from prismlb.wire import GpuState, KvSummary, ModalityLatency
+
+    v = msgspec.structs.replace(
+        vector(seq=3, gpu_count=1, kv_cache_usage_ratio=0.4),
+        alarms=["kv_cache_miss_ratio"],
+        latency={"llm": ModalityLatency(requests=10, ttft_p99_ms=120.0)},
+        gpus=[GpuState(index=0, uuid="GPU-1", mem_used_bytes=1, mem_total_bytes=2, numa_node=0, nvlink_peers=[1, 2])],
+        kv=KvSummary(blocks=3, bloom=b"\x00" * 64, bloom_hashes=4),
+    )
+    assert decode(encode(v), (NodeVector,), MAX_VECTOR_BYTES) == v
+    bad = msgspec.msgpack.encode({**msgspec.to_builtins(v, builtin_types=(bytes,)), "latency": {"llm": {"requests": 1, "ttft_p99_ms": -1.0}}})
+    with pytest.raises(InvalidFieldError):
+        decode([b"prism.node", b"1", bad], (NodeVector,), MAX_VECTOR_BYTES)

@@ -15,9 +15,13 @@ from ._exceptions import (
     UnknownKindError,
     WireError,
 )
+from ._health import DIMENSIONS, Dimension, Health, health
 from ._messages import (
     SCHEMA_VERSION,
+    GpuState,
     Heartbeat,
+    KvSummary,
+    ModalityLatency,
     NodeMetrics,
     NodeVector,
     RoutingTable,
@@ -25,23 +29,32 @@ from ._messages import (
     SnapshotRequest,
     TableNode,
 )
+from ._modality import DEFAULT_SLICE, MODALITY_HEADER, Slice, parse_signature
 from ._rejects import RejectCounter
 from ._service import MetricsServer, serve_metrics, sd_notify, setup_logging, stop_on_signals, watchdog_interval_s
 from ._transport import BrainAddress, TablePublisher, TableSubscriber, VectorReceiver, VectorSender
 
 __all__ = [
+    "DEFAULT_SLICE",
+    "DIMENSIONS",
     "KINDS",
     "MAX_TABLE_BYTES",
     "MAX_VECTOR_BYTES",
+    "MODALITY_HEADER",
     "SCHEMA_VERSION",
     "BrainAddress",
     "ClientCurve",
     "ConfigError",
+    "Dimension",
     "FrameCountError",
+    "GpuState",
+    "Health",
     "Heartbeat",
     "InvalidFieldError",
+    "KvSummary",
     "MalformedError",
     "MetricsServer",
+    "ModalityLatency",
     "NoRouteError",
     "NodeMetrics",
     "NodeVector",
@@ -52,6 +65,7 @@ __all__ = [
     "RoutingTable",
     "SchemaVersionError",
     "ServerCurve",
+    "Slice",
     "SliceTable",
     "SnapshotRequest",
     "TableNode",
@@ -64,6 +78,8 @@ __all__ = [
     "decode",
     "encode",
     "generate_keypair",
+    "health",
+    "parse_signature",
     "sd_notify",
     "serve_metrics",
     "setup_logging",

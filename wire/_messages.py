@@ -19,6 +19,7 @@ NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 Labels = Annotated[dict[Annotated[str, msgspec.Meta(min_length=1, max_length=64)], Name], msgspec.Meta(max_length=64)]
 Weight = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+SliceName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
 def _require_finite(struct: msgspec.Struct) -> None:
@@ -42,14 +43,66 @@ class _FiniteMessage(_Message, kw_only=True):
 class NodeMetrics(_FiniteMessage, kw_only=True):
     """One node's measurements for one sample; absent fields were not measured."""
 
+    # host
     cpu_util_ratio: Ratio | None = None
     mem_used_bytes: Count | None = None
     mem_total_bytes: Count | None = None
     connect_calls_total: Count | None = None
+    # the design article's four health dimensions
     gpu_mem_frag_ratio: Ratio | None = None
     kv_cache_miss_ratio: Ratio | None = None
     cpu_preproc_p95_ms: NonNegative | None = None
     nvlink_util_ratio: Ratio | None = None
+    # GPUs, summed (memory) or at their worst (utilisation) over the node's devices
+    gpu_count: Count | None = None
+    gpu_mem_used_bytes: Count | None = None
+    gpu_mem_total_bytes: Count | None = None
+    gpu_util_ratio: Ratio | None = None
+    pcie_util_ratio: Ratio | None = None
+    # inference engine
+    kv_cache_usage_ratio: Ratio | None = None
+    requests_running: Count | None = None
+    requests_waiting: Count | None = None
+    # load the node served
+    requests_per_s: NonNegative | None = None
+    in_flight: Count | None = None
+    health_score: Ratio | None = None
+
+
+class ModalityLatency(_FiniteMessage, kw_only=True):
+    """Observed latency of one modality slice's requests over the agent's window."""
+
+    requests: Count
+    ttft_p50_ms: NonNegative | None = None
+    ttft_p95_ms: NonNegative | None = None
+    ttft_p99_ms: NonNegative | None = None
+    e2e_p50_ms: NonNegative | None = None
+    e2e_p95_ms: NonNegative | None = None
+    e2e_p99_ms: NonNegative | None = None
+
+
+class GpuState(_FiniteMessage, kw_only=True):
+    """One GPU of the node: memory, interconnect load and where it sits in the host's topology."""
+
+    index: Count
+    uuid: Name
+    name: Name = ""
+    mem_used_bytes: Count
+    mem_total_bytes: Count
+    util_ratio: Ratio | None = None
+    nvlink_util_ratio: Ratio | None = None
+    pcie_util_ratio: Ratio | None = None
+    numa_node: Count | None = None
+    nvlink_peers: Annotated[list[Count], msgspec.Meta(max_length=64)] = []
+
+
+class KvSummary(_Message, kw_only=True):
+    """The engine's cached KV blocks as a Bloom filter over their block hashes (compact, no false negatives)."""
+
+    blocks: Count
+    bloom: Annotated[bytes, msgspec.Meta(max_length=16384)]
+    bloom_hashes: Annotated[int, msgspec.Meta(ge=1, le=16)]
+    block_size_tokens: Count | None = None
 
 
 class NodeVector(_FiniteMessage, kw_only=True):
@@ -64,6 +117,11 @@ class NodeVector(_FiniteMessage, kw_only=True):
     sample_time_unix_s: NonNegative
     period_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
     metrics: NodeMetrics
+    started_unix_s: NonNegative | None = None
+    alarms: Annotated[list[Name], msgspec.Meta(max_length=32)] = []
+    latency: Annotated[dict[SliceName, ModalityLatency], msgspec.Meta(max_length=16)] = {}
+    gpus: Annotated[list[GpuState], msgspec.Meta(max_length=64)] = []
+    kv: KvSummary | None = None
 
 
 class TableNode(_Message, kw_only=True):
@@ -74,7 +132,7 @@ class TableNode(_Message, kw_only=True):
 
 
 class SliceTable(_Message, kw_only=True):
-    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    name: SliceName
     nodes: Annotated[list[TableNode], msgspec.Meta(max_length=100_000)]
 
 

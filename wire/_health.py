@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prismlb.wire import NodeMetrics
+from ._messages import NodeMetrics
 
 
 def _mem_util(m: NodeMetrics) -> float | None:
