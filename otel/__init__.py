@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Worker library for inference servers: stage spans per modality and GPU-allocator metrics over OTLP."""
