@@ -1,10 +1,12 @@
-"""The agent's settings: command-line argument, then environment variable, then default; validated here."""
+"""The agent's settings: command-line argument, then environment variable, then TOML file, then default;
+validated here, in one place."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import socket
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,16 +54,52 @@ class AgentConfig:
     trace_ports: frozenset[int] = frozenset()
     trace_pids: frozenset[int] = frozenset()
     join_delay_s: float = DEFAULT_JOIN_DELAY_S
+    engine_url: str | None = None
+    kv_events: str | None = None
+    kv_replay: str | None = None
 
 
-def _choose(args: argparse.Namespace, attr: str, flag: str, environ: Mapping[str, str], env: str) -> tuple[Any, str]:
-    """(value, where it came from): the argument when given, else a non-empty env var, else (None, "")."""
-    value = getattr(args, attr, None)
-    if value is not None:
-        return value, flag
-    if env and environ.get(env):
-        return environ[env], env
-    return None, ""
+FILE_KEYS = frozenset(
+    {
+        "node_id", "host", "endpoint", "brain", "zone", "labels", "period", "ebpf", "curve_secret", "brain_public",
+        "metrics_port", "metrics_addr", "otlp_host", "otlp_grpc_port", "otlp_http_port", "trace_port", "trace_pid",
+        "join_delay", "engine_url", "kv_events", "kv_replay",
+    }
+)
+
+
+class _Sources:
+    """Where settings come from, in order: command-line argument, environment variable, TOML file."""
+
+    def __init__(self, args: argparse.Namespace, environ: Mapping[str, str], file: Mapping[str, Any], path: str) -> None:
+        unknown = sorted(set(file) - FILE_KEYS)
+        if unknown:
+            raise ConfigError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(FILE_KEYS))}")
+        self.args, self.environ, self.file, self.path = args, environ, file, path
+
+    def pick(self, attr: str, flag: str, env: str = "") -> tuple[Any, str]:
+        """(value, where it came from), or (None, "") when no source sets it."""
+        value = getattr(self.args, attr, None)
+        if value is not None:
+            return value, flag
+        if env and self.environ.get(env):
+            return self.environ[env], env
+        if attr in self.file:
+            return self.file[attr], f"{self.path}: {attr}"
+        return None, ""
+
+
+def _load_file(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[dict[str, Any], str]:
+    path = getattr(args, "config", None) or environ.get("PRISM_AGENT_CONFIG")
+    if not path:
+        return {}, ""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f), str(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot read agent config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"agent config {path} is not valid TOML: {exc}") from None
 
 
 def _as_vector_field(name: str, value: object, source: str) -> None:
@@ -117,8 +155,8 @@ def _id_set(raw: str | list[str], source: str, what: str, high: int) -> frozense
     return frozenset(values)
 
 
-def _otlp(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
-    host, _ = _choose(args, "otlp_host", "--otlp-host", environ, "PRISM_OTLP_HOST")
+def _otlp(src: _Sources) -> dict[str, Any]:
+    host, _ = src.pick("otlp_host", "--otlp-host", "PRISM_OTLP_HOST")
     if host is not None and not host:
         raise ConfigError("--otlp-host: empty address")
     ports = {}
@@ -126,11 +164,11 @@ def _otlp(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any
         ("otlp_grpc_port", "--otlp-grpc-port", "PRISM_OTLP_GRPC_PORT", DEFAULT_OTLP_GRPC_PORT),
         ("otlp_http_port", "--otlp-http-port", "PRISM_OTLP_HTTP_PORT", DEFAULT_OTLP_HTTP_PORT),
     ):
-        raw, source = _choose(args, attr, flag, environ, env)
+        raw, source = src.pick(attr, flag, env)
         ports[attr] = _port(raw, source, "OTLP port") if raw is not None else default
-    trace_ports, ports_source = _choose(args, "trace_port", "--trace-port", environ, "PRISM_TRACE_PORTS")
-    trace_pids, pids_source = _choose(args, "trace_pid", "--trace-pid", environ, "PRISM_TRACE_PIDS")
-    raw_delay, delay_source = _choose(args, "join_delay", "--join-delay", environ, "PRISM_JOIN_DELAY_S")
+    trace_ports, ports_source = src.pick("trace_port", "--trace-port", "PRISM_TRACE_PORTS")
+    trace_pids, pids_source = src.pick("trace_pid", "--trace-pid", "PRISM_TRACE_PIDS")
+    raw_delay, delay_source = src.pick("join_delay", "--join-delay", "PRISM_JOIN_DELAY_S")
     delay = DEFAULT_JOIN_DELAY_S
     if raw_delay is not None:
         try:
@@ -158,18 +196,18 @@ def _check_endpoint(endpoint: str, source: str) -> None:
         raise ConfigError(f"{source}: inference endpoint {endpoint!r} must look like http://HOST:PORT")
 
 
-def _check_brain(brain: str, source: str) -> None:
+def _check_zmq(brain: str, source: str, what: str = "brain ingest endpoint") -> None:
     scheme, sep, rest = brain.partition("://")
     host, colon, port = rest.rpartition(":")
     tcp_ok = scheme == "tcp" and bool(host) and bool(colon) and port.isdigit() and 0 < int(port) < 65536
     ipc_ok = scheme == "ipc" and bool(rest)
     if not sep or not (tcp_ok or ipc_ok):
-        raise ConfigError(f"{source}: brain ingest endpoint {brain!r} must be tcp://HOST:PORT or ipc://PATH")
+        raise ConfigError(f"{source}: {what} {brain!r} must be tcp://HOST:PORT or ipc://PATH")
 
 
-def _curve(args: argparse.Namespace, environ: Mapping[str, str]) -> ClientCurve | None:
-    secret, secret_source = _choose(args, "curve_secret", "--curve-secret", environ, "PRISM_CURVE_SECRET")
-    public, public_source = _choose(args, "brain_public", "--brain-public", environ, "PRISM_BRAIN_PUBLIC")
+def _curve(src: _Sources) -> ClientCurve | None:
+    secret, secret_source = src.pick("curve_secret", "--curve-secret", "PRISM_CURVE_SECRET")
+    public, public_source = src.pick("brain_public", "--brain-public", "PRISM_BRAIN_PUBLIC")
     if secret is None and public is None:
         return None
     if secret is None or public is None:
@@ -185,50 +223,55 @@ def _curve(args: argparse.Namespace, environ: Mapping[str, str]) -> ClientCurve 
 
 
 def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentConfig:
-    """Settings from `args` (None = not given), then `environ` (PRISM_*), then defaults; ConfigError if invalid."""
-    node_id, node_source = _choose(args, "node_id", "--node-id", environ, "PRISM_NODE_ID")
+    """Settings from `args` (None = not given), then `environ` (PRISM_*), then the TOML file named by
+    --config / PRISM_AGENT_CONFIG, then defaults; ConfigError if invalid."""
+    src = _Sources(args, environ, *_load_file(args, environ))
+    node_id, node_source = src.pick("node_id", "--node-id", "PRISM_NODE_ID")
     node_id = node_id if node_id is not None else socket.gethostname()
     _as_vector_field("node_id", node_id, node_source or "hostname as node id")
 
-    host = getattr(args, "host", None)
-    host_source = "--host" if host is not None else "hostname"
+    host, host_source = src.pick("host", "--host")
     host = host if host is not None else socket.gethostname()
-    _as_vector_field("host", host, host_source)
+    _as_vector_field("host", host, host_source or "hostname")
 
-    endpoint, endpoint_source = _choose(args, "endpoint", "--endpoint", environ, "PRISM_ENDPOINT")
+    endpoint, endpoint_source = src.pick("endpoint", "--endpoint", "PRISM_ENDPOINT")
     endpoint = endpoint if endpoint is not None else _default_endpoint()
     _check_endpoint(endpoint, endpoint_source or "default endpoint")
     _as_vector_field("endpoint", endpoint, endpoint_source or "default endpoint")
 
-    brain, brain_source = _choose(args, "brain", "--brain", environ, "PRISM_BRAIN_INGEST")
+    brain, brain_source = src.pick("brain", "--brain", "PRISM_BRAIN_INGEST")
     brain = brain if brain is not None else DEFAULT_BRAIN
-    _check_brain(brain, brain_source or "default brain")
+    _check_zmq(brain, brain_source or "default brain")
 
-    zone, zone_source = _choose(args, "zone", "--zone", environ, "PRISM_ZONE")
+    zone, zone_source = src.pick("zone", "--zone", "PRISM_ZONE")
     zone = zone if zone is not None else ""
     _as_vector_field("zone", zone, zone_source or "default zone")
 
-    label_args = getattr(args, "label", None)
-    if label_args is not None:
-        labels = _labels(label_args, "--label")
-    elif environ.get("PRISM_LABELS"):
-        labels = _labels(environ["PRISM_LABELS"].split(","), "PRISM_LABELS")
+    raw_labels, labels_source = src.pick("label", "--label", "PRISM_LABELS")
+    if raw_labels is None and "labels" in src.file:
+        raw_labels, labels_source = src.file["labels"], f"{src.path}: labels"
+    if isinstance(raw_labels, dict):
+        labels = {str(k): str(v) for k, v in raw_labels.items()}
+    elif raw_labels is not None:
+        labels = _labels(raw_labels if isinstance(raw_labels, list) else raw_labels.split(","), labels_source)
     else:
         labels = {}
-    _as_vector_field("labels", labels, "--label" if label_args is not None else "PRISM_LABELS")
+    _as_vector_field("labels", labels, labels_source or "labels")
 
-    raw_period, period_source = _choose(args, "period", "--period", environ, "PRISM_PERIOD_S")
+    raw_period, period_source = src.pick("period", "--period", "PRISM_PERIOD_S")
     period = _period(raw_period, period_source) if raw_period is not None else DEFAULT_PERIOD_S
     _as_vector_field("period_s", period, period_source or "default period")
 
-    raw_port, port_source = _choose(args, "metrics_port", "--metrics-port", environ, "PRISM_AGENT_METRICS_PORT")
+    raw_port, port_source = src.pick("metrics_port", "--metrics-port", "PRISM_AGENT_METRICS_PORT")
     metrics_port = _port(raw_port, port_source) if raw_port is not None else 0
 
-    metrics_addr = getattr(args, "metrics_addr", None)
+    metrics_addr, addr_source = src.pick("metrics_addr", "--metrics-addr")
     if metrics_addr is not None and not metrics_addr:
-        raise ConfigError("--metrics-addr: empty address")
+        raise ConfigError(f"{addr_source}: empty address")
 
-    ebpf = getattr(args, "ebpf", None)
+    ebpf, ebpf_source = src.pick("ebpf", "--no-ebpf")
+    if ebpf is not None and not isinstance(ebpf, bool):
+        raise ConfigError(f"{ebpf_source}: ebpf must be true or false, got {ebpf!r}")
     return AgentConfig(
         node_id=node_id,
         host=host,
@@ -238,8 +281,23 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Agen
         labels=labels,
         period_s=period,
         ebpf=ebpf if ebpf is not None else True,
-        curve=_curve(args, environ),
+        curve=_curve(src),
         metrics_port=metrics_port,
         metrics_addr=metrics_addr if metrics_addr is not None else DEFAULT_METRICS_ADDR,
-        **_otlp(args, environ),
+        **_otlp(src),
+        **_engine(src),
     )
+
+
+def _engine(src: _Sources) -> dict[str, Any]:
+    url, url_source = src.pick("engine_url", "--engine-url", "PRISM_ENGINE_URL")
+    if url is not None:
+        _check_endpoint(url, url_source)
+    kv_events, kv_source = src.pick("kv_events", "--kv-events", "PRISM_KV_EVENTS")
+    kv_replay, replay_source = src.pick("kv_replay", "--kv-replay", "PRISM_KV_REPLAY")
+    for value, source in ((kv_events, kv_source), (kv_replay, replay_source)):
+        if value is not None:
+            _check_zmq(value, source, "KV-event endpoint")
+    if kv_replay is not None and kv_events is None:
+        raise ConfigError(f"{replay_source} given without --kv-events (PRISM_KV_EVENTS)")
+    return {"engine_url": url, "kv_events": kv_events, "kv_replay": kv_replay}

@@ -65,7 +65,6 @@ class NodeMetrics(_FiniteMessage, kw_only=True):
     requests_waiting: Count | None = None
     # load the node served
     requests_per_s: NonNegative | None = None
-    in_flight: Count | None = None
     health_score: Ratio | None = None
 
 

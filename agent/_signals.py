@@ -1,0 +1,142 @@
+"""What the agent learns from the worker library's OTLP data: per-slice request latency and load, CPU
+preprocessing P95 from stage spans, and GPU-allocator fragmentation from metrics (names in prismlb.otel)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from prismlb.otel._conventions import (
+    ATTR_GPU,
+    ATTR_SLICE,
+    ATTR_STAGE,
+    ATTR_TTFT_MS,
+    CPU_PREPROCESSING_STAGES,
+    METRIC_FRAGMENTATION,
+    REQUEST_SPAN,
+    STAGE_SPAN_PREFIX,
+)
+from prismlb.wire import DEFAULT_SLICE, ModalityLatency, Slice
+
+from ._windows import Window
+
+QUANTILES = (0.5, 0.95, 0.99)
+
+
+def _attr(kvs: list[KeyValue] | object, key: str) -> str | int | float | None:
+    for kv in kvs:  # type: ignore[attr-defined]
+        if kv.key == key:
+            kind = kv.value.WhichOneof("value")
+            return getattr(kv.value, kind) if kind in ("string_value", "int_value", "double_value") else None
+    return None
+
+
+def _slice(span: Span) -> str:
+    value = _attr(span.attributes, ATTR_SLICE)
+    return value if isinstance(value, str) and value in Slice.__members__.values() else DEFAULT_SLICE.value
+
+
+class SpanSignals:
+    """Windows fed by spans and metrics as they arrive; read by the sampler at each dimension's period.
+
+    `clock` gives monotonic seconds (injectable for tests); windows: latency and load `load_window_s`,
+    CPU preprocessing `preprocessing_window_s` (10 s, SPEC §3)."""
+
+    def __init__(
+        self,
+        load_window_s: float = 10.0,
+        preprocessing_window_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self._load_window_s = load_window_s
+        self._ttft: dict[str, Window] = {}
+        self._e2e: dict[str, Window] = {}
+        self._preprocessing = Window(preprocessing_window_s)
+        self._fragmentation: dict[int, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def _windows(self, table: dict[str, Window], key: str) -> Window:
+        with self._lock:
+            window = table.get(key)
+            if window is None:
+                window = table[key] = Window(self._load_window_s)
+            return window
+
+    def on_traces(self, request: ExportTraceServiceRequest) -> None:
+        now = self._clock()
+        for resource_spans in request.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    duration_ms = max(0, span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
+                    if span.name == REQUEST_SPAN:
+                        key = _slice(span)
+                        self._windows(self._e2e, key).add(duration_ms, now)
+                        ttft = _attr(span.attributes, ATTR_TTFT_MS)
+                        if isinstance(ttft, (int, float)):
+                            self._windows(self._ttft, key).add(float(ttft), now)
+                    elif span.name.startswith(STAGE_SPAN_PREFIX):
+                        if _attr(span.attributes, ATTR_STAGE) in CPU_PREPROCESSING_STAGES:
+                            self._preprocessing.add(duration_ms, now)
+
+    def on_metrics(self, request: ExportMetricsServiceRequest) -> None:
+        now = self._clock()
+        for resource_metrics in request.resource_metrics:
+            for scope_metrics in resource_metrics.scope_metrics:
+                for metric in scope_metrics.metrics:
+                    if metric.name != METRIC_FRAGMENTATION or metric.WhichOneof("data") != "gauge":
+                        continue
+                    for point in metric.gauge.data_points:
+                        gpu = _attr(point.attributes, ATTR_GPU)
+                        value = point.as_double if point.WhichOneof("value") == "as_double" else float(point.as_int)
+                        if isinstance(gpu, int) and 0.0 <= value <= 1.0:
+                            with self._lock:
+                                self._fragmentation[gpu] = (now, value)
+
+    def cpu_preprocessing_p95_ms(self) -> float | None:
+        quantiles = self._preprocessing.quantiles(self._clock(), (0.95,))
+        return quantiles[0] if quantiles else None
+
+    def fragmentation_ratio(self, max_age_s: float) -> float | None:
+        """The worst GPU's latest fragmentation ratio reported within `max_age_s`; None without one."""
+        horizon = self._clock() - max_age_s
+        with self._lock:
+            fresh = [value for at, value in self._fragmentation.values() if at >= horizon]
+        return max(fresh) if fresh else None
+
+    def latency(self) -> dict[str, ModalityLatency]:
+        """Per slice: requests, TTFT and end-to-end P50/P95/P99 over the load window."""
+        now = self._clock()
+        with self._lock:
+            keys = set(self._e2e) | set(self._ttft)
+        out: dict[str, ModalityLatency] = {}
+        for key in sorted(keys):
+            e2e = self._windows(self._e2e, key)
+            count = len(e2e.values(now))
+            ttft_q = self._windows(self._ttft, key).quantiles(now, QUANTILES)
+            e2e_q = e2e.quantiles(now, QUANTILES)
+            if not count and ttft_q is None:
+                continue
+            out[key] = ModalityLatency(
+                requests=count,
+                ttft_p50_ms=ttft_q[0] if ttft_q else None,
+                ttft_p95_ms=ttft_q[1] if ttft_q else None,
+                ttft_p99_ms=ttft_q[2] if ttft_q else None,
+                e2e_p50_ms=e2e_q[0] if e2e_q else None,
+                e2e_p95_ms=e2e_q[1] if e2e_q else None,
+                e2e_p99_ms=e2e_q[2] if e2e_q else None,
+            )
+        return out
+
+    def requests_per_s(self) -> float | None:
+        """Completed requests per second over the load window, all slices; None before any request."""
+        now = self._clock()
+        with self._lock:
+            windows = list(self._e2e.values())
+        return sum(w.rate(now) for w in windows) if windows else None

@@ -1,0 +1,112 @@
+"""Sliding windows, and the signals the agent derives from the worker library's spans and metrics."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.metrics.v1.metrics_pb2 import Gauge, Metric, NumberDataPoint, ResourceMetrics, ScopeMetrics
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+from prismlb.agent._signals import SpanSignals
+from prismlb.agent._windows import Window, percentile
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def kv(key: str, value: str | int | float) -> KeyValue:
+    if isinstance(value, str):
+        return KeyValue(key=key, value=AnyValue(string_value=value))
+    if isinstance(value, int):
+        return KeyValue(key=key, value=AnyValue(int_value=value))
+    return KeyValue(key=key, value=AnyValue(double_value=value))
+
+
+def span(name: str, duration_ms: float, attrs: dict[str, str | int | float] | None = None) -> Span:
+    s = Span(name=name, start_time_unix_nano=10**18, end_time_unix_nano=10**18 + int(duration_ms * 1e6))
+    s.attributes.extend(kv(k, v) for k, v in (attrs or {}).items())
+    return s
+
+
+def traces(*spans: Span) -> ExportTraceServiceRequest:
+    return ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=list(spans))])])
+
+
+def fragmentation(points: dict[int, float], name: str = "prism.gpu.allocator.fragmentation") -> ExportMetricsServiceRequest:
+    gauge = Gauge(data_points=[NumberDataPoint(as_double=v, attributes=[kv("gpu.index", g)]) for g, v in points.items()])
+    metric = Metric(name=name, gauge=gauge)
+    return ExportMetricsServiceRequest(resource_metrics=[ResourceMetrics(scope_metrics=[ScopeMetrics(metrics=[metric])])])
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([10.0], 0.99) == 10.0
+    assert percentile([0.0, 10.0], 0.5) == 5.0
+    assert percentile([float(i) for i in range(101)], 0.95) == pytest.approx(95.0)
+    with pytest.raises(ValueError):
+        percentile([], 0.5)
+
+
+def test_window_forgets_old_values_and_is_bounded() -> None:
+    w = Window(10.0, max_samples=5)
+    for t in range(8):
+        w.add(float(t), at_s=float(t))
+    assert w.values(7.0) == [3.0, 4.0, 5.0, 6.0, 7.0]
+    assert w.values(15.5) == [6.0, 7.0]
+    w.add(float("nan"), 16.0)
+    assert w.rate(16.0) == pytest.approx(0.1)
+    assert Window(1.0).quantiles(0.0, (0.5,)) is None
+
+
+def test_request_spans_give_per_slice_latency_and_rate() -> None:
+    clock = Clock()
+    signals = SpanSignals(load_window_s=10.0, clock=clock)
+    signals.on_traces(traces(*(span("prism.request", 100.0 + i, {"prism.slice": "vlm", "prism.ttft_ms": float(i)}) for i in range(100))))
+    signals.on_traces(traces(span("prism.request", 50.0), span("other", 5.0)))
+    latency = signals.latency()
+    assert set(latency) == {"vlm", "llm"}
+    assert latency["vlm"].requests == 100
+    assert latency["vlm"].ttft_p50_ms == pytest.approx(49.5)
+    assert latency["vlm"].e2e_p99_ms == pytest.approx(100.0 + 98.01, rel=1e-6)
+    assert latency["llm"].ttft_p99_ms is None and latency["llm"].e2e_p50_ms == pytest.approx(50.0)
+    assert signals.requests_per_s() == pytest.approx(10.1)
+    clock.now += 11
+    assert signals.latency() == {} and signals.requests_per_s() == 0.0
+
+
+def test_unknown_slice_attribute_counts_as_default() -> None:
+    signals = SpanSignals(clock=Clock())
+    signals.on_traces(traces(span("prism.request", 10.0, {"prism.slice": "hologram"})))
+    assert set(signals.latency()) == {"llm"}
+
+
+def test_cpu_preprocessing_p95_uses_only_cpu_stages() -> None:
+    clock = Clock()
+    signals = SpanSignals(preprocessing_window_s=10.0, clock=clock)
+    assert signals.cpu_preprocessing_p95_ms() is None
+    signals.on_traces(traces(*(span("prism.stage.image_decode", float(i), {"prism.stage": "image_decode"}) for i in range(1, 101))))
+    signals.on_traces(traces(span("prism.stage.decode", 5000.0, {"prism.stage": "decode"})))
+    assert signals.cpu_preprocessing_p95_ms() == pytest.approx(95.05)
+    clock.now += 10.5
+    assert signals.cpu_preprocessing_p95_ms() is None
+
+
+def test_fragmentation_takes_the_worst_fresh_gpu() -> None:
+    clock = Clock()
+    signals = SpanSignals(clock=clock)
+    signals.on_metrics(fragmentation({0: 0.2, 1: 0.6}))
+    signals.on_metrics(fragmentation({2: 0.9}, name="something.else"))
+    signals.on_metrics(fragmentation({3: 7.0}))
+    assert signals.fragmentation_ratio(max_age_s=6) == pytest.approx(0.6)
+    clock.now += 3
+    signals.on_metrics(fragmentation({1: 0.1}))
+    assert signals.fragmentation_ratio(max_age_s=6) == pytest.approx(0.2)
+    assert signals.fragmentation_ratio(max_age_s=1) == pytest.approx(0.1)
+    clock.now += 10
+    assert signals.fragmentation_ratio(max_age_s=6) is None
