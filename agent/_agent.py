@@ -6,15 +6,18 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterator
 
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from prismlb.wire import (
     ConfigError,
-    NodeMetrics,
     NodeVector,
     VectorSender,
+    health,
     sd_notify,
     serve_metrics,
     watchdog_interval_s,
@@ -22,7 +25,9 @@ from prismlb.wire import (
 
 from ._config import AgentConfig
 from ._ebpf import ConnectCounter, probe_ebpf
-from ._host import HostSampler
+from ._node import NodeSampler, NodeState, metric_values
+from ._signals import SpanSignals
+from ._sources import node_sources
 from ._tracing import TracePath
 
 _log = logging.getLogger("prism.agent")
@@ -34,30 +39,21 @@ class Agent:
     def __init__(self, config: AgentConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._sent = Counter(
-            "prism_agent_vectors_sent", "Node vectors queued for the brain.", registry=self.registry
-        )
+        self._sent = Counter("prism_agent_vectors_sent", "Node vectors queued for the brain.", registry=self.registry)
         self._dropped = Counter(
             "prism_agent_vectors_dropped",
             "Node vectors dropped because the queue to the brain was full.",
             registry=self.registry,
         )
         self._ebpf_up = Gauge(
-            "prism_agent_ebpf_up", "1 while the eBPF connect() counter is attached.", registry=self.registry
+            "prism_agent_ebpf_up", "1 while the eBPF program is attached.", registry=self.registry
         )
-        self._connect_calls = Gauge(
-            "prism_agent_connect_calls",
-            "connect() calls on this host since the eBPF counter was attached.",
-            registry=self.registry,
-        )
-        self._cpu = Gauge("prism_agent_cpu_util_ratio", "Host CPU utilisation, 0 to 1.", registry=self.registry)
-        self._mem_used = Gauge(
-            "prism_agent_mem_used_bytes", "Host memory in use (total minus available).", registry=self.registry
-        )
-        self._mem_total = Gauge("prism_agent_mem_total_bytes", "Host memory in total.", registry=self.registry)
+        self.registry.register(_StateCollector(self))
+        self.started_unix_s = time.time()
+        self.state: NodeState | None = None
+        self.trace_path: TracePath | None = None
         self._seq = 0
         self._dropping = False
-        self.trace_path: TracePath | None = None
 
     def run(self, stop: threading.Event) -> None:
         """Report every `period_s` on a fixed monotonic schedule until `stop` is set."""
@@ -70,16 +66,18 @@ class Agent:
         ctx = zmq.Context()
         trace_path: TracePath | None = None
         try:
-            trace_path = TracePath(config, counter.tracer if counter is not None else None, self.registry)
+            signals = SpanSignals()
+            trace_path = TracePath(config, counter.tracer if counter is not None else None, signals, self.registry)
             trace_path.start()
             self.trace_path = trace_path
-            sender = VectorSender(ctx, config.brain, curve=config.curve)
-            try:
-                self._loop(stop, sender, HostSampler(), counter)
-            finally:
-                _log.info("stopping: %d vectors sent, %d dropped", sender.sent, sender.dropped)
-                sd_notify("STOPPING=1")
-                sender.close()
+            with node_sources(config, counter, signals) as sources:
+                sender = VectorSender(ctx, config.brain, curve=config.curve)
+                try:
+                    self._loop(stop, sender, NodeSampler(sources))
+                finally:
+                    _log.info("stopping: %d vectors sent, %d dropped", sender.sent, sender.dropped)
+                    sd_notify("STOPPING=1")
+                    sender.close()
         finally:
             if trace_path is not None:
                 trace_path.close()
@@ -92,34 +90,33 @@ class Agent:
 
     def _open_counter(self) -> ConnectCounter | None:
         if not self.config.ebpf:
-            _log.info("eBPF off: disabled by --no-ebpf; connect_calls_total stays absent")
+            _log.info("eBPF off: disabled by --no-ebpf; connection tracing and connect_calls_total stay off")
             return None
         counter, detail = probe_ebpf(self.config.trace_ports, self.config.trace_pids)
         if counter is None:
-            _log.warning("eBPF off: %s; connect_calls_total stays absent", detail)
+            _log.warning("eBPF off: %s; connection tracing and connect_calls_total stay off", detail)
         else:
             _log.info("eBPF on: %s", detail)
             self._ebpf_up.set(1)
         return counter
 
-    def _loop(
-        self, stop: threading.Event, sender: VectorSender, sampler: HostSampler, counter: ConnectCounter | None
-    ) -> None:
+    def _loop(self, stop: threading.Event, sender: VectorSender, sampler: NodeSampler) -> None:
         period = self.config.period_s
         watchdog = watchdog_interval_s()
         if watchdog is not None and watchdog < period:
             _log.warning("period %.3g s is longer than half the systemd watchdog (%.3g s)", period, watchdog)
         sd_notify("READY=1")
         _log.info(
-            "started: node %s reports to %s every %.3g s%s",
+            "started: node %s reports to %s every %.3g s%s (sources: %s)",
             self.config.node_id,
             self.config.brain,
             period,
             " over CURVE" if self.config.curve is not None else "",
+            ", ".join(f"{s.name}/{s.period_s:g}s" for s in sampler.sources),
         )
         next_due = time.monotonic() + period
         while not stop.wait(max(0.0, next_due - time.monotonic())):
-            self._report(sender, sampler, counter)
+            self._report(sender, sampler)
             if watchdog is not None:
                 sd_notify("WATCHDOG=1")
             next_due += period
@@ -127,9 +124,9 @@ class Agent:
             if behind > 0:  # missed slots (suspend, stall): skip them, keep the schedule's phase
                 next_due += math.ceil(behind / period) * period
 
-    def _report(self, sender: VectorSender, sampler: HostSampler, counter: ConnectCounter | None) -> None:
-        host = sampler.sample()
-        connect_calls = counter.total() if counter is not None else None
+    def _report(self, sender: VectorSender, sampler: NodeSampler) -> None:
+        state = sampler.tick(time.monotonic())
+        self.state = state
         config = self.config
         vector = NodeVector(
             node_id=config.node_id,
@@ -140,12 +137,12 @@ class Agent:
             seq=self._seq,
             sample_time_unix_s=time.time(),
             period_s=config.period_s,
-            metrics=NodeMetrics(
-                cpu_util_ratio=host.cpu_util_ratio,
-                mem_used_bytes=host.mem_used_bytes,
-                mem_total_bytes=host.mem_total_bytes,
-                connect_calls_total=connect_calls,
-            ),
+            metrics=state.metrics,
+            started_unix_s=self.started_unix_s,
+            alarms=state.alarms,
+            latency=state.latency,
+            gpus=state.gpus,
+            kv=state.kv,
         )
         self._seq += 1
         if sender.send(vector):
@@ -158,9 +155,41 @@ class Agent:
             if not self._dropping:
                 _log.warning("queue to the brain is full (brain down or slow): dropping vectors")
                 self._dropping = True
-        if host.cpu_util_ratio is not None:
-            self._cpu.set(host.cpu_util_ratio)
-        self._mem_used.set(host.mem_used_bytes)
-        self._mem_total.set(host.mem_total_bytes)
-        if connect_calls is not None:
-            self._connect_calls.set(connect_calls)
+
+
+class _StateCollector(Collector):
+    """The node's latest state on /metrics: every present dimension, the health score and the alarms."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._agent.state
+        if state is None:
+            return
+        node = GaugeMetricFamily(
+            "prism_agent_node_metric", "The node's latest measurements (unit in the name)", labels=["metric"]
+        )
+        for name, value in sorted(metric_values(state.metrics).items()):
+            node.add_metric([name], value)
+        alarm = GaugeMetricFamily(
+            "prism_agent_alarm", "1 while a health dimension is over its alarm threshold", labels=["dimension"]
+        )
+        for dimension in health(state.metrics).dimensions:
+            alarm.add_metric([dimension], 1.0 if dimension in state.alarms else 0.0)
+        gpu = GaugeMetricFamily("prism_agent_gpu", "Per-GPU state (unit in the field name)", labels=["gpu", "field"])
+        for device in state.gpus:
+            for name in ("mem_used_bytes", "mem_total_bytes", "util_ratio", "nvlink_util_ratio", "pcie_util_ratio"):
+                value = getattr(device, name)
+                if value is not None:
+                    gpu.add_metric([str(device.index), name], float(value))
+        latency = GaugeMetricFamily(
+            "prism_agent_latency_ms", "Observed request latency per slice", labels=["slice", "kind", "quantile"]
+        )
+        for slice_name, observed in sorted(state.latency.items()):
+            for kind in ("ttft", "e2e"):
+                for q in ("p50", "p95", "p99"):
+                    value = getattr(observed, f"{kind}_{q}_ms")
+                    if value is not None:
+                        latency.add_metric([slice_name, kind, q], value)
+        yield from (node, alarm, gpu, latency)

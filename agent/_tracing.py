@@ -1,4 +1,5 @@
-"""The agent's trace path: kernel connections in, OTLP spans in, joined spans out to the collector."""
+"""The agent's trace path: kernel connections in, OTLP spans and metrics in (also feeding the node's
+signals), joined spans out to the collector."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ._conntrack import ConnectionTracer
 from ._join import ConnectionIndex, SpanJoiner
 from ._otlp_forward import SpanForwarder, upstream_exporter
 from ._otlp_receiver import OtlpReceiver
+from ._signals import SpanSignals
 from ._spans import SpanPipeline
 
 _log = logging.getLogger("prism.agent")
@@ -25,8 +27,11 @@ class TracePath:
     """Owns the connection index fed by the tracer (when there is one), the OTLP receiver, the join and the
     forwarder. Spans flow without eBPF too: they are then forwarded unjoined."""
 
-    def __init__(self, config: AgentConfig, tracer: ConnectionTracer | None, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, config: AgentConfig, tracer: ConnectionTracer | None, signals: SpanSignals, registry: CollectorRegistry
+    ) -> None:
         self.tracer = tracer
+        self.signals = signals
         self.index = ConnectionIndex()
         self.joiner = SpanJoiner(self.index, stats=tracer.stats if tracer is not None else None)
         self._stop = threading.Event()
@@ -36,8 +41,8 @@ class TracePath:
         self.pipeline = SpanPipeline(self.joiner, self._forward, join_delay_s=config.join_delay_s)
         if config.otlp_grpc_port or config.otlp_http_port:
             self.receiver = OtlpReceiver(
-                self.pipeline.put,
-                lambda _metrics: None,  # counted by the receiver; the metric consumers come with GPU telemetry
+                self._on_traces,
+                signals.on_metrics,
                 host=config.otlp_host,
                 grpc_port=config.otlp_grpc_port,
                 http_port=config.otlp_http_port,
@@ -59,6 +64,10 @@ class TracePath:
                 "OTLP receiver on %s",
                 ", ".join(f"{host}:{port}" for host, port in self.receiver.addresses),
             )
+
+    def _on_traces(self, request: ExportTraceServiceRequest) -> None:
+        self.signals.on_traces(request)
+        self.pipeline.put(request)
 
     def _poll_kernel(self) -> None:
         assert self.tracer is not None

@@ -164,7 +164,7 @@ def test_without_ebpf_connect_calls_are_absent(ctx: zmq.Context) -> None:
         assert vector.metrics.connect_calls_total is None
         assert b"connect_calls_total" not in payload
     assert registry.get_sample_value("prism_agent_ebpf_up") == 0
-    assert registry.get_sample_value("prism_agent_connect_calls") == 0
+    assert registry.get_sample_value("prism_agent_node_metric", {"metric": "connect_calls_total"}) is None
 
 
 def test_unloadable_ebpf_logs_one_line_and_keeps_reporting(

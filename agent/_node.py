@@ -1,0 +1,118 @@
+"""The node vector's contents: each source read at its own period (SPEC §3), its latest reading kept until
+it goes stale, and the health score and alarms computed over whatever is present."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from prismlb.wire import GpuState, KvSummary, ModalityLatency, NodeMetrics, health
+
+_log = logging.getLogger("prism.agent")
+
+_METRIC_FIELDS = frozenset(f.name for f in msgspec.structs.fields(NodeMetrics))
+
+
+@dataclass
+class Reading:
+    """One source's output: NodeMetrics fields (None = not measured) and, for some sources, vector parts."""
+
+    metrics: dict[str, float | int | None] = field(default_factory=dict)
+    gpus: list[GpuState] | None = None
+    kv: KvSummary | None = None
+    latency: dict[str, ModalityLatency] | None = None
+
+
+@dataclass
+class Source:
+    """A named reader run every `period_s`; its reading expires after `stale_periods` periods without a new one."""
+
+    name: str
+    period_s: float
+    read: Callable[[], Reading]
+    stale_periods: float = 3.0
+
+
+@dataclass
+class NodeState:
+    """Everything the agent knows about its node right now."""
+
+    metrics: NodeMetrics
+    alarms: list[str]
+    gpus: list[GpuState]
+    kv: KvSummary | None
+    latency: dict[str, ModalityLatency]
+
+
+class NodeSampler:
+    """Runs due sources on each `tick(now)` and merges their latest readings; a failing source logs once
+    per kind of failure and its dimensions stay absent until it reads again."""
+
+    def __init__(self, sources: Sequence[Source]) -> None:
+        names = [s.name for s in sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"source names repeat: {names}")
+        self.sources = list(sources)
+        self._due: dict[str, float] = {s.name: float("-inf") for s in sources}
+        self._latest: dict[str, tuple[float, Reading]] = {}
+        self._failures: dict[str, set[str]] = {s.name: set() for s in sources}
+        self.failures_total: dict[str, int] = {s.name: 0 for s in sources}
+        self._alarms: tuple[str, ...] = ()
+
+    def tick(self, now: float) -> NodeState:
+        for source in self.sources:
+            if now >= self._due[source.name]:
+                self._due[source.name] = now + source.period_s
+                self._run(source, now)
+        return self._state(now)
+
+    def _run(self, source: Source, now: float) -> None:
+        try:
+            reading = source.read()
+            unknown = set(reading.metrics) - _METRIC_FIELDS
+            if unknown:
+                raise ValueError(f"unknown metrics {sorted(unknown)}")
+        except Exception as exc:  # a collector bug or a device error must not stop the agent
+            self.failures_total[source.name] += 1
+            kind = type(exc).__name__
+            if kind not in self._failures[source.name]:
+                self._failures[source.name].add(kind)
+                _log.warning("source %s failed (%s: %s); its dimensions stay absent", source.name, kind, exc)
+            return
+        self._latest[source.name] = (now, reading)
+
+    def _fresh(self, now: float) -> list[Reading]:
+        fresh = []
+        for source in self.sources:
+            entry = self._latest.get(source.name)
+            if entry is not None and now - entry[0] <= source.stale_periods * source.period_s:
+                fresh.append(entry[1])
+        return fresh
+
+    def _state(self, now: float) -> NodeState:
+        values: dict[str, Any] = {}
+        gpus: list[GpuState] = []
+        kv: KvSummary | None = None
+        latency: dict[str, ModalityLatency] = {}
+        for reading in self._fresh(now):
+            values.update({k: v for k, v in reading.metrics.items() if v is not None})
+            gpus = reading.gpus if reading.gpus is not None else gpus
+            kv = reading.kv if reading.kv is not None else kv
+            latency = reading.latency if reading.latency is not None else latency
+        metrics = NodeMetrics(**values)
+        h = health(metrics)
+        if h.alarms != self._alarms:
+            _log.info("alarms: %s", ", ".join(h.alarms) or "none")
+            self._alarms = h.alarms
+        if h.dimensions:
+            metrics = msgspec.structs.replace(metrics, health_score=h.score)
+        return NodeState(metrics=metrics, alarms=list(h.alarms), gpus=gpus, kv=kv, latency=latency)
+
+
+def metric_values(metrics: NodeMetrics) -> Mapping[str, float]:
+    """The present metrics as name → value (for /metrics)."""
+    return {k: float(v) for k, v in msgspec.structs.asdict(metrics).items() if v is not None}
