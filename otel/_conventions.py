@@ -23,3 +23,14 @@ METRIC_LARGEST_FREE_RATIO: Final = "prism.gpu.allocator.largest_free_ratio"
 METRIC_LARGEST_FREE_BYTES: Final = "prism.gpu.allocator.largest_free_bytes"
 METRIC_FREE_BYTES: Final = "prism.gpu.allocator.free_bytes"
 METRIC_RESERVE_ADVICE_BYTES: Final = "prism.gpu.allocator.reserve_advice_bytes"
+METRIC_RESERVED_BYTES: Final = "prism.gpu.allocator.reserved_bytes"
+METRIC_ALLOCATED_BYTES: Final = "prism.gpu.allocator.allocated_bytes"
+
+# OpenTelemetry GenAI semantic conventions, set on the request span
+ATTR_GEN_AI_OPERATION: Final = "gen_ai.operation.name"
+ATTR_GEN_AI_REQUEST_MODEL: Final = "gen_ai.request.model"
+ATTR_GEN_AI_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
+ATTR_GEN_AI_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+
+# Instrumentation scope of the spans and gauges
+SCOPE: Final = "prismlb.otel"
