@@ -3,11 +3,14 @@ preprocessing P95 10 s, NVLink 3 s; host and load every vector period)."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 from ._config import AgentConfig
 from ._ebpf import ConnectCounter
+from ._gpu import GpuCollector
 from ._host import HostSampler
 from ._node import Reading, Source
 from ._signals import SpanSignals
@@ -16,6 +19,13 @@ FRAGMENTATION_PERIOD_S = 2.0
 KV_MISS_PERIOD_S = 5.0
 PREPROCESSING_PERIOD_S = 10.0
 NVLINK_PERIOD_S = 3.0
+
+_log = logging.getLogger("prism.agent")
+
+
+def _gpu(collector: GpuCollector) -> Reading:
+    sample = collector.sample()
+    return Reading(metrics=dataclasses.asdict(sample.node), gpus=sample.devices)
 
 
 def _host(sampler: HostSampler) -> Reading:
@@ -55,5 +65,11 @@ def node_sources(config: AgentConfig, counter: ConnectCounter | None, signals: S
     if counter is not None:
         sources.append(Source("ebpf", period, lambda: Reading(metrics={"connect_calls_total": counter.total()})))
     with ExitStack() as stack:
-        stack.callback(lambda: None)
+        gpus, detail = GpuCollector.open()
+        if gpus is None:
+            _log.info("GPU off: %s", detail)
+        else:
+            _log.info("GPU on: %s", detail)
+            stack.callback(gpus.close)
+            sources.append(Source("gpu", NVLINK_PERIOD_S, lambda: _gpu(gpus)))
         yield sources

@@ -163,6 +163,10 @@ def test_without_ebpf_connect_calls_are_absent(ctx: zmq.Context) -> None:
     for vector, payload in received:
         assert vector.metrics.connect_calls_total is None
         assert b"connect_calls_total" not in payload
+        # no GPU on this machine: every GPU dimension is absent from the wire, never 0
+        assert vector.gpus == [] and vector.metrics.gpu_count is None
+        assert b"gpu_" not in payload and b"nvlink" not in payload
+        assert vector.started_unix_s is not None and vector.metrics.health_score is not None
     assert registry.get_sample_value("prism_agent_ebpf_up") == 0
     assert registry.get_sample_value("prism_agent_node_metric", {"metric": "connect_calls_total"}) is None
 

@@ -1,0 +1,301 @@
+"""Check GPU telemetry on a real NVIDIA GPU: every NVML call the agent's GPU collector makes, on every device,
+timed; the collector end to end under PCIe (and, with two GPUs, NVLink) traffic; and the otel allocator
+fragmentation metrics on torch's real CUDA caching allocator. Runs in well under a minute.
+
+Run on a GPU host: .venv/bin/python bench/gpu_check.py   (without an NVIDIA GPU/driver: one line, exit code 2)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pynvml
+
+from prismlb.agent._gpu import ALL_LINKS, NVLINK_GBPS_PER_LINK, PCIE_GBPS_PER_LANE, GpuCollector
+
+Row = tuple[str, str, str, float]
+_FIELD_NAMES = {
+    pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: "DATA_TX KiB",
+    pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: "DATA_RX KiB",
+    pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT: "LINK_COUNT",
+    pynvml.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON: "SPEED_MBPS_COMMON",
+    pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: "PCIE_TX_BYTES",
+    pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: "PCIE_RX_BYTES",
+}
+_VALUE_MEMBERS = {
+    pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
+}
+_STATS_FIELDS = (
+    "fragmentation_ratio",
+    "free_entropy",
+    "largest_free_ratio",
+    "largest_free_bytes",
+    "free_bytes",
+    "reserve_advice_bytes",
+)
+_MIB = 1 << 20
+
+
+def timed(rows: list[Row], device: str, name: str, *args: Any, label: str = "") -> Any:
+    """Run the NVML call `name`, add its table row (value or error, µs) and return the value (None on error)."""
+    start = time.perf_counter()
+    try:
+        value = getattr(pynvml, name)(*args)
+    except pynvml.NVMLError as exc:
+        text, value = f"error: {type(exc).__name__} ({exc})", None
+    else:
+        text = describe(value)
+    rows.append((name + label, device, text, (time.perf_counter() - start) * 1e6))
+    return value
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, pynvml.nvmlPciInfo_t):
+        return f"busId {value.busId}"
+    if isinstance(value, pynvml.c_nvmlMemory_v2_t):
+        used, reserved, total = (round(part / _MIB) for part in (value.used, value.reserved, value.total))
+        return f"used {used} MiB, reserved {reserved} MiB, total {total} MiB"
+    if isinstance(value, pynvml.c_nvmlUtilization_t):
+        return f"gpu {value.gpu} %, memory {value.memory} %"
+    if isinstance(value, list) and value and hasattr(value[0], "pid"):
+        return ", ".join(f"pid {p.pid}: {p.usedGpuMemory} B" for p in value)
+    if hasattr(value, "_length_") and hasattr(value, "_type_"):  # a ctypes array: the affinity words or field values
+        items = list(value)
+        if items and isinstance(items[0], pynvml.c_nvmlFieldValue_t):
+            return "; ".join(field_value(item) for item in items)
+        return " ".join(f"{word:#x}" for word in items)
+    return str(value)
+
+
+def field_value(value: pynvml.c_nvmlFieldValue_t) -> str:
+    name = _FIELD_NAMES.get(value.fieldId, str(value.fieldId))
+    scope = "all" if value.scopeId == ALL_LINKS else str(value.scopeId)
+    if value.nvmlReturn != pynvml.NVML_SUCCESS:
+        return f"{name}[{scope}] error {pynvml.NVMLError(value.nvmlReturn)}"
+    member = _VALUE_MEMBERS.get(value.valueType)
+    reading = getattr(value.value, member) if member else f"type {value.valueType}"
+    return f"{name}[{scope}]={reading} @{value.timestamp} µs (type {value.valueType})"
+
+
+def nvml_rows(count: int) -> list[Row]:
+    """Every NVML call of the collector on every device, plus the fields that check its bandwidth tables."""
+    rows: list[Row] = []
+    handles = []
+    for index in range(count):
+        device = f"GPU {index}"
+        handle = timed(rows, device, "nvmlDeviceGetHandleByIndex", index)
+        if handle is None:
+            continue
+        handles.append((device, handle))
+        for name in ("nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetPciInfo"):
+            timed(rows, device, name, handle)
+        timed(rows, device, "nvmlDeviceGetMemoryInfo", handle, pynvml.nvmlMemory_v2, label="(v2)")
+        timed(rows, device, "nvmlDeviceGetUtilizationRates", handle)
+        timed(rows, device, "nvmlDeviceGetPcieThroughput", handle, pynvml.NVML_PCIE_UTIL_TX_BYTES, label="(TX) KB/s")
+        timed(rows, device, "nvmlDeviceGetPcieThroughput", handle, pynvml.NVML_PCIE_UTIL_RX_BYTES, label="(RX) KB/s")
+        generation = timed(rows, device, "nvmlDeviceGetMaxPcieLinkGeneration", handle)
+        width = timed(rows, device, "nvmlDeviceGetMaxPcieLinkWidth", handle)
+        if generation in PCIE_GBPS_PER_LANE and width:
+            capacity = PCIE_GBPS_PER_LANE[generation] * width
+            rows.append(("PCIe capacity (table)", device, f"{capacity:.1f} GB/s per direction", 0.0))
+        links = nvlink_rows(rows, device, handle)
+        fields = [
+            (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS),
+            (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
+            (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, links[0] if links else 0),
+            (pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT, 0),
+            (pynvml.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON, 0),
+            # cumulative PCIe byte counters: a non-blocking alternative to nvmlDeviceGetPcieThroughput's 20 ms window
+            (pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, 0),
+            (pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, 0),
+        ]
+        timed(rows, device, "nvmlDeviceGetFieldValues", handle, fields)
+        timed(rows, device, "nvmlDeviceGetNumaNodeId", handle)
+        timed(rows, device, "nvmlDeviceGetCpuAffinity", handle, max(1, -(-(os.cpu_count() or 1) // 64)))
+        timed(rows, device, "nvmlDeviceGetComputeRunningProcesses", handle)
+        timed(rows, device, "nvmlDeviceGetGraphicsRunningProcesses", handle)
+    for position, (first, first_handle) in enumerate(handles):
+        for second, second_handle in handles[position + 1 :]:
+            timed(rows, f"{first}, {second}", "nvmlDeviceGetTopologyCommonAncestor", first_handle, second_handle)
+    return rows
+
+
+def nvlink_rows(rows: list[Row], device: str, handle: Any) -> list[int]:
+    """Link states (one row), then version, remote PCI info and remote type of each link that is up."""
+    states: list[str] = []
+    start = time.perf_counter()
+    for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            states.append(str(pynvml.nvmlDeviceGetNvLinkState(handle, link)))
+        except pynvml.NVMLError as exc:
+            states.append(type(exc).__name__.removeprefix("NVMLError_"))
+            if isinstance(exc, pynvml.NVMLError_InvalidArgument):
+                break
+    elapsed = (time.perf_counter() - start) * 1e6
+    rows.append((f"nvmlDeviceGetNvLinkState × {len(states)}", device, " ".join(states), elapsed))
+    up = [link for link, state in enumerate(states) if state in ("1", "2")]  # active or asleep
+    for link in up:
+        version = timed(rows, device, "nvmlDeviceGetNvLinkVersion", handle, link, label=f"({link})")
+        if link == up[0] and version in NVLINK_GBPS_PER_LINK:
+            capacity = f"{NVLINK_GBPS_PER_LINK[version] * len(up):.1f} GB/s per direction over {len(up)} links"
+            rows.append(("NVLink capacity (table)", device, capacity, 0.0))
+        timed(rows, device, "nvmlDeviceGetNvLinkRemotePciInfo", handle, link, label=f"({link})")
+        timed(rows, device, "nvmlDeviceGetNvLinkRemoteDeviceType", handle, link, label=f"({link})")
+    return up
+
+
+def print_table(rows: list[Row]) -> None:
+    widths = [max(len(row[column]) for row in rows) for column in range(2)]
+    print(f"{'call':<{widths[0]}}  {'device':<{widths[1]}}  {'µs':>9}  value or error")
+    for call, device, value, micros in rows:
+        print(f"{call:<{widths[0]}}  {device:<{widths[1]}}  {micros:>9.1f}  {value}")
+
+
+def start_traffic() -> Callable[[], str]:
+    """Queue about 2 s of host-to-device copies (PCIe) and, with two GPUs, GPU 0 to GPU 1 copies (NVLink) on
+    the CUDA streams; the returned call waits for them and says the throughput torch saw."""
+    import torch
+
+    host = torch.empty(256 * _MIB, dtype=torch.uint8).pin_memory()
+    device = torch.empty_like(host, device="cuda:0")
+    start = time.perf_counter()
+    for _ in range(4):
+        device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(0)
+    per_copy = (time.perf_counter() - start) / 4
+    copies = max(1, round(2.0 / per_copy))
+    peer = torch.empty_like(device, device="cuda:1") if torch.cuda.device_count() > 1 else None
+    start = time.perf_counter()
+    for _ in range(copies):
+        device.copy_(host, non_blocking=True)
+        if peer is not None:
+            peer.copy_(device, non_blocking=True)
+
+    def finish() -> str:
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
+        seconds = time.perf_counter() - start
+        gbps = copies * host.numel() / seconds / 1e9
+        peers = ", same volume GPU 0 → GPU 1" if peer is not None else ", one GPU: no NVLink traffic"
+        return f"torch: {copies} × 256 MiB host → GPU 0 in {seconds:.2f} s = {gbps:.1f} GB/s{peers}"
+
+    return finish
+
+
+def collector_check(cuda: bool) -> None:
+    """The agent's collector end to end: a sample, another about 1 s later under load, then one idle."""
+    collector, reason = GpuCollector.open()
+    print(f"\nGpuCollector.open(): {reason}")
+    if collector is None:
+        return
+    with collector:
+        collector.sample()
+        finish = start_traffic() if cuda else None
+        time.sleep(1.0)
+        loaded = collector.sample()
+        if finish is not None:
+            print(finish())
+        time.sleep(1.0)
+        idle = collector.sample()
+        for label, sample in (("under load", loaded), ("idle", idle)):
+            print(f"sample {label}: {sample.node}")
+            for state in sample.devices:
+                print(f"  {state}")
+        print(f"processes(): {collector.processes()}")
+        topology = collector.topology()
+        for device in topology.devices:
+            print(f"topology: {device}")
+        print(f"common ancestors: {topology.common_ancestor}")
+
+
+def reserve_advice(stats: Any) -> object:
+    if hasattr(stats, "reserve_advice_bytes"):
+        return stats.reserve_advice_bytes
+    try:
+        from prismlb.otel import ReservationAdvisor
+    except ImportError:
+        return "not available yet"
+    return f"{ReservationAdvisor('dynamic').update(stats)} (ReservationAdvisor, one dynamic sample)"
+
+
+def print_allocator(label: str, snapshot: list[dict[str, Any]]) -> None:
+    try:
+        from prismlb.otel import allocator_stats_from_snapshot
+    except ImportError as exc:
+        print(f"{label}: allocator_stats_from_snapshot not available yet ({exc})")
+        return
+    result = allocator_stats_from_snapshot(snapshot)
+    if not result:
+        print(f"{label}: no allocator segments")
+    for stats in result if isinstance(result, list) else [result]:
+        values = {name: getattr(stats, name, None) for name in _STATS_FIELDS}
+        values["reserve_advice_bytes"] = reserve_advice(stats)
+        print(f"{label}: " + ", ".join(f"{name}={value}" for name, value in values.items()))
+
+
+def allocator_check() -> None:
+    """Fragment torch's CUDA caching allocator on purpose and show the otel metrics before and after."""
+    import torch
+
+    print(f"\nallocator (PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}):")
+    keep = [torch.empty(64 * _MIB, dtype=torch.uint8, device="cuda:0")]
+    print_allocator("before (one 64 MiB tensor)", torch.cuda.memory_snapshot())
+    # 1-8 MiB blocks share 20 MiB segments; freeing every other one leaves holes between live blocks
+    sizes = [(1 + (index * 7) % 8) * _MIB + (index % 5) * 4096 for index in range(600)]
+    tensors = [torch.empty(size, dtype=torch.uint8, device="cuda:0") for size in sizes]
+    keep.extend(tensors[::2])
+    del tensors
+    torch.cuda.synchronize(0)
+    print_allocator("fragmented (300 of 600 mixed 1-8 MiB blocks freed)", torch.cuda.memory_snapshot())
+    del keep
+    torch.cuda.empty_cache()
+    print_allocator("after freeing all and empty_cache()", torch.cuda.memory_snapshot())
+
+
+def main() -> int:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        print(f"no NVIDIA GPU/driver here: NVML says {exc}; run this on a GPU host")
+        return 2
+    started = time.perf_counter()
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        if count == 0:
+            print("no NVIDIA GPU/driver here: the driver sees 0 GPUs; run this on a GPU host")
+            return 2
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion()
+        driver, nvml = pynvml.nvmlSystemGetDriverVersion(), pynvml.nvmlSystemGetNVMLVersion()
+        print(f"driver {driver}, CUDA {cuda // 1000}.{cuda % 1000 // 10} (driver API), NVML {nvml}")
+        for index in range(count):
+            print(f"GPU {index}: {pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))}")
+        print()
+        print_table(nvml_rows(count))
+    finally:
+        pynvml.nvmlShutdown()
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    seen = torch.cuda.device_count() if has_cuda else 0
+    print(f"\ntorch {torch.__version__}, CUDA {torch.version.cuda}, sees {seen} GPU(s)")
+    collector_check(has_cuda)
+    if has_cuda:
+        allocator_check()
+    else:
+        print("torch sees no CUDA device (CPU build?): allocator check skipped")
+    print(f"\ndone in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
