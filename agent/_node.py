@@ -102,7 +102,7 @@ class NodeSampler:
             values.update({k: v for k, v in reading.metrics.items() if v is not None})
             gpus = reading.gpus if reading.gpus is not None else gpus
             kv = reading.kv if reading.kv is not None else kv
-            latency = reading.latency if reading.latency is not None else latency
+            latency.update(reading.latency or {})
         metrics = NodeMetrics(**values)
         h = health(metrics)
         if h.alarms != self._alarms:

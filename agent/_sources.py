@@ -1,5 +1,6 @@
 """The sources of a node vector, each at its period (SPEC §3: fragmentation 2 s, KV miss 5 s, CPU
-preprocessing P95 10 s, NVLink 3 s; host and load every vector period)."""
+preprocessing P95 10 s, NVLink 3 s; host and load every vector period). Latency per slice comes from the
+worker library's spans; the engine's own histograms, over all its requests, go under the key "engine"."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from contextlib import ExitStack, contextmanager
 
 from ._config import AgentConfig
 from ._ebpf import ConnectCounter
+from ._engine import EngineCollector
 from ._gpu import GpuCollector
+from ._kv_events import KvEventSubscriber
 from ._host import HostSampler
 from ._node import Reading, Source
 from ._signals import SpanSignals
@@ -21,6 +24,23 @@ PREPROCESSING_PERIOD_S = 10.0
 NVLINK_PERIOD_S = 3.0
 
 _log = logging.getLogger("prism.agent")
+
+
+ENGINE_LATENCY_KEY = "engine"
+
+
+def _engine(collector: EngineCollector) -> Reading:
+    sample = collector.sample()
+    latency = sample.latency()
+    return Reading(
+        metrics={
+            "kv_cache_usage_ratio": sample.kv_cache_usage_ratio,
+            "kv_cache_miss_ratio": sample.kv_cache_miss_ratio,
+            "requests_running": sample.requests_running,
+            "requests_waiting": sample.requests_waiting,
+        },
+        latency={ENGINE_LATENCY_KEY: latency} if latency is not None else None,
+    )
 
 
 def _gpu(collector: GpuCollector) -> Reading:
@@ -72,4 +92,11 @@ def node_sources(config: AgentConfig, counter: ConnectCounter | None, signals: S
             _log.info("GPU on: %s", detail)
             stack.callback(gpus.close)
             sources.append(Source("gpu", NVLINK_PERIOD_S, lambda: _gpu(gpus)))
+        if config.engine_url is not None:
+            engine = EngineCollector(config.engine_url)
+            sources.append(Source("engine", KV_MISS_PERIOD_S, lambda: _engine(engine)))
+        if config.kv_events is not None:
+            kv = stack.enter_context(KvEventSubscriber(config.kv_events, config.kv_replay))
+            kv.start()
+            sources.append(Source("kv_events", KV_MISS_PERIOD_S, lambda: Reading(kv=kv.summary())))
         yield sources

@@ -1,5 +1,15 @@
 """Messages and transport shared by the Prism agent, brain and router."""
 
+from ._bloom import (
+    BLOOM_BITS,
+    BLOOM_CAPACITY,
+    BLOOM_HASHES,
+    CountingBloom,
+    block_key,
+    bloom_contains,
+    bloom_false_positive_rate,
+    bloom_overlap,
+)
 from ._codec import KINDS, MAX_TABLE_BYTES, MAX_VECTOR_BYTES, decode, encode
 from ._curve import ClientCurve, ServerCurve, generate_keypair, start_authenticator
 from ._exceptions import (
@@ -35,6 +45,9 @@ from ._service import MetricsServer, serve_metrics, sd_notify, setup_logging, st
 from ._transport import BrainAddress, TablePublisher, TableSubscriber, VectorReceiver, VectorSender
 
 __all__ = [
+    "BLOOM_BITS",
+    "BLOOM_CAPACITY",
+    "BLOOM_HASHES",
     "DEFAULT_SLICE",
     "DIMENSIONS",
     "KINDS",
@@ -45,6 +58,7 @@ __all__ = [
     "BrainAddress",
     "ClientCurve",
     "ConfigError",
+    "CountingBloom",
     "Dimension",
     "FrameCountError",
     "GpuState",
@@ -75,6 +89,10 @@ __all__ = [
     "VectorReceiver",
     "VectorSender",
     "WireError",
+    "block_key",
+    "bloom_contains",
+    "bloom_false_positive_rate",
+    "bloom_overlap",
     "decode",
     "encode",
     "generate_keypair",

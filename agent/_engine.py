@@ -1,0 +1,347 @@
+"""Engine collector: scrapes a vLLM (V1) or SGLang Prometheus endpoint, the engine detected from metric names.
+
+Gauges are read as they are; the prefix-cache miss ratio and the latency quantiles come from the change of
+counters and histogram buckets since the previous successful scrape, so they describe the window between two
+scrapes. Series are combined over their label sets (model, engine index, DP rank): counts and histogram
+buckets are summed, ratio gauges averaged (each engine has its own KV pool). SGLang can publish the same
+scheduler's view once per TP or PP rank (`--enable-metrics-for-all-schedulers`); series that differ only in
+`tp_rank`/`pp_rank` are one series, read from the lowest rank. A series whose counter or bucket went down was
+restarted: its change is skipped for that window. A metric the engine does not publish is None, never 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import http.client
+import itertools
+import logging
+import math
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from prismlb.wire import ModalityLatency
+
+_log = logging.getLogger("prism.agent.engine")
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+_QUANTILES = (0.50, 0.95, 0.99)
+
+_Labels = frozenset[tuple[str, str]]
+_Series = dict[_Labels, float]
+_REPLICA_LABELS = ("tp_rank", "pp_rank")
+
+
+@dataclass(frozen=True)
+class _EngineNames:
+    """Where one engine publishes what the agent reads (sample names as exposed, counters with `_total`)."""
+
+    kind: str
+    prefix: str
+    kv_usage: str
+    running: str
+    waiting: str
+    cache_queries: str
+    cache_hits: str
+    ttft: str
+    e2e: str
+    queue: str
+
+
+_VLLM = _EngineNames(
+    kind="vllm",
+    prefix="vllm:",
+    kv_usage="vllm:kv_cache_usage_perc",
+    running="vllm:num_requests_running",
+    waiting="vllm:num_requests_waiting",
+    cache_queries="vllm:prefix_cache_queries_total",
+    cache_hits="vllm:prefix_cache_hits_total",
+    ttft="vllm:time_to_first_token_seconds",
+    e2e="vllm:e2e_request_latency_seconds",
+    queue="vllm:request_queue_time_seconds",
+)
+# SGLang's `sglang:cache_hit_rate` gauge holds the last prefill batch's rate and is set to 0 by every decode
+# log, so the miss ratio comes from its per-request token counters instead (cached / prompt tokens).
+_SGLANG = _EngineNames(
+    kind="sglang",
+    prefix="sglang:",
+    kv_usage="sglang:token_usage",
+    running="sglang:num_running_reqs",
+    waiting="sglang:num_queue_reqs",
+    cache_queries="sglang:prompt_tokens_total",
+    cache_hits="sglang:cached_tokens_total",
+    ttft="sglang:time_to_first_token_seconds",
+    e2e="sglang:e2e_request_latency_seconds",
+    queue="sglang:queue_time_seconds",
+)
+_ENGINES = (_VLLM, _SGLANG)
+
+
+class FailureCounts:
+    """Failures counted by kind; the first of each kind is logged once, later ones only counted."""
+
+    def __init__(self, what: str, logger: logging.Logger) -> None:
+        self._what = what
+        self._log = logger
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def record(self, kind: str, detail: object) -> None:
+        with self._lock:
+            first = kind not in self._counts
+            self._counts[kind] = self._counts.get(kind, 0) + 1
+        if first:
+            self._log.warning("%s: %s (%s); further failures of this kind are only counted", self._what, detail, kind)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+@dataclass(frozen=True)
+class LatencyQuantiles:
+    """Quantiles of the observations a histogram gained between two scrapes."""
+
+    requests: int
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """One scrape; every field is None when not measured (failed scrape, metric absent, nothing new)."""
+
+    kind: str | None = None
+    kv_cache_usage_ratio: float | None = None
+    kv_cache_miss_ratio: float | None = None
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    ttft: LatencyQuantiles | None = None
+    e2e: LatencyQuantiles | None = None
+    queue: LatencyQuantiles | None = None
+
+    def latency(self) -> ModalityLatency | None:
+        """TTFT and end-to-end quantiles as the wire's per-slice latency; `requests` counts finished requests."""
+        if self.ttft is None and self.e2e is None:
+            return None
+        ttft, e2e = self.ttft, self.e2e
+        return ModalityLatency(
+            requests=e2e.requests if e2e is not None else 0,
+            ttft_p50_ms=ttft.p50_ms if ttft is not None else None,
+            ttft_p95_ms=ttft.p95_ms if ttft is not None else None,
+            ttft_p99_ms=ttft.p99_ms if ttft is not None else None,
+            e2e_p50_ms=e2e.p50_ms if e2e is not None else None,
+            e2e_p95_ms=e2e.p95_ms if e2e is not None else None,
+            e2e_p99_ms=e2e.p99_ms if e2e is not None else None,
+        )
+
+
+class _ScrapeError(Exception):
+    """A scrape that gave nothing usable; `kind` names why."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+class EngineCollector:
+    """Scrapes one engine's `/metrics` per `sample()`; `kind` is "vllm" or "sglang" once detected, else None."""
+
+    def __init__(self, url: str, timeout_s: float = 2.0) -> None:
+        if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+            raise ValueError(f"engine metrics URL must be http:// or https://, not {url!r}")
+        self.url = url
+        self.timeout_s = timeout_s
+        self.kind: str | None = None
+        self.failures = FailureCounts(f"engine scrape of {url} failed", _log)
+        self._previous: dict[str, _Series] | None = None
+
+    def sample(self) -> EngineSample:
+        """Scrape now; a failed scrape is counted by kind and gives an all-absent sample."""
+        try:
+            samples = _parse(self._fetch())
+            names = self._detect(samples)
+        except _ScrapeError as exc:
+            self.failures.record(exc.kind, exc)
+            return EngineSample()
+        previous, self._previous = self._previous, samples
+        return _read(names, samples, previous)
+
+    def _fetch(self) -> str:
+        request = urllib.request.Request(self.url, headers={"Accept": "text/plain"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                body: bytes = response.read(MAX_BODY_BYTES + 1)
+        except urllib.error.HTTPError as exc:
+            raise _ScrapeError("http_status", f"HTTP {exc.code}") from None
+        except TimeoutError:
+            raise _ScrapeError("timeout", f"no answer within {self.timeout_s:g} s") from None
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                raise _ScrapeError("timeout", f"no answer within {self.timeout_s:g} s") from None
+            if isinstance(exc.reason, ConnectionRefusedError):
+                raise _ScrapeError("refused", "connection refused") from None
+            raise _ScrapeError("unreachable", str(exc.reason)) from None
+        except http.client.HTTPException as exc:
+            raise _ScrapeError("http_protocol", f"bad HTTP response: {exc!r}") from None
+        except OSError as exc:
+            raise _ScrapeError("unreachable", str(exc)) from None
+        if len(body) > MAX_BODY_BYTES:
+            raise _ScrapeError("too_large", f"body over {MAX_BODY_BYTES} bytes")
+        try:
+            return body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _ScrapeError("malformed", f"not UTF-8: {exc}") from None
+
+    def _detect(self, samples: dict[str, _Series]) -> _EngineNames:
+        names = next((e for e in _ENGINES if any(name.startswith(e.prefix) for name in samples)), None)
+        if names is None:
+            raise _ScrapeError("unknown_engine", "no vllm: or sglang: metrics")
+        if names.kind != self.kind:
+            _log.info("engine at %s detected: %s", self.url, names.kind)
+            self.kind = names.kind
+            self._previous = None
+        return names
+
+
+def _parse(text: str) -> dict[str, _Series]:
+    """Prometheus text exposition → sample name → value by label set; replicas collapsed, non-finite dropped."""
+    samples: dict[str, _Series] = {}
+    ranks: dict[tuple[str, _Labels], tuple[int, ...]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not math.isfinite(sample.value):
+                    continue
+                labels = frozenset((k, v) for k, v in sample.labels.items() if k not in _REPLICA_LABELS)
+                rank = tuple(_rank(sample.labels.get(label, "0")) for label in _REPLICA_LABELS)
+                if ranks.get((sample.name, labels), rank) < rank:
+                    continue
+                ranks[(sample.name, labels)] = rank
+                samples.setdefault(sample.name, {})[labels] = sample.value
+    except (ValueError, IndexError, KeyError) as exc:
+        raise _ScrapeError("malformed", f"not Prometheus text: {exc}") from None
+    return samples
+
+
+def _rank(value: str) -> int:
+    """A replica label's order; a value that is not a number sorts last."""
+    return int(value) if value.isdigit() else 1 << 30
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """Prometheus `histogram_quantile` over cumulative (upper bound, count) buckets sorted by bound, +Inf last.
+
+    Linear interpolation inside the bucket holding rank `q * total` (the first bucket starts at 0); a rank in
+    the +Inf bucket gives the highest finite bound. None without observations.
+    """
+    if len(buckets) < 2 or not math.isinf(buckets[-1][0]):
+        return None
+    counts = list(itertools.accumulate((count for _, count in buckets), max))
+    total = counts[-1]
+    if total <= 0:
+        return None
+    rank = q * total
+    b = bisect.bisect_left(counts, rank)
+    if b == len(buckets) - 1:
+        return buckets[-2][0]
+    if b == 0 and buckets[0][0] <= 0:
+        return buckets[0][0]
+    start, end, count = 0.0, buckets[b][0], counts[b]
+    if b > 0:
+        start = buckets[b - 1][0]
+        count -= counts[b - 1]
+        rank -= counts[b - 1]
+    return start + (end - start) * (rank / count)
+
+
+def _read(names: _EngineNames, samples: dict[str, _Series], previous: dict[str, _Series] | None) -> EngineSample:
+    usage = _mean(samples.get(names.kv_usage))
+    running = _sum(samples.get(names.running))
+    waiting = _sum(samples.get(names.waiting))
+    miss: float | None = None
+    ttft = e2e = queue = None
+    if previous is not None:
+        miss = _miss_ratio(samples, previous, names.cache_queries, names.cache_hits)
+        ttft = _quantiles(samples, previous, names.ttft)
+        e2e = _quantiles(samples, previous, names.e2e)
+        queue = _quantiles(samples, previous, names.queue)
+    return EngineSample(
+        kind=names.kind,
+        kv_cache_usage_ratio=None if usage is None else min(1.0, max(0.0, usage)),
+        kv_cache_miss_ratio=miss,
+        requests_running=None if running is None else max(0, round(running)),
+        requests_waiting=None if waiting is None else max(0, round(waiting)),
+        ttft=ttft,
+        e2e=e2e,
+        queue=queue,
+    )
+
+
+def _mean(series: _Series | None) -> float | None:
+    return sum(series.values()) / len(series) if series else None
+
+
+def _sum(series: _Series | None) -> float | None:
+    return sum(series.values()) if series else None
+
+
+def _miss_ratio(
+    samples: dict[str, _Series], previous: dict[str, _Series], queries_name: str, hits_name: str
+) -> float | None:
+    """1 - Δhits / Δqueries over the series present in both scrapes that did not restart; None if no queries."""
+    queries, hits = samples.get(queries_name, {}), samples.get(hits_name, {})
+    queries_before, hits_before = previous.get(queries_name, {}), previous.get(hits_name, {})
+    queried = hit = 0.0
+    for labels, q1 in queries.items():
+        q0, h0, h1 = queries_before.get(labels), hits_before.get(labels), hits.get(labels)
+        if q0 is None or h0 is None or h1 is None or q1 < q0 or h1 < h0:
+            continue
+        queried += q1 - q0
+        hit += h1 - h0
+    if queried <= 0:
+        return None
+    return min(1.0, max(0.0, 1.0 - hit / queried))
+
+
+def _quantiles(samples: dict[str, _Series], previous: dict[str, _Series], name: str) -> LatencyQuantiles | None:
+    """p50/p95/p99 in ms of the observations the histogram gained since the previous scrape."""
+    now, before = _bucket_series(samples.get(f"{name}_bucket")), _bucket_series(previous.get(f"{name}_bucket"))
+    gained: dict[float, float] = {}
+    for labels, buckets in now.items():
+        old = before.get(labels)
+        if old is None:
+            continue
+        delta = {le: count - old[le] for le, count in buckets.items() if le in old}
+        if any(d < 0 for d in delta.values()):
+            continue
+        for le, d in delta.items():
+            gained[le] = gained.get(le, 0.0) + d
+    merged = sorted(gained.items())
+    p50, p95, p99 = (histogram_quantile(q, merged) for q in _QUANTILES)
+    if p50 is None or p95 is None or p99 is None:
+        return None
+    return LatencyQuantiles(
+        requests=round(merged[-1][1]), p50_ms=1000.0 * p50, p95_ms=1000.0 * p95, p99_ms=1000.0 * p99
+    )
+
+
+def _bucket_series(series: _Series | None) -> dict[_Labels, dict[float, float]]:
+    """`_bucket` samples grouped by label set without `le`: upper bound → cumulative count."""
+    grouped: dict[_Labels, dict[float, float]] = {}
+    for labels, count in (series or {}).items():
+        le = dict(labels).get("le")
+        if le is None:
+            continue
+        try:
+            bound = float(le)
+        except ValueError:
+            continue
+        grouped.setdefault(frozenset(item for item in labels if item[0] != "le"), {})[bound] = count
+    return grouped

@@ -1,0 +1,238 @@
+"""Engine collector against vLLM and SGLang exposition text served over real HTTP.
+
+The fixtures in tests/data were printed by prometheus_client with vLLM's and SGLang's own metric definitions
+(names, help, labels, buckets): vLLM with two engines (DP=2), SGLang with every scheduler publishing
+(`--enable-metrics-for-all-schedulers`, TP=2). The expected values below are worked out by hand from the
+bucket and counter changes between fixtures.
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prismlb.agent._engine import EngineCollector, EngineSample, LatencyQuantiles, histogram_quantile
+
+from .conftest import free_port
+
+DATA = Path(__file__).parent / "data"
+
+
+def fixture(name: str) -> bytes:
+    return (DATA / name).read_bytes()
+
+
+class MetricsServer:
+    """A local HTTP server answering each GET with the next queued (status, body, delay), the last repeated."""
+
+    def __init__(self) -> None:
+        self.responses: list[tuple[int, bytes, float]] = []
+        served = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                status, body, delay = served.responses.pop(0) if len(served.responses) > 1 else served.responses[0]
+                time.sleep(delay)
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.server.block_on_close = False
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True)
+        self.thread.start()
+
+    def queue(self, body: bytes, status: int = 200, delay_s: float = 0.0) -> None:
+        self.responses.append((status, body, delay_s))
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def server() -> Iterator[MetricsServer]:
+    s = MetricsServer()
+    yield s
+    s.close()
+
+
+def assert_quantiles(got: LatencyQuantiles | None, requests: int, p50: float, p95: float, p99: float) -> None:
+    assert got is not None
+    assert got.requests == requests
+    assert (got.p50_ms, got.p95_ms, got.p99_ms) == pytest.approx((p50, p95, p99), abs=1e-6)
+
+
+def test_vllm_gauges_miss_ratio_and_quantiles_from_deltas(server: MetricsServer) -> None:
+    server.queue(fixture("vllm_metrics_1.txt"))
+    server.queue(fixture("vllm_metrics_2.txt"))
+    collector = EngineCollector(server.url)
+
+    first = collector.sample()
+    # Gauges are read at once: running 3+2, waiting 0+1, KV usage mean(0.12, 0.08); no deltas yet.
+    assert first == EngineSample(
+        kind="vllm", kv_cache_usage_ratio=pytest.approx(0.10), requests_running=5, requests_waiting=1
+    )
+
+    second = collector.sample()
+    assert second.kind == "vllm"
+    assert second.requests_running == 12 and second.requests_waiting == 6
+    assert second.kv_cache_usage_ratio == pytest.approx(0.40)
+    # queries: engine 0 1000 -> 3000, engine 1 500 -> 1500 (+3000); hits 400 -> 1900, 100 -> 400 (+1800).
+    assert second.kv_cache_miss_ratio == pytest.approx(1 - 1800 / 3000)
+    # TTFT, 100 new observations; cumulative per bucket: <=0.02: 10, 0.04: 30, 0.06: 50, 0.08: 60, 0.1: 80,
+    # 0.25: 90, 0.5: 96, 0.75: 98, 1.0: 100.
+    #   p50, rank 50 -> (0.04, 0.06]: 0.04 + 0.02 * (50 - 30) / 20 = 0.060 s
+    #   p95, rank 95 -> (0.25, 0.5]:  0.25 + 0.25 * (95 - 90) / 6  = 0.458333 s
+    #   p99, rank 99 -> (0.75, 1.0]:  0.75 + 0.25 * (99 - 98) / 2  = 0.875 s
+    assert_quantiles(second.ttft, 100, 60.0, 250 + 250 * 5 / 6, 875.0)
+    # e2e, 40 new: <=0.8: 4, 1.0: 12, 1.5: 24, 2.0: 32, 2.5: 36, 5.0: 38, 10.0: 40.
+    #   p50, rank 20 -> (1.0, 1.5]: 1.0 + 0.5 * 8 / 12 ; p95, rank 38 -> (2.5, 5.0]: 5.0
+    #   p99, rank 39.6 -> (5, 10]: 5 + 5 * 1.6 / 2 = 9.0
+    assert_quantiles(second.e2e, 40, 1000 + 500 * 8 / 12, 5000.0, 9000.0)
+    # queue, 40 new: <=0.3: 30, 0.5: 36, 0.8: 40.
+    #   p50, rank 20 -> [0, 0.3]: 0.3 * 20 / 30 = 0.2 ; p95, rank 38 -> 0.5 + 0.3 * 2 / 4 ; p99 -> 0.5 + 0.3 * 3.6 / 4
+    assert_quantiles(second.queue, 40, 200.0, 650.0, 770.0)
+
+
+def test_vllm_counter_reset_skips_the_restarted_series(server: MetricsServer) -> None:
+    for name in ("vllm_metrics_1.txt", "vllm_metrics_2.txt", "vllm_metrics_3_restart.txt"):
+        server.queue(fixture(name))
+    collector = EngineCollector(server.url)
+    collector.sample()
+    collector.sample()
+
+    third = collector.sample()
+    # Engine 1 restarted (queries 1500 -> 200): skipped. Engine 0: queries +1000, hits +250.
+    assert third.kv_cache_miss_ratio == pytest.approx(0.75)
+    # Engine 0 gained no observations and engine 1's histograms went down: no latency this window.
+    assert third.ttft is None and third.e2e is None and third.queue is None
+    assert third.latency() is None
+    assert third.requests_running == 2 and third.requests_waiting == 0
+    assert third.kv_cache_usage_ratio == pytest.approx(0.11)
+
+
+def test_sglang_detected_replicas_read_once_and_miss_from_token_counters(server: MetricsServer) -> None:
+    server.queue(fixture("sglang_metrics_1.txt"))
+    server.queue(fixture("sglang_metrics_2.txt"))
+    collector = EngineCollector(server.url)
+    first = collector.sample()
+    assert first == EngineSample(
+        kind="sglang", kv_cache_usage_ratio=pytest.approx(0.30), requests_running=4, requests_waiting=1
+    )
+    second = collector.sample()
+    assert collector.kind == "sglang"
+    # Both TP ranks publish the scheduler gauges (5 running each): one scheduler, not 10 requests.
+    assert second.requests_running == 5 and second.requests_waiting == 3
+    assert second.kv_cache_usage_ratio == pytest.approx(0.42)
+    # sglang:cache_hit_rate reads 0.0 (set by the last decode log); the counters say prompt +4000, cached +1000.
+    assert second.kv_cache_miss_ratio == pytest.approx(0.75)
+    # TTFT, 20 new: <=0.2: 4, 0.4: 12, 0.6: 16, 0.8: 18, 1: 20.
+    #   p50, rank 10 -> 0.2 + 0.2 * 6 / 8 = 0.35 ; p95, rank 19 -> 0.8 + 0.2 / 2 ; p99, rank 19.8 -> 0.8 + 0.2 * 0.9
+    assert_quantiles(second.ttft, 20, 350.0, 900.0, 980.0)
+    # e2e, 20 new: <=2: 10, 4: 18, 6: 20 -> p50 2.0 (end of (1, 2]), p95 4 + 2 * 1 / 2, p99 4 + 2 * 1.8 / 2.
+    assert_quantiles(second.e2e, 20, 2000.0, 5000.0, 5800.0)
+    # queue (one TP rank's histogram), 20 new: <=0.0: 10, 0.1: 16, 0.2: 20 -> p50 in the le=0 bucket is 0;
+    # p95 0.1 + 0.1 * 3 / 4; p99 0.1 + 0.1 * 3.8 / 4.
+    assert_quantiles(second.queue, 20, 0.0, 175.0, 195.0)
+    latency = second.latency()
+    assert latency is not None
+    assert latency.requests == 20 and latency.ttft_p95_ms == pytest.approx(900.0)
+    assert latency.e2e_p99_ms == pytest.approx(5800.0)
+
+
+def test_detection_is_logged_once(server: MetricsServer, caplog: pytest.LogCaptureFixture) -> None:
+    server.queue(fixture("vllm_metrics_1.txt"))
+    collector = EngineCollector(server.url)
+    assert collector.kind is None
+    with caplog.at_level(logging.INFO, logger="prism.agent.engine"):
+        collector.sample()
+        collector.sample()
+    assert collector.kind == "vllm"
+    assert [r.getMessage() for r in caplog.records if "detected" in r.getMessage()] == [
+        f"engine at {server.url} detected: vllm"
+    ]
+
+
+def test_absent_metrics_are_none_not_zero(server: MetricsServer) -> None:
+    server.queue(
+        b"# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+        b"# TYPE vllm:kv_cache_usage_perc gauge\n"
+        b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+    )
+    collector = EngineCollector(server.url)
+    collector.sample()
+    assert collector.sample() == EngineSample(kind="vllm", kv_cache_usage_ratio=0.25)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "delay_s", "kind"),
+    [
+        (200, b"<html><body>Not Found</body></html>\n", 0.0, "malformed"),
+        (200, b"\xff\xfe not utf-8", 0.0, "malformed"),
+        (500, b"Internal Server Error", 0.0, "http_status"),
+        (200, b"# TYPE python_info gauge\npython_info 1.0\n", 0.0, "unknown_engine"),
+        (200, b"", 0.0, "unknown_engine"),
+        (200, b"", 0.5, "timeout"),
+    ],
+)
+def test_failed_scrape_is_all_absent_counted_and_logged_once(
+    server: MetricsServer, caplog: pytest.LogCaptureFixture, status: int, body: bytes, delay_s: float, kind: str
+) -> None:
+    server.queue(body, status, delay_s)
+    collector = EngineCollector(server.url, timeout_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="prism.agent.engine"):
+        assert collector.sample() == EngineSample()
+        assert collector.sample() == EngineSample()
+    assert collector.failures.counts() == {kind: 2}
+    assert len([r for r in caplog.records if f"({kind})" in r.getMessage()]) == 1
+
+
+def test_connection_refused() -> None:
+    collector = EngineCollector(f"http://127.0.0.1:{free_port()}/metrics")
+    assert collector.sample() == EngineSample()
+    assert collector.kind is None
+    assert collector.failures.counts() == {"refused": 1}
+
+
+def test_deltas_span_a_failed_scrape(server: MetricsServer) -> None:
+    server.queue(fixture("vllm_metrics_1.txt"))
+    server.queue(b"<html>restarting</html>", 503)
+    server.queue(fixture("vllm_metrics_2.txt"))
+    collector = EngineCollector(server.url)
+    collector.sample()
+    assert collector.sample() == EngineSample()
+    assert collector.sample().kv_cache_miss_ratio == pytest.approx(0.4)
+    assert collector.failures.counts() == {"http_status": 1}
+
+
+def test_rejects_a_non_http_url() -> None:
+    with pytest.raises(ValueError):
+        EngineCollector("tcp://127.0.0.1:8000")
+
+
+def test_histogram_quantile_follows_prometheus() -> None:
+    inf = math.inf
+    assert histogram_quantile(0.5, []) is None
+    assert histogram_quantile(0.5, [(1.0, 3.0)]) is None  # no +Inf bucket
+    assert histogram_quantile(0.5, [(1.0, 0.0), (inf, 0.0)]) is None  # no observations
+    assert histogram_quantile(0.5, [(1.0, 2.0), (2.0, 4.0), (inf, 4.0)]) == 1.0
+    assert histogram_quantile(0.99, [(1.0, 0.0), (2.0, 1.0), (inf, 10.0)]) == 2.0  # rank in +Inf: highest bound
+    assert histogram_quantile(0.25, [(0.0, 5.0), (1.0, 10.0), (inf, 10.0)]) == 0.0  # le=0 bucket
+    assert histogram_quantile(0.5, [(1.0, 0.0), (3.0, 4.0), (inf, 4.0)]) == 2.0
+    # Non-monotonic counts (a scrape racing an observation) are made monotonic first, as Prometheus does.
+    assert histogram_quantile(0.5, [(1.0, 4.0), (2.0, 3.0), (inf, 4.0)]) == 0.5

@@ -1,0 +1,428 @@
+"""KV-event subscriber against vLLM's wire format over real ZeroMQ sockets, and the Bloom summary.
+
+The publisher below follows vLLM's `ZmqEventPublisher` (`vllm/distributed/kv_events.py`): frames (topic,
+8-byte big-endian seq, msgpack payload), a replay buffer, and a ROUTER that answers `[id, "", start_seq]` with
+`[id, "", seq, payload]` per buffered batch and `[id, "", -1, ""]` at the end. Events are encoded by msgspec
+structs declared as vLLM declares them: tagged maps in current vLLM, tagged arrays up to 0.23.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prismlb.agent._kv_events import KvEventSubscriber
+from prismlb.wire import (
+    BLOOM_BITS,
+    BLOOM_CAPACITY,
+    BLOOM_HASHES,
+    CountingBloom,
+    block_key,
+    bloom_contains,
+    bloom_false_positive_rate,
+    bloom_overlap,
+    KvSummary,
+)
+
+from .conftest import free_port
+
+TOPIC = b"kv-events"
+Hash = int | bytes
+
+
+# vLLM (current): the batch is array-like, events are tagged maps.
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[Hash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+# vLLM up to 0.23: events are tagged arrays too; `future` stands for a field a later version appends.
+class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class ArrayBlockStored(ArrayEvent, tag="BlockStored"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    future: str | None = None
+
+
+class ArrayBlockRemoved(ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[Hash]
+    medium: str | None
+
+
+def stored(hashes: list[Hash], block_size: int = 16, medium: str | None = "GPU") -> BlockStored:
+    tokens = list(range(block_size * len(hashes)))
+    return BlockStored(hashes, None, tokens, block_size, None, medium, None, [None] * len(hashes), 0, "full_attention")
+
+
+def removed(hashes: list[Hash]) -> BlockRemoved:
+    return BlockRemoved(hashes, "GPU", 0)
+
+
+class Engine:
+    """vLLM's publisher side: PUB frames with sequence numbers, a replay buffer and a ROUTER replay socket."""
+
+    END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, replay_endpoint: str | None = None) -> None:
+        # XPUB sends exactly what PUB sends; it also reports subscriptions, so the test knows the subscriber joined.
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(endpoint)
+        self.seq = 0
+        self.buffer: list[tuple[int, bytes]] = []
+        self.encoder = msgspec.msgpack.Encoder()
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        if replay_endpoint is not None:
+            self.router = ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.bind(replay_endpoint)
+            self.thread = threading.Thread(target=self._serve_replay, daemon=True)
+            self.thread.start()
+
+    def wait_subscriber(self) -> None:
+        assert self.pub.poll(5000), "subscriber never joined"
+        assert self.pub.recv()[0] == 1
+
+    def publish(self, *events: Any, send: bool = True) -> int:
+        """Encode a batch, keep it for replay, and send it unless `send` is False (a batch lost on the way)."""
+        payload = self.encoder.encode(KVEventBatch(time.time(), list(events), 0))
+        return self.publish_raw(payload, send=send)
+
+    def publish_raw(self, payload: bytes, send: bool = True) -> int:
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, payload))
+        if send:
+            self.pub.send_multipart([TOPIC, seq.to_bytes(8, "big"), payload])
+        return seq
+
+    def _serve_replay(self) -> None:
+        while not self.stop.is_set():
+            if not self.router.poll(20):
+                continue
+            client, _, start = self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            for seq, payload in list(self.buffer):
+                if seq >= first:
+                    self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
+            self.router.send_multipart([client, b"", self.END_SEQ, b""])
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+            self.router.close()
+        self.pub.close()
+
+
+@pytest.fixture
+def replay_endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture
+def engine(ctx: zmq.Context, endpoint: str, replay_endpoint: str) -> Iterator[Engine]:
+    e = Engine(ctx, endpoint, replay_endpoint)
+    yield e
+    e.close()
+
+
+def subscribe(ctx: zmq.Context, engine: Engine, endpoint: str, replay: str | None, **kw: Any) -> KvEventSubscriber:
+    subscriber = KvEventSubscriber(endpoint, replay, TOPIC, context=ctx, **kw)
+    engine.wait_subscriber()
+    return subscriber
+
+
+def poll_until(subscriber: KvEventSubscriber, done: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"timed out: {subscriber.stats()}"
+        subscriber.poll(50)
+
+
+def held(subscriber: KvEventSubscriber, hashes: list[Hash]) -> list[bool]:
+    summary = subscriber.summary()
+    assert summary is not None
+    return [bloom_contains(summary, h) for h in hashes]
+
+
+def test_stored_removed_cleared(ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str) -> None:
+    with subscribe(ctx, engine, endpoint, replay_endpoint) as sub:
+        assert sub.summary() is None
+        big = 0xFFFF_FFFF_FFFF_FF00  # above 2**63: msgpack uint64
+        engine.publish(stored([1, 2, 3]), stored([big], block_size=32))
+        engine.publish(removed([2]))
+        poll_until(sub, lambda: sub.stats().batches == 2)
+        summary = sub.summary()
+        assert summary is not None
+        assert (summary.blocks, summary.bloom_hashes, summary.block_size_tokens) == (3, BLOOM_HASHES, 32)
+        assert len(summary.bloom) == BLOOM_BITS // 8
+        assert held(sub, [1, 3, big]) == [True, True, True]
+        assert held(sub, [2]) == [False]
+        stats = sub.stats()
+        assert (stats.events, stats.last_seq, stats.replayed_batches, stats.missed_batches) == (3, 1, 0, 0)
+
+        engine.publish(AllBlocksCleared())
+        poll_until(sub, lambda: sub.stats().batches == 3)
+        assert sub.summary() == KvSummary(blocks=0, bloom=b"", bloom_hashes=BLOOM_HASHES, block_size_tokens=32)
+        assert sub.failures.counts() == {}
+
+
+def test_array_encoded_events_with_bytes_hashes_and_newer_fields(
+    ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str
+) -> None:
+    sha: list[Hash] = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+    with subscribe(ctx, engine, endpoint, replay_endpoint) as sub:
+        engine.publish(ArrayBlockStored(sha, None, list(range(48)), 16, None, "GPU", future="from vLLM 9"))
+        engine.publish(ArrayBlockRemoved(sha[:1], "GPU"))
+        # A map-encoded batch and event with a key this agent does not know.
+        encoder = msgspec.msgpack.Encoder()
+        event: dict[str, Any] = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None}
+        event |= {"token_ids": [1] * 16, "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+        event["cache_salt"] = "tenant-a"
+        engine.publish_raw(encoder.encode({"ts": 1.0, "events": [event], "data_parallel_rank": 0}))
+        poll_until(sub, lambda: sub.stats().batches == 3)
+        assert held(sub, [sha[0], sha[1], sha[2], 7]) == [False, True, True, True]
+        assert sub.stats().blocks == 3
+        assert sub.failures.counts() == {}
+
+
+def test_gap_is_filled_by_replay(ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str) -> None:
+    with subscribe(ctx, engine, endpoint, replay_endpoint) as sub:
+        engine.publish(stored([10]))
+        engine.publish(stored([11]), send=False)
+        engine.publish(stored([12]), removed([10]), send=False)
+        engine.publish(stored([13]))
+        engine.publish(stored([14]))
+        poll_until(sub, lambda: sub.stats().last_seq == 4)
+        stats = sub.stats()
+        assert (stats.batches, stats.replayed_batches, stats.missed_batches, stats.blocks) == (5, 2, 0, 4)
+        assert held(sub, [10, 11, 12, 13, 14]) == [False, True, True, True, True]
+        assert sub.failures.counts() == {}
+
+
+def test_gap_without_replay_is_counted_and_skipped(ctx: zmq.Context, endpoint: str) -> None:
+    engine = Engine(ctx, endpoint)
+    try:
+        with subscribe(ctx, engine, endpoint, None) as sub:
+            engine.publish(stored([20]))
+            engine.publish(stored([21]), send=False)
+            engine.publish(stored([22]), send=False)
+            engine.publish(stored([23]))
+            poll_until(sub, lambda: sub.stats().last_seq == 3)
+            stats = sub.stats()
+            assert (stats.batches, stats.replayed_batches, stats.missed_batches) == (2, 0, 2)
+            assert held(sub, [20, 23]) == [True, True]
+            assert sub.failures.counts() == {"gap": 1}
+    finally:
+        engine.close()
+
+
+def test_gap_with_a_silent_replay_endpoint(ctx: zmq.Context, endpoint: str) -> None:
+    engine = Engine(ctx, endpoint)
+    silent = f"tcp://127.0.0.1:{free_port()}"
+    try:
+        with subscribe(ctx, engine, endpoint, silent, replay_timeout_s=0.1) as sub:
+            engine.publish(stored([30]))
+            engine.publish(stored([31]), send=False)
+            engine.publish(stored([32]))
+            engine.publish(stored([33]))
+            poll_until(sub, lambda: sub.stats().last_seq == 3)
+            assert sub.stats().missed_batches == 1
+            assert held(sub, [30, 32, 33]) == [True, True, True]
+            assert sub.failures.counts() == {"replay_timeout": 1, "gap": 1}
+    finally:
+        engine.close()
+
+
+def test_late_join_replays_from_zero(ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str) -> None:
+    engine.publish(stored([40, 41]), send=False)  # published before the agent started
+    engine.publish(removed([40]), send=False)
+    with subscribe(ctx, engine, endpoint, replay_endpoint) as sub:
+        engine.publish(stored([42]))
+        poll_until(sub, lambda: sub.stats().last_seq == 2)
+        assert sub.stats().replayed_batches == 2
+        assert held(sub, [40, 41, 42]) == [False, True, True]
+        assert sub.failures.counts() == {}
+
+
+def test_publisher_restart_clears_the_set(
+    ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str
+) -> None:
+    with subscribe(ctx, engine, endpoint, replay_endpoint) as sub:
+        engine.publish(stored([50]))
+        engine.publish(stored([51]))
+        poll_until(sub, lambda: sub.stats().last_seq == 1)
+        engine.seq, engine.buffer = 0, []  # a new engine process: sequence and buffer start over
+        engine.publish(stored([52]))
+        poll_until(sub, lambda: sub.stats().last_seq == 0)
+        assert held(sub, [50, 51, 52]) == [False, False, True]
+        assert sub.failures.counts() == {"publisher_restart": 1}
+
+
+def test_malformed_input_is_counted_by_kind(
+    ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str
+) -> None:
+    encoder = msgspec.msgpack.Encoder()
+    with subscribe(ctx, engine, endpoint, replay_endpoint) as sub:
+        engine.pub.send_multipart([TOPIC, b"only two frames"])
+        engine.pub.send_multipart([TOPIC, b"\x00\x01", b"seq of 2 bytes"])
+        engine.publish_raw(b"\xc1 not msgpack")
+        engine.publish_raw(encoder.encode({"not": "a batch"}))
+        engine.publish(
+            stored([60]),
+            {"type": "BlockMoved", "block_hashes": [1]},
+            {"type": "BlockStored", "block_hashes": "nope", "block_size": 16},
+            ["BlockRemoved", [1.5], "GPU"],
+            {"type": "BlockStored", "block_hashes": [61], "block_size": 0},
+            42,
+        )
+        poll_until(sub, lambda: sub.stats().last_seq == 2)
+        assert sub.failures.counts() == {
+            "frames": 1,
+            "seq": 1,
+            "payload": 1,
+            "batch": 1,
+            "unknown_event": 1,
+            "event": 4,
+        }
+        assert held(sub, [60]) == [True]
+        assert sub.stats().batches == 1
+
+
+def test_block_set_is_bounded_oldest_first(
+    ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str
+) -> None:
+    with subscribe(ctx, engine, endpoint, replay_endpoint, max_blocks=4) as sub:
+        engine.publish(stored([1, 2, 3, 4]))
+        engine.publish(stored([1]))  # stored again: now the newest
+        engine.publish(stored([5, 6]))
+        poll_until(sub, lambda: sub.stats().batches == 3)
+        stats = sub.stats()
+        assert (stats.blocks, stats.evicted_blocks) == (4, 2)
+        assert held(sub, [1, 2, 3, 4, 5, 6]) == [True, False, False, True, True, True]
+
+
+def test_background_thread(ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str) -> None:
+    sub = subscribe(ctx, engine, endpoint, replay_endpoint)
+    sub.start()
+    try:
+        with pytest.raises(RuntimeError):
+            sub.start()
+        for block in range(100):
+            engine.publish(stored([block]))
+        deadline = time.monotonic() + 5.0
+        while sub.stats().batches < 100:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert sub.stats().blocks == 100
+    finally:
+        sub.stop()
+
+
+hashes = st.one_of(st.integers(min_value=-(2**63), max_value=2**64 - 1), st.binary(min_size=1, max_size=32))
+
+
+@settings(max_examples=200, deadline=None)
+@given(kept=st.lists(hashes, max_size=200), dropped=st.lists(hashes, max_size=200))
+def test_bloom_has_no_false_negatives(kept: list[Hash], dropped: list[Hash]) -> None:
+    bloom = CountingBloom(m_bits=1024, k=4)  # small, so that keys share counters
+    for h in kept + dropped:
+        bloom.add(h)
+    for h in dropped:
+        bloom.remove(h)
+    summary = KvSummary(blocks=len(kept), bloom=bloom.bits(), bloom_hashes=4)
+    assert all(bloom_contains(summary, h) for h in kept)
+
+
+def test_bloom_removing_everything_empties_it() -> None:
+    bloom = CountingBloom()
+    for h in range(1000):
+        bloom.add(h)
+    for h in range(1000):
+        bloom.remove(h)
+    assert bloom.bits() == bytes(BLOOM_BITS // 8)
+
+
+def test_bloom_false_positive_rate_at_capacity() -> None:
+    rng = random.Random(4)
+    members = list({rng.getrandbits(64) for _ in range(BLOOM_CAPACITY + 20_000)})
+    assert len(members) == BLOOM_CAPACITY + 20_000
+    bloom = CountingBloom()
+    for h in members[:BLOOM_CAPACITY]:
+        bloom.add(h)
+    summary = KvSummary(blocks=BLOOM_CAPACITY, bloom=bloom.bits(), bloom_hashes=BLOOM_HASHES)
+    rate = sum(bloom_contains(summary, h) for h in members[BLOOM_CAPACITY:]) / 20_000
+    design = bloom_false_positive_rate(BLOOM_BITS, BLOOM_HASHES, BLOOM_CAPACITY)
+    assert design == pytest.approx(0.0216, abs=1e-4)
+    assert abs(rate - design) < 0.005  # about 5 standard deviations of 20,000 trials
+
+
+def test_bloom_overlap_is_the_leading_run() -> None:
+    bloom = CountingBloom()
+    for h in (1, 2, 3, 9):
+        bloom.add(h)
+    summary = KvSummary(blocks=4, bloom=bloom.bits(), bloom_hashes=BLOOM_HASHES)
+    assert bloom_overlap(summary, [1, 2, 3, 4]) == 0.75
+    assert bloom_overlap(summary, [1, 2, 5, 9]) == 0.5
+    assert bloom_overlap(summary, [5, 1]) == 0.0
+    assert bloom_overlap(summary, []) == 0.0
+    empty = KvSummary(blocks=0, bloom=b"", bloom_hashes=BLOOM_HASHES)
+    assert not bloom_contains(empty, 1)
+
+
+def test_block_key_is_vllms_unsigned_64_bit_form() -> None:
+    assert block_key(-1) == block_key(2**64 - 1) == b"\xff" * 8
+    assert block_key(5) == (5).to_bytes(8, "big")
+    digest = hashlib.sha256(b"x").digest()
+    assert block_key(digest) == digest
