@@ -15,6 +15,7 @@ from prismlb.wire import GpuState, KvSummary, ModalityLatency, NodeMetrics, heal
 _log = logging.getLogger("prism.agent")
 
 _METRIC_FIELDS = frozenset(f.name for f in msgspec.structs.fields(NodeMetrics))
+_EARLY_S = 0.01  # a tick this close before a source's due time runs it
 
 
 @dataclass
@@ -65,8 +66,11 @@ class NodeSampler:
 
     def tick(self, now: float) -> NodeState:
         for source in self.sources:
-            if now >= self._due[source.name]:
-                self._due[source.name] = now + source.period_s
+            due = self._due[source.name]
+            if now >= due - _EARLY_S:
+                # Keep each source on its own grid, so jitter in the caller's ticks never skips a period.
+                following = due + source.period_s
+                self._due[source.name] = following if following > now else now + source.period_s
                 self._run(source, now)
         return self._state(now)
 

@@ -84,3 +84,11 @@ def test_health_score_and_alarms_over_present_dimensions(caplog: pytest.LogCaptu
 def test_duplicate_source_names_are_refused() -> None:
     with pytest.raises(ValueError):
         NodeSampler([Source("a", 1, Reading), Source("a", 2, Reading)])
+
+
+def test_jittery_ticks_do_not_skip_a_period() -> None:
+    source = Counting(cpu_util_ratio=0.1)
+    sampler = NodeSampler([Source("host", 1.0, source)])
+    for tick in range(20):
+        sampler.tick(tick * 1.0 + (0.003 if tick % 2 else -0.003))
+    assert source.calls == 20

@@ -291,14 +291,15 @@ def test_a_table_the_callback_refuses_is_not_taken(ctx: zmq.Context) -> None:
 
     subscriber = TableSubscriber(ctx, [address], refuse_then_crash, RejectCounter("router", LOG))
     subscriber.start()
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 3
     while time.monotonic() < deadline and len(calls) < 3:
+        publisher.heartbeat()  # each heartbeat shows the subscriber it is still behind
         publisher.serve_snapshots()
-        time.sleep(0.02)
+        time.sleep(0.05)
     subscriber.stop()
     publisher.close()
     assert subscriber.current_order == (-1, -1)
-    assert len(calls) >= 3, "refused tables are asked for again, and a crashing callback does not stop the thread"
+    assert len(calls) >= 3, "a refused table is asked for again on the next heartbeat; a crashing callback does not stop the thread"
 
 
 def test_publisher_refuses_a_table_routers_would_reject(ctx: zmq.Context) -> None:

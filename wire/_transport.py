@@ -191,8 +191,9 @@ class TablePublisher:
 
 
 class TableSubscriber:
-    """Router side of the clone pattern: subscribes to every brain, asks for a snapshot at start (and
-    again whenever a heartbeat shows a newer table than ours), and hands each newer table to `on_table`.
+    """Router side of the clone pattern: subscribes to every brain, asks each for a snapshot at start until it
+    answers (and all again whenever a heartbeat shows a newer table than ours), and hands each newer table
+    to `on_table`.
     Tables are ordered by (epoch, version), so with two brains the router follows the highest; a table
     counts as received only when `on_table` returns True."""
 
@@ -244,22 +245,22 @@ class TableSubscriber:
         poller = zmq.Poller()
         for sock in (sub, *dealers):
             poller.register(sock, zmq.POLLIN)
-        want_snapshot = True
+        unanswered = set(dealers)  # brains asked for a snapshot that have not answered yet
         next_request = 0.0
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
-                if want_snapshot and now >= next_request:
-                    for dealer in dealers:
+                if unanswered and now >= next_request:
+                    for dealer in unanswered:
                         try:
                             dealer.send_multipart(encode(SnapshotRequest()), flags=zmq.NOBLOCK)
                         except zmq.Again:
                             pass
                     next_request = now + self._retry_s
-                behind = False
                 for sock, _ in poller.poll(timeout=50):
-                    behind |= self._receive(sock)
-                want_snapshot = behind or self.current_order[0] < 0
+                    unanswered.discard(sock)
+                    if self._receive(sock):
+                        unanswered = set(dealers)
         finally:
             sub.close()
             for dealer in dealers:
