@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from prismlb.wire import (
@@ -51,6 +51,7 @@ class Agent:
         self.registry.register(_StateCollector(self))
         self.started_unix_s = time.time()
         self.state: NodeState | None = None
+        self.sampler: NodeSampler | None = None
         self.trace_path: TracePath | None = None
         self._seq = 0
         self._dropping = False
@@ -70,10 +71,12 @@ class Agent:
             trace_path = TracePath(config, counter.tracer if counter is not None else None, signals, self.registry)
             trace_path.start()
             self.trace_path = trace_path
-            with node_sources(config, counter, signals) as sources:
+            with node_sources(config, counter, signals, self.registry) as sources:
                 sender = VectorSender(ctx, config.brain, curve=config.curve)
+                sampler = NodeSampler(sources)
+                self.sampler = sampler
                 try:
-                    self._loop(stop, sender, NodeSampler(sources))
+                    self._loop(stop, sender, sampler)
                 finally:
                     _log.info("stopping: %d vectors sent, %d dropped", sender.sent, sender.dropped)
                     sd_notify("STOPPING=1")
@@ -193,3 +196,9 @@ class _StateCollector(Collector):
                     if value is not None:
                         latency.add_metric([slice_name, kind, q], value)
         yield from (node, alarm, gpu, latency)
+        sampler = self._agent.sampler
+        if sampler is not None:
+            failures = CounterMetricFamily("prism_agent_source_failures", "Failed source reads", labels=["source"])
+            for name, count in sorted(sampler.failures_total.items()):
+                failures.add_metric([name], count)
+            yield failures

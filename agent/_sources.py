@@ -9,6 +9,10 @@ import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
 from ._config import AgentConfig
 from ._ebpf import ConnectCounter
 from ._engine import EngineCollector
@@ -59,8 +63,41 @@ def _host(sampler: HostSampler) -> Reading:
     )
 
 
+class _CollectorCounts(Collector):
+    """The engine scraper's and the KV-event subscriber's own counters on /metrics."""
+
+    def __init__(self, engine: EngineCollector | None, kv: KvEventSubscriber | None) -> None:
+        self._engine, self._kv = engine, kv
+
+    def collect(self) -> Iterator[Metric]:
+        if self._engine is not None:
+            failures = CounterMetricFamily(
+                "prism_agent_engine_scrape_failures", "Failed engine scrapes by kind", labels=["kind"]
+            )
+            for kind, count in sorted(self._engine.failures.counts().items()):
+                failures.add_metric([kind], count)
+            yield failures
+        if self._kv is not None:
+            stats = self._kv.stats()
+            for name, help_text, value in (
+                ("batches", "KV-event batches applied", stats.batches),
+                ("events", "KV events applied", stats.events),
+                ("replayed_batches", "KV-event batches recovered by replay", stats.replayed_batches),
+                ("missed_batches", "KV-event batches lost in gaps", stats.missed_batches),
+                ("evicted_blocks", "Blocks dropped from the bounded block set", stats.evicted_blocks),
+            ):
+                yield CounterMetricFamily(f"prism_agent_kv_{name}", help_text, value=value)
+            yield GaugeMetricFamily("prism_agent_kv_blocks", "KV blocks the engine holds", value=stats.blocks)
+            failures = CounterMetricFamily("prism_agent_kv_failures", "KV-event failures by kind", labels=["kind"])
+            for kind, count in sorted(self._kv.failures.counts().items()):
+                failures.add_metric([kind], count)
+            yield failures
+
+
 @contextmanager
-def node_sources(config: AgentConfig, counter: ConnectCounter | None, signals: SpanSignals) -> Iterator[list[Source]]:
+def node_sources(
+    config: AgentConfig, counter: ConnectCounter | None, signals: SpanSignals, registry: CollectorRegistry
+) -> Iterator[list[Source]]:
     """The sources this agent can read, opened for the block and closed after it."""
     period = config.period_s
     host = HostSampler()
@@ -92,6 +129,7 @@ def node_sources(config: AgentConfig, counter: ConnectCounter | None, signals: S
             _log.info("GPU on: %s", detail)
             stack.callback(gpus.close)
             sources.append(Source("gpu", NVLINK_PERIOD_S, lambda: _gpu(gpus)))
+        engine = kv = None
         if config.engine_url is not None:
             engine = EngineCollector(config.engine_url)
             sources.append(Source("engine", KV_MISS_PERIOD_S, lambda: _engine(engine)))
@@ -99,4 +137,7 @@ def node_sources(config: AgentConfig, counter: ConnectCounter | None, signals: S
             kv = stack.enter_context(KvEventSubscriber(config.kv_events, config.kv_replay))
             kv.start()
             sources.append(Source("kv_events", KV_MISS_PERIOD_S, lambda: Reading(kv=kv.summary())))
+        collector = _CollectorCounts(engine, kv)
+        registry.register(collector)
+        stack.callback(registry.unregister, collector)
         yield sources

@@ -37,7 +37,8 @@ def test_engine_and_kv_events_reach_the_node_vector(ctx: zmq.Context) -> None:
         kv_events=kv_endpoint,
     )
     stop = threading.Event()
-    agent = Agent(config, CollectorRegistry())
+    registry = CollectorRegistry()
+    agent = Agent(config, registry)
     thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
     thread.start()
     try:
@@ -60,6 +61,10 @@ def test_engine_and_kv_events_reach_the_node_vector(ctx: zmq.Context) -> None:
         assert last.latency["engine"].ttft_p99_ms == pytest.approx(875.0)
         assert last.kv is not None and bloom_contains(last.kv, 12) and not bloom_contains(last.kv, 99)
         assert len(msgspec.msgpack.encode(last)) < MAX_VECTOR_BYTES
+        assert registry.get_sample_value("prism_agent_kv_blocks") == 3
+        assert registry.get_sample_value("prism_agent_node_metric", {"metric": "kv_cache_miss_ratio"}) == pytest.approx(0.4)
+        assert registry.get_sample_value("prism_agent_alarm", {"dimension": "kv_cache_miss_ratio"}) == 1.0
+        assert registry.get_sample_value("prism_agent_source_failures_total", {"source": "engine"}) == 0
     finally:
         stop.set()
         thread.join(timeout=10)
