@@ -28,6 +28,8 @@ from ._exceptions import (
 from ._health import DIMENSIONS, Dimension, Health, health
 from ._messages import (
     SCHEMA_VERSION,
+    Experiment,
+    ExperimentArm,
     GpuState,
     Heartbeat,
     KvSummary,
@@ -60,6 +62,8 @@ __all__ = [
     "ConfigError",
     "CountingBloom",
     "Dimension",
+    "Experiment",
+    "ExperimentArm",
     "FrameCountError",
     "GpuState",
     "Health",

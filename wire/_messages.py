@@ -20,6 +20,7 @@ Name = Annotated[str, msgspec.Meta(max_length=256)]
 Labels = Annotated[dict[Annotated[str, msgspec.Meta(min_length=1, max_length=64)], Name], msgspec.Meta(max_length=64)]
 Weight = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 SliceName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+Bounded = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]  # finite because bounded (no per-struct check)
 
 
 def _require_finite(struct: msgspec.Struct) -> None:
@@ -124,15 +125,36 @@ class NodeVector(_FiniteMessage, kw_only=True):
 
 
 class TableNode(_Message, kw_only=True):
+    """One routing target in a slice: a node, or one GPU of it in topology-aware slices."""
+
     node_id: NodeId
     endpoint: Name
     weight: Weight
     zone: Name = ""
+    model_version: Name = ""
+    load: Bounded | None = None  # the brain's estimate of requests on the node (running + waiting)
+    predicted_p99_ms: Bounded | None = None
+    gpu: Count | None = None
+    numa_node: Count | None = None
 
 
 class SliceTable(_Message, kw_only=True):
     name: SliceName
     nodes: Annotated[list[TableNode], msgspec.Meta(max_length=100_000)]
+    fallback: SliceName | None = None  # where this slice's requests go while it has no nodes
+
+
+class ExperimentArm(_Message, kw_only=True):
+    model_version: Name
+    fraction: Annotated[float, msgspec.Meta(ge=0.001, le=1.0)]
+
+
+class Experiment(_Message, kw_only=True):
+    """A gray release: a slice's traffic split between model versions, stable per session."""
+
+    name: SliceName
+    slice: SliceName
+    arms: Annotated[list[ExperimentArm], msgspec.Meta(min_length=1, max_length=16)]
 
 
 class RoutingTable(_FiniteMessage, kw_only=True):
@@ -142,6 +164,9 @@ class RoutingTable(_FiniteMessage, kw_only=True):
     version: Count
     issued_unix_s: NonNegative
     slices: Annotated[list[SliceTable], msgspec.Meta(max_length=64)]
+    experiments: Annotated[list[Experiment], msgspec.Meta(max_length=64)] = []
+    shed_classes: Annotated[list[Name], msgspec.Meta(max_length=16)] = []  # refused while the guardian degrades
+    guardian: Name = "normal"
 
     @property
     def order(self) -> tuple[int, int]:
