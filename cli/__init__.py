@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     agent.add_parser(subparsers)
     brain.add_parser(subparsers)
+    brain.add_ctl_parsers(subparsers)
     router.add_parser(subparsers)
     _keys.add_parser(subparsers)
     _demo.add_parser(subparsers)
