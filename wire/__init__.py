@@ -1,5 +1,6 @@
 """Messages and transport shared by the Prism agent, brain and router."""
 
+from ._arms import assign_arm
 from ._bloom import (
     BLOOM_BITS,
     BLOOM_CAPACITY,
@@ -11,7 +12,7 @@ from ._bloom import (
     bloom_overlap,
 )
 from ._codec import KINDS, MAX_TABLE_BYTES, MAX_VECTOR_BYTES, decode, encode
-from ._curve import ClientCurve, ServerCurve, generate_keypair, start_authenticator
+from ._curve import AuthorizedKeys, ClientCurve, ServerCurve, generate_keypair, start_authenticator
 from ._exceptions import (
     ConfigError,
     FrameCountError,
@@ -22,6 +23,8 @@ from ._exceptions import (
     OversizedError,
     PrismError,
     SchemaVersionError,
+    SpoofedIdentityError,
+    UnknownKeyError,
     UnknownKindError,
     WireError,
 )
@@ -44,7 +47,14 @@ from ._messages import (
 from ._modality import DEFAULT_SLICE, MODALITY_HEADER, Slice, parse_signature
 from ._rejects import RejectCounter
 from ._service import MetricsServer, serve_metrics, sd_notify, setup_logging, stop_on_signals, watchdog_interval_s
-from ._transport import BrainAddress, TablePublisher, TableSubscriber, VectorReceiver, VectorSender
+from ._transport import (
+    BrainAddress,
+    IdentityCheck,
+    TablePublisher,
+    TableSubscriber,
+    VectorReceiver,
+    VectorSender,
+)
 
 __all__ = [
     "BLOOM_BITS",
@@ -57,6 +67,7 @@ __all__ = [
     "MAX_VECTOR_BYTES",
     "MODALITY_HEADER",
     "SCHEMA_VERSION",
+    "AuthorizedKeys",
     "BrainAddress",
     "ClientCurve",
     "ConfigError",
@@ -68,6 +79,7 @@ __all__ = [
     "GpuState",
     "Health",
     "Heartbeat",
+    "IdentityCheck",
     "InvalidFieldError",
     "KvSummary",
     "MalformedError",
@@ -86,13 +98,16 @@ __all__ = [
     "Slice",
     "SliceTable",
     "SnapshotRequest",
+    "SpoofedIdentityError",
     "TableNode",
     "TablePublisher",
     "TableSubscriber",
+    "UnknownKeyError",
     "UnknownKindError",
     "VectorReceiver",
     "VectorSender",
     "WireError",
+    "assign_arm",
     "block_key",
     "bloom_contains",
     "bloom_false_positive_rate",
