@@ -47,5 +47,17 @@ class NonFiniteError(WireError):
     kind = "non_finite"
 
 
+class SpoofedIdentityError(WireError):
+    """A node vector names another node than the one its sender's CURVE key belongs to."""
+
+    kind = "spoofed_identity"
+
+
+class UnknownKeyError(WireError):
+    """A node vector came over a connection whose CURVE key is no longer in the authorised-keys folder."""
+
+    kind = "unknown_key"
+
+
 class NoRouteError(PrismError):
     """The router has no table yet, or no node in the requested slice."""

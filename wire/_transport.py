@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import zmq
 
@@ -94,8 +95,24 @@ class VectorSender:
         self.close()
 
 
+class IdentityCheck(Protocol):
+    """Decides whether a vector may come from the peer the authenticator named (ZAP `User-Id`)."""
+
+    def check(self, vector: NodeVector, user_id: str | None) -> None:
+        """Raise a `WireError` when `vector` may not come from `user_id` (None: the peer has none)."""
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    try:
+        user_id = frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+    return user_id if isinstance(user_id, str) else None
+
+
 class VectorReceiver:
-    """Brain side: a bound PULL socket; malformed vectors are counted by `rejects` and skipped."""
+    """Brain side: a bound PULL socket; malformed vectors, and with `identity` vectors it refuses, are
+    counted by `rejects` and skipped."""
 
     def __init__(
         self,
@@ -104,24 +121,34 @@ class VectorReceiver:
         rejects: RejectCounter,
         *,
         curve: ServerCurve | None = None,
+        identity: IdentityCheck | None = None,
         hwm: int = 10_000,
     ) -> None:
         sock = _socket(ctx, zmq.PULL, hwm=hwm, max_bytes=MAX_VECTOR_BYTES, curve=curve)
         self.socket = _attach(sock, endpoint, bind=True)
         self._rejects = rejects
+        self._identity = identity
 
     def drain(self, limit: int = 10_000) -> list[NodeVector]:
         """Every vector waiting now, up to `limit`; never blocks."""
         out: list[NodeVector] = []
         for _ in range(limit):
             try:
-                frames = self.socket.recv_multipart(flags=zmq.NOBLOCK)
+                if self._identity is None:
+                    frames, user_id = self.socket.recv_multipart(flags=zmq.NOBLOCK), None
+                else:  # only frames received without copying carry the authenticator's User-Id
+                    parts = self.socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    frames, user_id = [part.bytes for part in parts], _user_id(parts[0])
             except zmq.Again:
                 break
             try:
-                out.append(decode(frames, (NodeVector,), MAX_VECTOR_BYTES))
+                vector = decode(frames, (NodeVector,), MAX_VECTOR_BYTES)
+                if self._identity is not None:
+                    self._identity.check(vector, user_id)
             except WireError as exc:
                 self._rejects.record(exc)
+                continue
+            out.append(vector)
         return out
 
     def close(self) -> None:
