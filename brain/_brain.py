@@ -24,6 +24,7 @@ from ._config import BrainConfig
 from ._exporter import RegistryCollector
 from ._registry import Registry
 from ._tables import TableBuilder, next_epoch
+from ._weights import compute_weights
 
 _log = logging.getLogger("prism.brain")
 
@@ -110,13 +111,15 @@ class Brain:
     def cycle(self, now: float) -> RoutingTable | None:
         """Expire silent nodes and build a new table if routing changed."""
         self.registry.expire(now)
-        table = self.tables.build(self.registry.nodes)
+        table = self.tables.build(compute_weights(self.registry.nodes, {}))
         if table is not None:
-            nodes = table.slices[0].nodes
             _log.info(
                 "table %d.%d: %s",
                 table.epoch,
                 table.version,
-                ", ".join(f"{n.node_id}={n.weight:.2f}" for n in nodes) or "no live nodes",
+                "; ".join(
+                    f"{s.name}: " + (", ".join(f"{n.node_id}={n.weight:.2f}" for n in s.nodes) or f"→ {s.fallback}")
+                    for s in table.slices
+                ),
             )
         return table

@@ -17,14 +17,17 @@ class RegistryCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         health = GaugeMetricFamily("prism_brain_node_health", "Health score in [0, 1]", labels=["node"])
-        weight = GaugeMetricFamily("prism_brain_node_weight", "Published routing weight", labels=["node"])
+        weight = GaugeMetricFamily(
+            "prism_brain_node_weight", "Routing weight per slice (and GPU)", labels=["node", "slice", "gpu"]
+        )
         alarm = GaugeMetricFamily("prism_brain_node_alarm", "1 while a dimension is over its alarm", labels=["node", "dimension"])
         metric = GaugeMetricFamily(
             "prism_brain_node_metric", "Latest value the node reported (unit in the name)", labels=["node", "metric"]
         )
         for node_id, state in list(self._registry.nodes.items()):
             health.add_metric([node_id], state.health.score)
-            weight.add_metric([node_id], state.weight)
+            for (slice_, gpu), value in state.weights.items():
+                weight.add_metric([node_id, slice_.value, "" if gpu is None else str(gpu)], value)
             for name in state.health.alarms:
                 alarm.add_metric([node_id, name], 1.0)
             for name, value in msgspec.structs.asdict(state.vector.metrics).items():

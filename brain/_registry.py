@@ -1,21 +1,16 @@
-"""The brain's view of live nodes: latest vector per node, staleness, published weight with hysteresis."""
+"""The brain's view of live nodes: latest vector per node, staleness, and the weights it holds per table entry."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from prismlb.wire import Health, NodeVector, health
+from prismlb.wire import Health, NodeVector, Slice, health
 
 _log = logging.getLogger("prism.brain")
 
-WEIGHT_STEP = 0.05
-WEIGHT_FLOOR = 0.05
-HYSTERESIS = 0.075
-
-
-def _quantise(score: float) -> float:
-    return max(WEIGHT_FLOOR, min(1.0, round(score / WEIGHT_STEP) * WEIGHT_STEP))
+EntryKey = tuple[Slice, int | None]
+"""A node's table entry: its slice and, in topology-aware slices, its GPU index (None: the whole node)."""
 
 
 @dataclass
@@ -23,7 +18,7 @@ class NodeState:
     vector: NodeVector
     last_seen: float
     health: Health
-    weight: float
+    weights: dict[EntryKey, float] = field(default_factory=dict)  # held by compute_weights (hysteresis)
 
 
 class Registry:
@@ -39,7 +34,7 @@ class Registry:
         state = self.nodes.get(vector.node_id)
         h = health(vector.metrics)
         if state is None:
-            self.nodes[vector.node_id] = NodeState(vector, now, h, _quantise(h.score))
+            self.nodes[vector.node_id] = NodeState(vector, now, h)
             _log.info("node %s joined (endpoint %s)", vector.node_id, vector.endpoint)
             return
         if vector.sample_time_unix_s <= state.vector.sample_time_unix_s and vector.seq <= state.vector.seq:
@@ -47,8 +42,6 @@ class Registry:
             return
         previous_alarms = state.health.alarms
         state.vector, state.last_seen, state.health = vector, now, h
-        if abs(h.score - state.weight) > HYSTERESIS:
-            state.weight = _quantise(h.score)
         if h.alarms != previous_alarms:
             _log.info("node %s alarms: %s", vector.node_id, ", ".join(h.alarms) or "none")
 

@@ -1,4 +1,4 @@
-"""Health scoring, registry staleness and table versioning."""
+"""Health scoring, registry staleness, per-slice weights in the registry and table versioning."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from prismlb.brain import BrainConfig, Registry, TableBuilder, next_epoch, resolve_config
-from prismlb.wire import ConfigError, NodeMetrics, NodeVector, health
+from prismlb.brain import BrainConfig, Registry, TableBuilder, compute_weights, next_epoch, resolve_config
+from prismlb.wire import ConfigError, NodeMetrics, NodeVector, Slice, health
 
 
 def vec(node_id: str, seq: int, period_s: float = 1.0, **metrics: float) -> NodeVector:
@@ -67,25 +67,30 @@ def test_registry_ignores_replayed_vectors() -> None:
 
 def test_weight_hysteresis_ignores_small_changes() -> None:
     reg = Registry()
+    key = (Slice.LLM, None)
     reg.update(vec("a", 1, cpu_util_ratio=0.0), now=0.0)
-    assert reg.nodes["a"].weight == 1.0
+    compute_weights(reg.nodes, {})
+    assert reg.nodes["a"].weights[key] == 1.0
     reg.update(vec("a", 2, cpu_util_ratio=0.1), now=1.0)
-    assert reg.nodes["a"].weight == 1.0
+    compute_weights(reg.nodes, {})
+    assert reg.nodes["a"].weights[key] == 1.0
     reg.update(vec("a", 3, cpu_util_ratio=0.9), now=2.0)
-    assert reg.nodes["a"].weight == pytest.approx(0.5)
+    compute_weights(reg.nodes, {})
+    assert reg.nodes["a"].weights[key] == pytest.approx(0.5)
 
 
 def test_table_version_moves_only_on_change() -> None:
     reg = Registry()
     builder = TableBuilder(epoch=7)
     reg.update(vec("a", 1), now=0.0)
-    first = builder.build(reg.nodes)
+    first = builder.build(compute_weights(reg.nodes, {}))
     assert first is not None and first.order == (7, 1)
     reg.update(vec("a", 2), now=1.0)
-    assert builder.build(reg.nodes) is None
+    assert builder.build(compute_weights(reg.nodes, {})) is None
     reg.update(vec("b", 1), now=1.0)
-    second = builder.build(reg.nodes)
+    second = builder.build(compute_weights(reg.nodes, {}))
     assert second is not None and second.order == (7, 2)
+    assert [s.name for s in second.slices] == ["llm", "vlm", "av", "rag"]
     assert [n.node_id for n in second.slices[0].nodes] == ["a", "b"]
 
 

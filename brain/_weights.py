@@ -1,0 +1,151 @@
+"""Per-slice routing weights: health × latency sensitivity, derated by alarms, floored, held with hysteresis.
+
+For a node in a slice's pool (`_slices`):
+
+    raw = health × 0.5^(alarming dimensions) × s(τ̂),   s(τ) = 1 / (1 + (τ/τ0)²)   (SPEC §3)
+
+τ̂ is the node's first-token (first-frame) P99 for the slice: the predictor's value when it has one, else the
+node's observed TTFT P99 for that slice, else its engine-wide TTFT P99. A node with none of these takes the
+median sensitivity of its pool's measured nodes (1.0 when none is measured), so a newcomer is treated as a
+typical member rather than as the fastest or slowest.
+
+τ0 per slice, from the design article's first-token tolerances (calibrated on measured P95):
+
+| slice | article's class | τ0 |
+|---|---|---|
+| llm | LLM text generation | 800 ms |
+| vlm | high-resolution image | 1200 ms |
+| av | real-time speech | 250 ms |
+| rag | LLM text generation (retrieval adds to the same text answer) | 800 ms |
+
+The held weight is `raw` rounded to steps of 0.05, never below 0.05 (a live node in a pool always keeps some
+traffic, so its latency stays measured) nor above 1.0, and moves only when `raw` drifts more than 0.075 from
+it. Topology-aware slices (`_topology`) hold one weight per GPU, `raw` × the GPU's PCIe factor.
+
+Each entry also carries the node's `model_version` label, its load (requests_running + requests_waiting,
+whichever are known; split evenly over per-GPU entries) and the predictor's P99 for the slice, if any.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+
+from prismlb.wire import NodeVector, Slice, TableNode
+
+from ._registry import EntryKey, NodeState
+from ._slices import pools
+from ._topology import TOPOLOGY_SLICES, WHOLE_NODE, gpu_entries
+
+TAU0_MS: Mapping[Slice, float] = {Slice.LLM: 800.0, Slice.VLM: 1200.0, Slice.AV: 250.0, Slice.RAG: 800.0}
+WEIGHT_STEP = 0.05
+WEIGHT_FLOOR = 0.05
+HYSTERESIS = 0.075
+ALARM_DERATE = 0.5
+ENGINE_LATENCY_KEY = "engine"
+_MAX_MS = 1e12  # the wire's bound on table values
+
+Predictions = Mapping[str, Mapping[Slice, float]]
+"""Predicted first-token P99 in ms by node id, then slice."""
+
+
+def sensitivity(tau_ms: float, tau0_ms: float) -> float:
+    """The article's s(τ) = 1 / (1 + (τ/τ0)²): 1 at τ = 0, 0.5 at τ = τ0, towards 0 as τ grows."""
+    return 1.0 / (1.0 + (tau_ms / tau0_ms) ** 2)
+
+
+def quantise(raw: float) -> float:
+    """`raw` in steps of WEIGHT_STEP, clamped to [WEIGHT_FLOOR, 1.0]."""
+    return max(WEIGHT_FLOOR, min(1.0, round(round(raw / WEIGHT_STEP) * WEIGHT_STEP, 6)))
+
+
+def hold(held: float | None, raw: float) -> float:
+    """The weight to publish: `held` unless `raw` moved more than HYSTERESIS from it."""
+    if held is None or abs(raw - held) > HYSTERESIS:
+        return quantise(raw)
+    return held
+
+
+def observed_p99_ms(vector: NodeVector, slice_: Slice) -> float | None:
+    """The node's measured TTFT P99 for the slice, else over all its engine's requests."""
+    for key in (slice_.value, ENGINE_LATENCY_KEY):
+        latency = vector.latency.get(key)
+        if latency is not None and latency.ttft_p99_ms is not None:
+            return latency.ttft_p99_ms
+    return None
+
+
+def _predicted(predictions: Predictions, node_id: str, slice_: Slice) -> float | None:
+    per_node = predictions.get(node_id)
+    value = None if per_node is None else per_node.get(slice_)
+    return value if value is not None and math.isfinite(value) and 0.0 <= value <= _MAX_MS else None
+
+
+def _load(vector: NodeVector) -> float | None:
+    parts = [v for v in (vector.metrics.requests_running, vector.metrics.requests_waiting) if v is not None]
+    return float(sum(parts)) if parts else None
+
+
+def _sensitivities(
+    states: Iterable[NodeState], predictions: Predictions, slice_: Slice, tau0_ms: float
+) -> dict[str, float]:
+    """s(τ̂) per node of one pool, the unmeasured ones at the pool's median."""
+    measured: dict[str, float] = {}
+    unmeasured: list[str] = []
+    for state in states:
+        node_id = state.vector.node_id
+        tau = _predicted(predictions, node_id, slice_)
+        tau = observed_p99_ms(state.vector, slice_) if tau is None else tau
+        if tau is None:
+            unmeasured.append(node_id)
+        else:
+            measured[node_id] = sensitivity(tau, tau0_ms)
+    typical = statistics.median(measured.values()) if measured else 1.0
+    return measured | dict.fromkeys(unmeasured, typical)
+
+
+def compute_weights(
+    states: Mapping[str, NodeState],
+    predictions: Predictions,
+    *,
+    tau0_ms: Mapping[Slice, float] = TAU0_MS,
+    topology_slices: frozenset[Slice] = TOPOLOGY_SLICES,
+) -> dict[Slice, list[TableNode]]:
+    """Every slice's entries, sorted by node and GPU; updates each state's held weights (the hysteresis memory).
+
+    A slice whose pool is empty maps to an empty list; entries a node no longer has are forgotten.
+    """
+    held: dict[str, dict[EntryKey, float]] = {node_id: {} for node_id in states}
+    result: dict[Slice, list[TableNode]] = {}
+    for slice_, members in pools(s.vector for s in states.values()).items():
+        pool = [states[node_id] for node_id in sorted(members)]
+        sens = _sensitivities(pool, predictions, slice_, tau0_ms[slice_])
+        entries: list[TableNode] = []
+        for state in pool:
+            vector = state.vector
+            raw = state.health.score * ALARM_DERATE ** len(state.health.alarms) * sens[vector.node_id]
+            load = _load(vector)
+            predicted = _predicted(predictions, vector.node_id, slice_)
+            model_version = vector.labels.get("model_version", "")
+            node_held = held[vector.node_id]
+            for entry in gpu_entries(vector) if slice_ in topology_slices else (WHOLE_NODE,):
+                key = (slice_, entry.gpu)
+                weight = node_held[key] = hold(state.weights.get(key), raw * entry.factor)
+                entries.append(
+                    TableNode(
+                        node_id=vector.node_id,
+                        endpoint=vector.endpoint,
+                        weight=weight,
+                        zone=vector.zone,
+                        model_version=model_version,
+                        load=None if load is None else load * entry.share,
+                        predicted_p99_ms=predicted,
+                        gpu=entry.gpu,
+                        numa_node=entry.numa_node,
+                    )
+                )
+        result[slice_] = entries
+    for node_id, state in states.items():
+        state.weights = held[node_id]
+    return result
