@@ -1,6 +1,10 @@
-"""The Prism brain: node vectors in, health-weighted routing tables out."""
+"""The Prism brain: node vectors in, health-weighted routing tables out.
 
-from ._brain import Brain
+`Brain` (which loads torch for the predictor) is imported on first use, so the CLI and the router stay light.
+"""
+
+from typing import TYPE_CHECKING, Any
+
 from ._cli import add_parser
 from ._ctl import add_parsers as add_ctl_parsers
 from ._config import BrainConfig, resolve_config
@@ -9,6 +13,18 @@ from ._slices import Capabilities, Tier, capabilities, pools
 from ._tables import TableBuilder, next_epoch
 from ._topology import numa_factor, virtual_nodes
 from ._weights import Predictions, compute_weights, sensitivity
+
+if TYPE_CHECKING:
+    from ._brain import Brain
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Brain":
+        from ._brain import Brain
+
+        return Brain
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Brain",

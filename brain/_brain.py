@@ -1,17 +1,21 @@
-"""The brain service loop: ingest node vectors, keep the registry, publish tables and heartbeats."""
+"""The brain service loop: ingest node vectors, keep history, predict, weigh, and publish routing tables."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from pathlib import Path
 
+import msgspec
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from prismlb.wire import (
+    AuthorizedKeys,
     RejectCounter,
     RoutingTable,
+    Slice,
     TablePublisher,
     VectorReceiver,
     sd_notify,
@@ -20,13 +24,25 @@ from prismlb.wire import (
     watchdog_interval_s,
 )
 
+from ._admin import AdminQueue, AdminServer
+from ._backend import Backend
 from ._config import BrainConfig
+from ._control import Control
+from ._drift import DriftDetector
+from ._experiments import Experiments
 from ._exporter import RegistryCollector
+from ._features import node_features, observed_p99_ms
+from ._guardian import Guardian, GuardianConfig
+from ._history import History
+from ._identity import IdentityPolicy
+from ._predictor import Predictor
 from ._registry import Registry
+from ._scale_hook import parse_hook
 from ._tables import TableBuilder, next_epoch
-from ._weights import compute_weights
+from ._weights import Predictions, compute_weights
 
 _log = logging.getLogger("prism.brain")
+CHECKPOINT = "predictor.pt"
 
 
 class Brain:
@@ -38,46 +54,97 @@ class Brain:
         self.registry = Registry(stale_periods=config.stale_periods)
         self.tables = TableBuilder(next_epoch(config.state_dir))
         self.rejects = RejectCounter("brain", _log, self.metrics)
+        self.history = History.load(config.state_dir) if config.state_dir is not None else History(None)
+        self.experiments = Experiments(config.state_dir)
+        hook = parse_hook(config.scale_hook) if config.scale_hook else None
+        self.control = Control(DriftDetector(), Guardian(GuardianConfig(scale_hook=hook), self.metrics))
+        self.predictor = Predictor()
+        self._load_checkpoint()
+        self.predictions: Predictions = {}
+        self.drained: set[str] = set()
+        self.current: RoutingTable | None = None
+        self.admin_queue = AdminQueue()
         self._vectors = Counter("prism_brain_vectors", "Node vectors accepted", registry=self.metrics)
         self._published = Counter("prism_brain_tables_published", "Routing tables published", registry=self.metrics)
-        Gauge("prism_brain_nodes", "Live nodes", registry=self.metrics).set_function(
-            lambda: len(self.registry.nodes)
-        )
+        Gauge("prism_brain_nodes", "Live nodes", registry=self.metrics).set_function(lambda: len(self.registry.nodes))
         Gauge("prism_brain_table_version", "Version of the current table", registry=self.metrics).set_function(
             lambda: self.tables.version
         )
-        self.metrics.register(RegistryCollector(self.registry))
-        Gauge("prism_brain_epoch", "This brain's epoch", registry=self.metrics).set_function(
-            lambda: self.tables.epoch
+        Gauge("prism_brain_epoch", "This brain's epoch", registry=self.metrics).set_function(lambda: self.tables.epoch)
+        Gauge("prism_brain_predictor_trained_steps", "Optimiser steps so far", registry=self.metrics).set_function(
+            lambda: self.predictor.trained_steps
         )
+        self.metrics.register(RegistryCollector(self.registry))
+
+    def _checkpoint_path(self) -> Path | None:
+        return self.config.state_dir / CHECKPOINT if self.config.state_dir is not None else None
+
+    def _load_checkpoint(self) -> None:
+        path = self._checkpoint_path()
+        if path is not None and path.exists():
+            try:
+                self.predictor.load(path)
+                _log.info("predictor checkpoint loaded from %s", path)
+            except Exception as exc:  # a bad checkpoint must not keep the brain down: train afresh
+                _log.warning("predictor checkpoint %s unusable (%s); training from scratch", path, exc)
 
     def run(self, stop: threading.Event) -> None:
         cfg = self.config
         ctx = zmq.Context()
-        auth = start_authenticator(ctx, cfg.curve) if cfg.curve is not None else None
-        metrics = None
+        keys = AuthorizedKeys(cfg.curve.authorized_dir) if cfg.curve is not None else None
+        auth = start_authenticator(ctx, cfg.curve, keys) if cfg.curve is not None else None
+        metrics = admin = None
+        trainer = threading.Thread(target=self._train, args=(stop,), name="prism-predictor-train", daemon=True)
         try:
-            receiver = VectorReceiver(ctx, cfg.ingest, self.rejects, curve=cfg.curve)
+            identity = IdentityPolicy(keys) if keys is not None else None
+            receiver = VectorReceiver(ctx, cfg.ingest, self.rejects, curve=cfg.curve, identity=identity)
             publisher = TablePublisher(ctx, cfg.updates, cfg.snapshot, self.rejects, curve=cfg.curve)
             metrics = serve_metrics(cfg.metrics_port, self.metrics, cfg.metrics_addr)
+            if cfg.admin_port:
+                admin = AdminServer(Backend(self), self.admin_queue, port=cfg.admin_port)
+                admin.start()
             _log.info(
                 "brain epoch %d up: ingest %s, tables %s, snapshots %s, CURVE %s",
                 self.tables.epoch,
                 cfg.ingest,
                 cfg.updates,
                 cfg.snapshot,
-                "on" if cfg.curve else "off",
+                "on (node ids bound to keys)" if cfg.curve else "off",
             )
+            if cfg.train_budget_s > 0:
+                trainer.start()
             sd_notify("READY=1")
             self._loop(stop, receiver, publisher)
         finally:
             sd_notify("STOPPING=1")
+            stop.set()
+            if trainer.is_alive():
+                trainer.join(timeout=10)
+            if admin is not None:
+                admin.close()
             if auth is not None:
                 auth.stop()
             if metrics is not None:
                 metrics.close()
+            self.control.guardian.close()
+            self.history.close()
+            self._save_checkpoint()
             ctx.destroy(linger=0)
             _log.info("brain stopped at table version %d", self.tables.version)
+
+    def _save_checkpoint(self) -> None:
+        path = self._checkpoint_path()
+        if path is not None and self.predictor.trained_steps:
+            self.predictor.checkpoint(path)
+
+    def _train(self, stop: threading.Event) -> None:
+        """Online training in the background: `train_budget_s` CPU seconds every `train_interval_s`."""
+        cfg = self.config
+        while not stop.wait(cfg.train_interval_s):
+            try:
+                self.predictor.train_step(cfg.train_budget_s)
+            except Exception:
+                _log.exception("predictor training step failed; the weights keep the last good predictor")
 
     def _loop(self, stop: threading.Event, receiver: VectorReceiver, publisher: TablePublisher) -> None:
         cfg = self.config
@@ -85,20 +152,28 @@ class Brain:
         poller.register(receiver.socket, zmq.POLLIN)
         poller.register(publisher.snapshot_socket, zmq.POLLIN)
         watchdog = watchdog_interval_s()
-        next_cycle = next_heartbeat = next_watchdog = time.monotonic()
+        start = time.monotonic()
+        next_cycle = next_heartbeat = next_watchdog = next_predict = start
+        next_control = start + cfg.control_period_s
         while not stop.is_set():
             wait = max(0.0, min(next_cycle, next_heartbeat) - time.monotonic())
             poller.poll(timeout=wait * 1000)
             now = time.monotonic()
-            for vector in receiver.drain():
-                self.registry.update(vector, now)
-                self._vectors.inc()
+            self.ingest(receiver.drain(), now)
             publisher.serve_snapshots()
+            self.admin_queue.apply_pending()
+            if now >= next_predict:
+                next_predict = now + cfg.predict_period_s
+                self.predict()
+            if now >= next_control:
+                next_control = now + cfg.control_period_s
+                self.control.step(time.time(), self.registry.nodes, self.experiments.snapshot())
             if now >= next_cycle:
                 next_cycle = now + cfg.cycle_s
                 table = self.cycle(now)
                 if table is not None:
                     publisher.publish(table)
+                    self.current = table
                     self._published.inc()
                     next_heartbeat = now + cfg.heartbeat_s
             if now >= next_heartbeat:
@@ -108,18 +183,40 @@ class Brain:
                 next_watchdog = now + watchdog
                 sd_notify("WATCHDOG=1")
 
+    def ingest(self, vectors: list, now: float) -> None:  # type: ignore[type-arg]
+        """Registry, history and predictor history for every accepted vector."""
+        for vector in vectors:
+            if self.registry.update(vector, now):
+                self._vectors.inc()
+                self.history.append(vector)
+                self.predictor.observe(vector.node_id, node_features(vector), observed_p99_ms(vector))
+
+    def predict(self) -> None:
+        """One batched inference for every live node, with the predictor that did best on recent data."""
+        predicted = self.predictor.predict(list(self.registry.nodes))
+        self.predictions = {
+            node_id: {s: p99 for s in Slice} for node_id, p99 in predicted.items() if p99 is not None
+        }
+
     def cycle(self, now: float) -> RoutingTable | None:
         """Expire silent nodes and build a new table if routing changed."""
-        self.registry.expire(now)
-        table = self.tables.build(compute_weights(self.registry.nodes, {}))
+        for node_id in self.registry.expire(now):
+            self.predictor.forget(node_id)
+        states = {n: s for n, s in self.registry.nodes.items() if n not in self.drained}
+        state, shed = self.control.guardian.flags()
+        table = self.tables.build(
+            compute_weights(states, self.predictions),
+            experiments=self.experiments.snapshot(),
+            shed_classes=shed,
+            guardian=state,
+        )
         if table is not None:
-            _log.info(
-                "table %d.%d: %s",
-                table.epoch,
-                table.version,
-                "; ".join(
-                    f"{s.name}: " + (", ".join(f"{n.node_id}={n.weight:.2f}" for n in s.nodes) or f"→ {s.fallback}")
-                    for s in table.slices
-                ),
+            summary = "; ".join(
+                f"{s.name}: " + (", ".join(f"{n.node_id}={n.weight:.2f}" for n in s.nodes) or f"-> {s.fallback}")
+                for s in table.slices
             )
+            _log.info("table %d.%d: %s", table.epoch, table.version, summary)
         return table
+
+    def table_json(self) -> dict[str, object] | None:
+        return msgspec.to_builtins(self.current) if self.current is not None else None

@@ -9,7 +9,6 @@ import threading
 
 from prismlb.wire import ConfigError, setup_logging, stop_on_signals
 
-from ._brain import Brain
 from ._config import resolve_config
 
 
@@ -27,6 +26,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--curve-clients", help="folder of authorised client public keys (env PRISM_CURVE_CLIENTS)")
     p.add_argument("--metrics-port", help="Prometheus /metrics port, 0 = off (env PRISM_BRAIN_METRICS_PORT)")
     p.add_argument("--metrics-addr", help="address for /metrics (127.0.0.1)")
+    p.add_argument("--admin-port", help="admin API port for prism ctl / top, 0 = off (env PRISM_BRAIN_ADMIN_PORT; 9470)")
+    p.add_argument("--scale-hook", help="command or http(s):// webhook run on scale-up (env PRISM_SCALE_HOOK)")
+    p.add_argument("--train-budget-s", help="CPU seconds of predictor training per 5 s (0.5; 0 = no training)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_run)
 
@@ -40,5 +42,7 @@ def _run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     stop = threading.Event()
     stop_on_signals(stop)
+    from ._brain import Brain  # torch loads here, not for every `prism` command
+
     Brain(config).run(stop)
     return 0

@@ -17,6 +17,8 @@ ENV = {
     "metrics_port": "PRISM_BRAIN_METRICS_PORT",
     "curve_secret": "PRISM_CURVE_SECRET",
     "curve_clients": "PRISM_CURVE_CLIENTS",
+    "admin_port": "PRISM_BRAIN_ADMIN_PORT",
+    "scale_hook": "PRISM_SCALE_HOOK",
 }
 
 
@@ -32,6 +34,12 @@ class BrainConfig:
     curve: ServerCurve | None = None
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"
+    admin_port: int = 9470
+    scale_hook: str | None = None  # a command or an http(s):// webhook called on SCALE_UP
+    predict_period_s: float = 1.0
+    control_period_s: float = 5.0
+    train_budget_s: float = 0.5  # CPU seconds of training ...
+    train_interval_s: float = 5.0  # ... per this many seconds: 10% of one core
 
 
 def _pick(args: argparse.Namespace, environ: Mapping[str, str], name: str) -> str | None:
@@ -68,6 +76,10 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Brai
     port = int(_number("metrics port", metrics_port, minimum=0)) if metrics_port is not None else 0
     if port > 65535:
         raise ConfigError(f"metrics port must be <= 65535, got {port}")
+    raw_admin = _pick(args, environ, "admin_port")
+    admin_port = int(_number("admin port", raw_admin, minimum=0)) if raw_admin is not None else defaults.admin_port
+    if admin_port > 65535:
+        raise ConfigError(f"admin port must be <= 65535, got {admin_port}")
     return BrainConfig(
         ingest=_endpoint("ingest", _pick(args, environ, "ingest") or defaults.ingest),
         updates=_endpoint("updates", _pick(args, environ, "updates") or defaults.updates),
@@ -78,4 +90,7 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Brai
         curve=ServerCurve(Path(secret), Path(clients)) if secret and clients else None,
         metrics_port=port,
         metrics_addr=_pick(args, environ, "metrics_addr") or defaults.metrics_addr,
+        admin_port=admin_port,
+        scale_hook=_pick(args, environ, "scale_hook"),
+        train_budget_s=_number("train budget", _pick(args, environ, "train_budget_s") or "0.5", minimum=0),
     )

@@ -29,21 +29,22 @@ class Registry:
         self.nodes: dict[str, NodeState] = {}
         self.replayed = 0
 
-    def update(self, vector: NodeVector, now: float) -> None:
-        """Take a vector; an older or repeated sample of a known node is counted and ignored."""
+    def update(self, vector: NodeVector, now: float) -> bool:
+        """Take a vector (True); an older or repeated sample of a known node is counted and ignored (False)."""
         state = self.nodes.get(vector.node_id)
         h = health(vector.metrics)
         if state is None:
             self.nodes[vector.node_id] = NodeState(vector, now, h)
             _log.info("node %s joined (endpoint %s)", vector.node_id, vector.endpoint)
-            return
+            return True
         if vector.sample_time_unix_s <= state.vector.sample_time_unix_s and vector.seq <= state.vector.seq:
             self.replayed += 1
-            return
+            return False
         previous_alarms = state.health.alarms
         state.vector, state.last_seen, state.health = vector, now, h
         if h.alarms != previous_alarms:
             _log.info("node %s alarms: %s", vector.node_id, ", ".join(h.alarms) or "none")
+        return True
 
     def expire(self, now: float) -> list[str]:
         """Drop and return nodes silent for more than `stale_periods` of their own period."""
