@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from prismlb.wire import (
     AuthorizedKeys,
+    NodeVector,
     RejectCounter,
     RoutingTable,
     Slice,
@@ -167,6 +168,7 @@ class Brain:
                 self.predict()
             if now >= next_control:
                 next_control = now + cfg.control_period_s
+                self.observe_window()
                 self.control.step(time.time(), self.registry.nodes, self.experiments.snapshot())
             if now >= next_cycle:
                 next_cycle = now + cfg.cycle_s
@@ -183,13 +185,18 @@ class Brain:
                 next_watchdog = now + watchdog
                 sd_notify("WATCHDOG=1")
 
-    def ingest(self, vectors: list, now: float) -> None:  # type: ignore[type-arg]
-        """Registry, history and predictor history for every accepted vector."""
+    def ingest(self, vectors: list[NodeVector], now: float) -> None:
+        """Registry and history for every accepted vector."""
         for vector in vectors:
             if self.registry.update(vector, now):
                 self._vectors.inc()
                 self.history.append(vector)
-                self.predictor.observe(vector.node_id, node_features(vector), observed_p99_ms(vector))
+
+    def observe_window(self) -> None:
+        """One predictor time step per node per control period (5 s), from its latest vector: the agent's
+        latency is a sliding window, so sampling every vector would feed the model overlapping windows."""
+        for node_id, state in self.registry.nodes.items():
+            self.predictor.observe(node_id, node_features(state.vector), observed_p99_ms(state.vector))
 
     def predict(self) -> None:
         """One batched inference for every live node, with the predictor that did best on recent data."""
