@@ -2,8 +2,8 @@
 
 Run: .venv/bin/python bench/brain_cycle.py [--nodes 1000 10000]
 Ingest goes through real ZeroMQ (PUSH → PULL on loopback) into the brain's own code (decode, registry,
-history, predictor history). A cycle is: batched prediction for every node → weights for four slices →
-table build → encode and publish on a real PUB socket. Baseline (same run): decoding the same vectors alone.
+history, predictor history). A cycle is: one batched LSTM-Attention inference for every node (16 steps × 8
+features) → weights for four slices → table build → encode and publish on a real PUB socket. Baseline (same run): decoding the same vectors alone.
 Goals (issue 5): ≤ 100 ms per cycle at 1,000 nodes, ≤ 1 s at 10,000.
 """
 
@@ -79,7 +79,8 @@ def bench(nodes: int, windows: int) -> dict[str, float]:
     ctx = zmq.Context()
     brain = Brain(BrainConfig(admin_port=0, train_budget_s=0.0), CollectorRegistry())
     endpoint = "tcp://127.0.0.1:0"
-    receiver = VectorReceiver(ctx, endpoint, RejectCounter("bench", brain.rejects._log))
+    receiver_rejects = RejectCounter("bench", brain.rejects._log)
+    receiver = VectorReceiver(ctx, endpoint, receiver_rejects)
     address = receiver.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
     publisher = TablePublisher(ctx, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", RejectCounter("bench", brain.rejects._log))
     batches = [vectors(nodes, seq, rng) for seq in range(windows)]
@@ -101,8 +102,9 @@ def bench(nodes: int, windows: int) -> dict[str, float]:
     received = 0
     start = time.perf_counter()
     pusher.start()
-    while received < len(frames):
-        receiver.socket.poll(1000)
+    while received + receiver_rejects.total < len(frames):
+        if not receiver.socket.poll(5000):
+            raise SystemExit(f"stalled: {received} received of {len(frames)}, rejects {receiver_rejects.counts()}")
         got = receiver.drain()
         received += len(got)
         brain.ingest(got, time.monotonic())
@@ -117,7 +119,7 @@ def bench(nodes: int, windows: int) -> dict[str, float]:
     for _ in range(5):
         brain.tables = TableBuilder(brain.tables.epoch)  # a fresh builder: the cycle always issues a table
         t0 = time.perf_counter()
-        brain.predict()
+        brain.predictor.predict(list(brain.registry.nodes), "lstm_attention")  # the model's cost, trained or not
         t1 = time.perf_counter()
         table = brain.cycle(time.monotonic())
         t2 = time.perf_counter()

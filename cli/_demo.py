@@ -19,7 +19,7 @@ from typing import IO
 from prometheus_client.parser import text_string_to_metric_families
 
 from prismlb.router import Router
-from prismlb.wire import BrainAddress, RoutingTable
+from prismlb.wire import BrainAddress, RoutingTable, Slice, TableNode
 
 SAMPLE_KEYS = tuple(f"session-{i:02d}" for i in range(16))
 
@@ -56,8 +56,10 @@ def spawn(name: str, args: Sequence[str]) -> subprocess.Popen[str]:
     return proc
 
 
-def placement(router: Router) -> dict[str, str]:
-    return {key: router.route(key).node_id for key in SAMPLE_KEYS}
+def placement(table: RoutingTable) -> dict[str, str]:
+    """Where the sample keys go on exactly this table (the live router may swap tables meanwhile)."""
+    fixed = Router.from_table(table)
+    return {key: fixed.route(key).node_id for key in SAMPLE_KEYS}
 
 
 def connect_counts(metrics_port: int) -> dict[str, int]:
@@ -75,8 +77,13 @@ def connect_counts(metrics_port: int) -> dict[str, int]:
     }
 
 
+def llm_nodes(table: RoutingTable) -> list[TableNode]:
+    """The text slice's nodes: the demo's agents carry no GPU labels, so they serve text only."""
+    return next((s.nodes for s in table.slices if s.name == Slice.LLM), [])
+
+
 def _show(table: RoutingTable, where: dict[str, str], counts: dict[str, int]) -> None:
-    nodes = table.slices[0].nodes if table.slices else []
+    nodes = llm_nodes(table)
     print(f"\n== routing table {table.epoch}.{table.version}: {len(nodes)} node(s)")
     for node in nodes:
         keys = [k for k, n in where.items() if n == node.node_id]
@@ -114,11 +121,11 @@ def _run(args: argparse.Namespace) -> int:
             seen = (-1, -1)
             while time.monotonic() - start < duration:
                 table = router.table
-                if table is not None and table.order != seen and table.slices and table.slices[0].nodes:
+                if table is not None and table.order != seen and llm_nodes(table):
                     seen = table.order
-                    where = placement(router)
+                    where = placement(table)
                     _show(table, where, connect_counts(metrics_port))
-                    live = {n.node_id for n in table.slices[0].nodes}
+                    live = {n.node_id for n in llm_nodes(table)}
                     if not killed and live == set(node_ids):
                         before = (table, where)
                     if killed and before is not None and node_ids[-1] not in live:
@@ -150,8 +157,8 @@ def _run(args: argparse.Namespace) -> int:
 def _report_moves(
     before: RoutingTable, placed: dict[str, str], after: RoutingTable, now: dict[str, str], victim: str
 ) -> None:
-    weight = {n.node_id: n.weight for n in before.slices[0].nodes}
-    reweighted = {n.node_id for n in after.slices[0].nodes if n.weight != weight.get(n.node_id)}
+    weight = {n.node_id: n.weight for n in llm_nodes(before)}
+    reweighted = {n.node_id for n in llm_nodes(after) if n.weight != weight.get(n.node_id)}
     moved = [k for k in SAMPLE_KEYS if placed[k] != now[k]]
     from_victim = [k for k in moved if placed[k] == victim]
     by_weight = [k for k in moved if placed[k] != victim and {placed[k], now[k]} & reweighted]

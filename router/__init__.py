@@ -1,14 +1,68 @@
-"""The router library: follows the brain's routing tables and routes each request locally.
+"""The router library: follows the brain's routing tables and places each request locally.
 
-`Router.connect(BrainAddress(...))` subscribes to one or more brains; `router.route(key, slice_name)`
-returns the `Endpoint` that owns the key on the newest table, by weighted consistent hashing (`Ring`).
-`add_parser` registers the `prism route` subcommand.
+`Router.connect(BrainAddress(...))` subscribes to one or more brains. `router.route(request)` returns the
+`Endpoint` for a `Request` (affinity key, modality, session, class) or a bare key: its slice, its experiment
+arm, its session's endpoint, else bounded-load consistent hashing on the weighted `Ring`.
+`with router.request(...) as lease:` also counts the request in flight and reports its outcome to passive
+health and the circuit breaker. `prefix_key` computes affinity keys from token ids or text. `PrismTransport`
+and `AsyncPrismTransport` (which need httpx) route an httpx client; `render_nginx` writes a table as nginx
+upstreams; `add_parser` registers the `prism route` subcommand.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from prismlb.wire import NoRouteError
 
 from ._cli import add_parser
+from ._errors import ShedError
+from ._health import Circuit, EndpointStatus, Outcome
+from ._keys import BLOCK_SIZE, PREFIX_TOKENS, block_hashes, position, prefix_key
+from ._lease import Lease
+from ._nginx import render_nginx
+from ._request import AFFINITY_HEADER, CLASS_HEADER, CONTEXT_HEADER, SESSION_HEADER, Request
 from ._ring import Ring
-from ._router import Endpoint, Router
+from ._router import Router
+from ._settings import Settings
+from ._snapshot import Endpoint
 
-__all__ = ["Endpoint", "NoRouteError", "Ring", "Router", "add_parser"]
+if TYPE_CHECKING:
+    from ._httpx import AsyncPrismTransport, PrismTransport
+
+
+def __getattr__(name: str) -> Any:
+    """The httpx transports, imported on first use so that the router does not need httpx otherwise."""
+    if name in ("AsyncPrismTransport", "PrismTransport"):
+        from . import _httpx
+
+        return getattr(_httpx, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "AFFINITY_HEADER",
+    "BLOCK_SIZE",
+    "CLASS_HEADER",
+    "CONTEXT_HEADER",
+    "PREFIX_TOKENS",
+    "SESSION_HEADER",
+    "AsyncPrismTransport",
+    "Circuit",
+    "Endpoint",
+    "EndpointStatus",
+    "Lease",
+    "NoRouteError",
+    "Outcome",
+    "PrismTransport",
+    "Request",
+    "Ring",
+    "Router",
+    "Settings",
+    "ShedError",
+    "add_parser",
+    "block_hashes",
+    "position",
+    "prefix_key",
+    "render_nginx",
+]

@@ -3,66 +3,185 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
 
 from prismlb.wire import TableNode
 
+from ._keys import position
 
-def _hash(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+SAME_NUMA = 1.0
+CROSS_NUMA = 0.4
+"""Weight factors of a GPU entry on the caller's NUMA node and across NUMA nodes (SPEC §3)."""
+
+_INDEX_BITS = 17  # entries per ring, at most the wire's 100,000 nodes per slice
+
+
+def label(node: TableNode) -> str:
+    """A table entry's identity on the ring: the node id, or `node/gpuN` for one GPU of a node."""
+    return node.node_id if node.gpu is None else f"{node.node_id}/gpu{node.gpu}"
+
+
+def numa_factor(node: TableNode, caller_numa: int | None) -> float:
+    """CROSS_NUMA for a GPU entry on another NUMA node than the caller's; SAME_NUMA otherwise or when unknown."""
+    if node.gpu is None or caller_numa is None or node.numa_node is None or node.numa_node == caller_numa:
+        return SAME_NUMA
+    return CROSS_NUMA
+
+
+@lru_cache(maxsize=1 << 16)
+def _points(entry: str, count: int) -> tuple[int, ...]:
+    """The ring positions of an entry's `count` points: the first 32 bits of blake2b(`entry#i`)."""
+    return tuple(
+        int.from_bytes(hashlib.blake2b(f"{entry}#{i}".encode(), digest_size=4).digest(), "big") for i in range(count)
+    )
+
+
+def bucket_index(points: Sequence[int], owners: Sequence[int]) -> tuple[int, list[int | None]]:
+    """(shift, slots), a constant-time index of a ring whose sorted `points` are owned by `owners`.
+
+    The 32-bit ring space is cut into 2^k buckets, at least 8 per point; `slots[pos >> shift]` is the owner
+    of every position in the bucket when no point falls inside it, else None (then bisect `points`).
+    """
+    bits = max(8, (8 * len(points) - 1).bit_length())
+    shift = max(0, 32 - bits)
+    slots: list[int | None] = []
+    previous = -1
+    for point, owner in zip(points, owners, strict=True):
+        bucket = point >> shift
+        if bucket != previous:
+            slots.extend([owner] * (bucket - previous - 1))  # buckets before this point's: owned by this point
+            slots.append(None)
+            previous = bucket
+    slots.extend([owners[0]] * ((1 << (32 - shift)) - previous - 1))  # past the last point: wraps to the first
+    return shift, slots
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    points: list[int]
+    owners: list[int]
+    shift: int
+    slots: list[int | None]
+
+
+_LAYOUTS: OrderedDict[tuple[tuple[str, int], ...], _Layout] = OrderedDict()
+_LAYOUTS_KEPT = 8
+_LAYOUTS_LOCK = threading.Lock()
+
+
+def _layout(counts: tuple[tuple[str, int], ...]) -> _Layout:
+    """The ring of entries given as (label, points) in label order, built once per process and shared by every
+    ring with the same points: routers in one process, and tables that change only loads, versions or addresses.
+    Builds hold a process-wide lock (they never run on the routing path), so concurrent routers build once."""
+    with _LAYOUTS_LOCK:
+        layout = _LAYOUTS.get(counts)
+        if layout is not None:
+            _LAYOUTS.move_to_end(counts)
+            return layout
+        packed = sorted(
+            point << _INDEX_BITS | index for index, (name, count) in enumerate(counts) for point in _points(name, count)
+        )
+        mask = (1 << _INDEX_BITS) - 1
+        points = [p >> _INDEX_BITS for p in packed]
+        owners = [p & mask for p in packed]
+        shift, slots = bucket_index(points, owners)
+        layout = _LAYOUTS[counts] = _Layout(points, owners, shift, slots)
+        if len(_LAYOUTS) > _LAYOUTS_KEPT:
+            _LAYOUTS.popitem(last=False)
+        return layout
 
 
 class Ring:
-    """An immutable weighted consistent-hash ring over one slice's nodes.
+    """An immutable weighted consistent-hash ring over one slice's entries.
 
-    A node of weight w gets `max(1, round(base_points * w))` points, so its points depend on its own
-    weight alone: adding, removing or reweighting one node moves only keys to or from that node.
+    An entry of effective weight w (its table weight times its NUMA factor) gets `max(1, round(base_points * w))`
+    points, so its points depend on its own weight alone: adding, removing or reweighting one entry moves only
+    keys to or from that entry. Shares follow weights as in nginx (`weight=2` takes twice `weight=1`'s keys).
+
+    Entries are kept sorted by label; `points` (sorted) and `owners` (entry index of each point) are the ring,
+    and `slots[pos >> shift]` (`bucket_index`) its constant-time index. Callers may inline the lookup.
     """
 
-    __slots__ = ("_nodes", "_owners", "_points")
+    __slots__ = ("entries", "labels", "owners", "points", "shift", "slots", "weights")
 
-    _points: list[int]
-    _owners: list[TableNode]
-    _nodes: tuple[TableNode, ...]
+    entries: tuple[TableNode, ...]
+    labels: tuple[str, ...]
+    weights: tuple[float, ...]
+    points: list[int]
+    owners: list[int]
+    shift: int
+    slots: list[int | None]
 
     @classmethod
-    def build(cls, nodes: Sequence[TableNode], base_points: int = 128) -> Ring:
-        """Validate `nodes` (non-empty, unique ids, weights in (0, 1]) and lay out their points.
+    def build(cls, nodes: Sequence[TableNode], base_points: int = 128, *, numa_node: int | None = None) -> Ring:
+        """Validate `nodes` (non-empty, unique labels, weights in (0, 1]) and lay out their points.
 
-        Raises ValueError for nodes that do not form a valid ring.
+        `numa_node` is the caller's NUMA node, for the weight factor of GPU entries. Raises ValueError for
+        nodes that do not form a valid ring.
         """
         if not nodes:
             raise ValueError("a ring needs at least one node")
         if base_points < 1:
             raise ValueError(f"base_points must be at least 1, got {base_points}")
-        seen: set[str] = set()
-        placed: list[tuple[int, str, TableNode]] = []
+        if len(nodes) >= 1 << _INDEX_BITS:
+            raise ValueError(f"a ring holds fewer than {1 << _INDEX_BITS} entries, got {len(nodes)}")
+        by_label: dict[str, TableNode] = {}
         for node in nodes:
-            if node.node_id in seen:
-                raise ValueError(f"node id {node.node_id!r} appears more than once")
-            seen.add(node.node_id)
+            name = label(node)
+            if name in by_label:
+                raise ValueError(f"node id {name!r} appears more than once")
             if not 0.0 < node.weight <= 1.0:
-                raise ValueError(f"node {node.node_id!r} has weight {node.weight}, outside (0, 1]")
-            count = max(1, round(base_points * node.weight))
-            placed.extend((_hash(f"{node.node_id}#{i}".encode()), node.node_id, node) for i in range(count))
-        placed.sort(key=lambda p: (p[0], p[1]))
+                raise ValueError(f"node {name!r} has weight {node.weight}, outside (0, 1]")
+            by_label[name] = node
         ring = cls.__new__(cls)
-        ring._points = [point for point, _, _ in placed]
-        ring._owners = [node for _, _, node in placed]
-        ring._nodes = tuple(nodes)
+        ring.labels = tuple(sorted(by_label))
+        ring.entries = tuple(by_label[name] for name in ring.labels)
+        ring.weights = tuple(node.weight * numa_factor(node, numa_node) for node in ring.entries)
+        layout = _layout(
+            tuple((name, max(1, round(base_points * w))) for name, w in zip(ring.labels, ring.weights, strict=True))
+        )
+        ring.points, ring.owners, ring.shift, ring.slots = layout.points, layout.owners, layout.shift, layout.slots
         return ring
 
     @property
     def nodes(self) -> tuple[TableNode, ...]:
-        """The nodes the ring was built from, in the order given."""
-        return self._nodes
+        """The entries, sorted by label."""
+        return self.entries
 
-    def lookup(self, key: str | bytes) -> TableNode:
-        """The owner of the first point at or after the key's hash, wrapping to the first point."""
-        data = key.encode() if isinstance(key, str) else key
-        index = bisect_left(self._points, _hash(data))
-        return self._owners[index if index < len(self._points) else 0]
+    def index(self, pos: int) -> int:
+        """The point index owning ring position `pos`: the first point at or after it, wrapping to 0."""
+        i = bisect_left(self.points, pos)
+        return i if i < len(self.points) else 0
+
+    def owner(self, pos: int) -> int:
+        """The index of the entry owning ring position `pos`."""
+        index = self.slots[pos >> self.shift]
+        return self.owners[self.index(pos)] if index is None else index
+
+    def lookup(self, key: str | bytes | int) -> TableNode:
+        """The entry that owns `key`."""
+        return self.entries[self.owner(position(key))]
+
+    def probe(self, start: int) -> Iterator[int]:
+        """Entry indices in probe order from point index `start`: each entry once, in ring order."""
+        owners = self.owners
+        seen: set[int] = set()
+        remaining = len(self.entries)
+        i = start
+        while remaining:
+            owner = owners[i]
+            if owner not in seen:
+                seen.add(owner)
+                remaining -= 1
+                yield owner
+            i += 1
+            if i == len(owners):
+                i = 0
 
     def __repr__(self) -> str:
-        return f"Ring({len(self._nodes)} nodes, {len(self._points)} points)"
+        return f"Ring({len(self.entries)} nodes, {len(self.points)} points)"

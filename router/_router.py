@@ -1,17 +1,16 @@
-"""The embedded router: follows the brain's routing tables and routes each request locally."""
+"""The embedded router: follows the brain's routing tables and places each request locally."""
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from typing import Self, TypeVar
+from zlib import crc32
 
 import zmq
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
-
 from prismlb.wire import (
     BrainAddress,
     ClientCurve,
@@ -22,51 +21,23 @@ from prismlb.wire import (
     RoutingTable,
     TableSubscriber,
 )
+from prometheus_client import CollectorRegistry
 
-from ._ring import Ring
+from ._errors import ShedError
+from ._health import EndpointState, EndpointStatus, Outcome, classify
+from ._keys import GOLDEN as _GOLDEN
+from ._keys import position
+from ._lease import Lease
+from ._metrics import RouterCollector
+from ._request import CONTEXT_HEADER, SESSION_HEADER, Key, Request, slice_of
+from ._sessions import SessionTable
+from ._settings import Settings
+from ._snapshot import Endpoint, Group, InFlight, SliceRoute, Snapshot, build
 
 _log = logging.getLogger("prism.router")
+_M64 = 0xFFFF_FFFF_FFFF_FFFF
 
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """Where to send a request: the node's id and the address its inference server listens on."""
-
-    node_id: str
-    address: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Slice:
-    ring: Ring
-    endpoints: Mapping[str, Endpoint]
-
-
-@dataclass(frozen=True, slots=True)
-class _Snapshot:
-    """Everything route() reads, swapped as one attribute so readers never see half a table."""
-
-    table: RoutingTable
-    slices: Mapping[str, _Slice | None]
-    applied_monotonic: float
-
-
-def _build_snapshot(table: RoutingTable) -> _Snapshot:
-    """Build the rings of every slice; ValueError when the table cannot be routed on."""
-    slices: dict[str, _Slice | None] = {}
-    for slice_table in table.slices:
-        if slice_table.name in slices:
-            raise ValueError(f"slice {slice_table.name!r} appears more than once")
-        if not slice_table.nodes:
-            slices[slice_table.name] = None
-            continue
-        try:
-            ring = Ring.build(slice_table.nodes)
-        except ValueError as exc:
-            raise ValueError(f"slice {slice_table.name!r}: {exc}") from None
-        endpoints = {node.node_id: Endpoint(node.node_id, node.endpoint) for node in slice_table.nodes}
-        slices[slice_table.name] = _Slice(ring, endpoints)
-    return _Snapshot(table, slices, time.monotonic())
+T = TypeVar("T")
 
 
 def _check_config(
@@ -86,32 +57,49 @@ def _check_config(
         probe.close(linger=0)
 
 
-def _describe(table: RoutingTable) -> str:
+def describe(table: RoutingTable) -> str:
     return f"epoch {table.epoch} version {table.version}"
 
 
-class Router:
-    """Routes keys on the newest routing table it has seen; with no brain it keeps the last one.
+def _key_bytes(key: Key) -> bytes:
+    if isinstance(key, str):
+        return key.encode()
+    if isinstance(key, int):
+        return (key & _M64).to_bytes(8, "big")
+    return key
 
-    `route()` reads one immutable snapshot and never locks or does I/O. `Router()` starts empty and
-    without network (feed it with `apply`); `Router.connect` follows one or more brains.
+
+class Router:
+    """Places requests on the newest routing table it has seen; with no brain it keeps the last one.
+
+    Placement: the request's slice (named, or from its modality; an empty slice goes to its fallback), the
+    experiment arm of its session, its session's endpoint while that is available, else the first endpoint
+    in the key's probe order on the weighted ring that is available and under the bounded-load limit.
+    `route()` reads one immutable snapshot and never locks or does I/O; `request()` also counts the request
+    in flight and reports its outcome. `Router()` starts empty and without network (feed it with `apply`);
+    `Router.connect` follows one or more brains.
     """
 
-    def __init__(self, *, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, *, registry: CollectorRegistry | None = None, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
         self.rejects = RejectCounter("router", _log, registry)
-        self._snapshot: _Snapshot | None = None
+        self._snapshot: Snapshot | None = None
         self._apply_lock = threading.Lock()
+        self._lock = threading.Lock()  # accounting: in-flight counts and endpoint health
+        self._states: dict[str, EndpointState] = {}
+        self._counters: dict[str, InFlight] = {}
+        self._sessions = SessionTable(self.settings.session_ttl_s, self.settings.max_sessions)
         self._has_table = threading.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._subscriber: TableSubscriber | None = None
         self._closed = False
         if registry is not None:
-            registry.register(_RouterCollector(self))
+            registry.register(RouterCollector(self))
 
     @classmethod
-    def from_table(cls, table: RoutingTable) -> Router:
+    def from_table(cls, table: RoutingTable, *, settings: Settings | None = None) -> Self:
         """A router fixed on `table`, with no network; ValueError when the table cannot be routed on."""
-        router = cls()
+        router = cls(settings=settings)
         router.apply(table)
         return router
 
@@ -122,7 +110,8 @@ class Router:
         *,
         curve: ClientCurve | None = None,
         registry: CollectorRegistry | None = None,
-    ) -> Router:
+        settings: Settings | None = None,
+    ) -> Self:
         """Subscribe to the brains' tables (asking for a snapshot first) in a background thread.
 
         Raises ConfigError at once for an unusable CURVE key file or a malformed endpoint.
@@ -136,12 +125,14 @@ class Router:
         except BaseException:
             ctx.term()
             raise
-        router = cls(registry=registry)
+        router = cls(registry=registry, settings=settings)
         router._ctx = ctx
         router._subscriber = TableSubscriber(ctx, addresses, router._on_table, router.rejects, curve=curve)
         router._subscriber.start()
         _log.info("following routing tables from %s", ", ".join(a.updates for a in addresses))
         return router
+
+    # --- tables -------------------------------------------------------------------------------------------
 
     def apply(self, table: RoutingTable) -> bool:
         """Make `table` current if its (epoch, version) is newer; False when it is not.
@@ -151,44 +142,262 @@ class Router:
         current = self._snapshot
         if current is not None and table.order <= current.table.order:
             return False
-        snapshot = _build_snapshot(table)
         with self._apply_lock:
             current = self._snapshot
             if current is not None and table.order <= current.table.order:
                 return False
+            used_states: set[str] = set()
+            used_counters: set[str] = set()
+
+            def state_for(label: str) -> EndpointState:
+                used_states.add(label)
+                state = self._states.get(label)
+                if state is None:
+                    state = self._states[label] = EndpointState(label, self.settings)
+                return state
+
+            def counter_for(name: str) -> InFlight:
+                used_counters.add(name)
+                counter = self._counters.get(name)
+                if counter is None:
+                    counter = self._counters[name] = InFlight()
+                return counter
+
+            snapshot = build(table, self.settings, state_for, counter_for)
             self._snapshot = snapshot
+            # State of entries and groups no table lists any more goes; a lease still out keeps its own reference.
+            self._states = {label: s for label, s in self._states.items() if label in used_states}
+            self._counters = {name: c for name, c in self._counters.items() if name in used_counters}
         self._has_table.set()
         first_of_epoch = current is None or current.table.epoch != table.epoch
         _log.log(
             logging.INFO if first_of_epoch else logging.DEBUG,
             "routing on table %s (%d slices)",
-            _describe(table),
+            describe(table),
             len(table.slices),
         )
+        if current is None or current.shed != snapshot.shed or current.table.guardian != table.guardian:
+            shed = ", ".join(sorted(snapshot.shed)) or "none"
+            _log.info("guardian %s: request classes shed: %s", table.guardian, shed)
         return True
 
     def _on_table(self, table: RoutingTable) -> bool:
         try:
             return self.apply(table)
         except ValueError as exc:
-            self.rejects.record(InvalidFieldError(f"table {_describe(table)}: {exc}"))
+            self.rejects.record(InvalidFieldError(f"table {describe(table)}: {exc}"))
             return False
 
-    def route(self, key: str | bytes, slice_name: str = "default") -> Endpoint:
-        """The endpoint that owns `key` in `slice_name`; NoRouteError without a table or nodes."""
+    # --- placement ----------------------------------------------------------------------------------------
+
+    def route(self, request: Request | Key, slice_name: str | None = None) -> Endpoint:
+        """The endpoint for a request, or for a bare affinity key in `slice_name` (default: the text slice,
+        else "default"). Raises NoRouteError without a table or nodes, ShedError for a shed request class."""
+        snapshot = self._snapshot
+        if snapshot is not None:
+            # The common case inline: a bare key whose ring owner is available and under its load limit.
+            target = snapshot.plain.get(slice_name)
+            if target is not None:
+                kind = request.__class__
+                if kind is str:
+                    pos = crc32(request.encode())  # type: ignore[union-attr]
+                elif kind is int:
+                    pos = ((request & _M64) * _GOLDEN & _M64) >> 32  # type: ignore[operator]
+                elif kind is bytes:
+                    pos = crc32(request)  # type: ignore[arg-type]
+                else:
+                    pos = -1
+                if pos >= 0:
+                    group = target.group
+                    index = group.slots[pos >> group.shift]
+                    if index is None:
+                        index = group.ring.owner(pos)
+                    state, safe, base_load, inv_share, endpoint = group.entries[index]
+                    if not state.gated and (
+                        state.inflight < safe
+                        or (state.inflight + base_load) * inv_share
+                        < self.settings.balance * (group.base_total + group.inflight.value + 1)
+                    ):
+                        return endpoint
+                    group, index = self._choose(snapshot, target, group, pos, (), time.monotonic())
+                    return group.entries[index][4]
+        if isinstance(request, Request):
+            if slice_name is not None:
+                raise TypeError("name the slice in the Request, not as an argument")
+            group, index, _, _ = self._place(request, ())
+            return group.entries[index][4]
+        group, index, _, _ = self._place(Request(key=request, slice=slice_name), ())
+        return group.entries[index][4]
+
+    def request(self, request: Request | Key, slice_name: str | None = None, *, exclude: Collection[str] = ()) -> Lease:
+        """Place a request and return its lease: use it as `with router.request(...) as lease:`.
+
+        `exclude` holds entry labels (`Lease.label`) this request must not go to, such as ones already tried.
+        """
+        if not isinstance(request, Request):
+            request = Request(key=request, slice=slice_name)
+        elif slice_name is not None:
+            raise TypeError("name the slice in the Request, not as an argument")
+        group, index, moved_from, context = self._place(request, exclude)
+        headers: dict[str, str] = {}
+        if request.session:
+            headers[SESSION_HEADER] = request.session
+        if context:
+            headers[CONTEXT_HEADER] = context
+        state, _, _, _, endpoint = group.entries[index]
+        return Lease(endpoint, headers, moved_from, state, group.inflight, self._lock, self.settings.slow_s)
+
+    def call(self, request: Request | Key, fn: Callable[[Lease], T], *, tries: int | None = None) -> T:
+        """`fn(lease)` inside a lease; when connecting fails (`ConnectionRefusedError`), again on the next probe,
+        up to `tries` attempts (default `settings.connect_tries`)."""
+        tries = self.settings.connect_tries if tries is None else tries
+        tried: list[str] = []
+        while True:
+            lease = self.request(request, exclude=tried)
+            with lease:
+                try:
+                    return fn(lease)
+                except Exception as exc:
+                    if classify(exc) is not Outcome.CONNECT or len(tried) + 1 >= tries:
+                        raise
+                    lease.fail(Outcome.CONNECT)
+            tried.append(lease.label)
+
+    async def acall(
+        self, request: Request | Key, fn: Callable[[Lease], Awaitable[T]], *, tries: int | None = None
+    ) -> T:
+        """`call` for coroutines: `await fn(lease)`, retried on the next probe when connecting fails."""
+        tries = self.settings.connect_tries if tries is None else tries
+        tried: list[str] = []
+        while True:
+            lease = self.request(request, exclude=tried)
+            async with lease:
+                try:
+                    return await fn(lease)
+                except Exception as exc:
+                    if classify(exc) is not Outcome.CONNECT or len(tried) + 1 >= tries:
+                        raise
+                    lease.fail(Outcome.CONNECT)
+            tried.append(lease.label)
+
+    def _resolve(self, snapshot: Snapshot, slice_name: str | None, modality: str | None) -> SliceRoute:
+        if slice_name is not None:
+            try:
+                target = snapshot.slices[slice_name]
+            except KeyError:
+                names = ", ".join(sorted(snapshot.slices)) or "none"
+                raise NoRouteError(
+                    f"no slice {slice_name!r} in table {describe(snapshot.table)} (slices: {names})"
+                ) from None
+            if target is None:
+                raise NoRouteError(f"slice {slice_name!r} has no nodes in table {describe(snapshot.table)}")
+            return target
+        wanted = slice_of(modality)
+        target = snapshot.implicit[wanted]
+        if target is None:
+            raise NoRouteError(f"no nodes for slice {wanted.value!r} or 'default' in table {describe(snapshot.table)}")
+        return target
+
+    def _place(self, request: Request, exclude: Collection[str]) -> tuple[Group, int, str | None, str | None]:
+        """(group, entry index, node the session moved from, context signature) for a request."""
         snapshot = self._snapshot
         if snapshot is None:
             raise NoRouteError("no routing table yet")
-        try:
-            entry = snapshot.slices[slice_name]
-        except KeyError:
-            names = ", ".join(sorted(snapshot.slices)) or "none"
-            raise NoRouteError(
-                f"no slice {slice_name!r} in table {_describe(snapshot.table)} (slices: {names})"
-            ) from None
-        if entry is None:
-            raise NoRouteError(f"slice {slice_name!r} has no nodes in table {_describe(snapshot.table)}")
-        return entry.endpoints[entry.ring.lookup(key).node_id]
+        if request.request_class in snapshot.shed:
+            raise ShedError(request.request_class, snapshot.table.guardian, f"table {describe(snapshot.table)}")
+        target = self._resolve(snapshot, request.slice, request.modality)
+        key = request.key if request.key is not None else request.session
+        now = time.monotonic()
+        group = target.group
+        if target.arms:
+            arm_key = request.session or key
+            group = target.arm(_key_bytes(arm_key) if arm_key is not None else random.randbytes(8))
+        session = self._sessions.get(request.session, now) if request.session else None
+        index = None if session is None else group.index.get(session.label)
+        if index is not None:
+            state = group.entries[index][0]
+            if state.label in exclude or (state.gated and not state.admits(now)):
+                index = None
+        if index is None:
+            pos = position(key) if key is not None else random.getrandbits(32)
+            owner = group.ring.owner(pos)
+            if not exclude and self._fits(group, owner):
+                index = owner
+            else:
+                group, index = self._choose(snapshot, target, group, pos, exclude, now)
+        state, _, _, _, endpoint = group.entries[index]
+        label = state.label
+        context = request.context_signature
+        moved_from = None
+        if session is not None:
+            if session.label != label or session.model_version != endpoint.model_version:
+                moved_from = session.node_id
+            context = context or session.context
+        if request.session:
+            self._sessions.put(request.session, label, endpoint.node_id, endpoint.model_version, context, now)
+        return group, index, moved_from, context
+
+    def _fits(self, group: Group, index: int) -> bool:
+        """Whether an entry is fully available and under its load limit (what route() checks inline)."""
+        state, safe, base_load, inv_share, _ = group.entries[index]
+        return not state.gated and (
+            state.inflight < safe
+            or (state.inflight + base_load) * inv_share
+            < self.settings.balance * (group.base_total + group.inflight.value + 1)
+        )
+
+    def _choose(
+        self, snapshot: Snapshot, target: SliceRoute, group: Group, pos: int, exclude: Collection[str], now: float
+    ) -> tuple[Group, int]:
+        """When the key's owner does not fit: the bounded-load choice along the key's probe order in `group`,
+        else in the slice's fallbacks, else ignoring health (panic)."""
+        start = group.ring.index(pos)
+        index = self._bounded(group, start, exclude, now)
+        if index is not None:
+            return group, index
+        for name in target.fallbacks:
+            fallback = snapshot.slices.get(name)
+            if fallback is not None:
+                index = self._bounded(fallback.group, fallback.group.ring.index(pos), exclude, now)
+                if index is not None:
+                    return fallback.group, index
+        # Every endpoint is down or open: route as if all were up rather than fail every request (Envoy's panic).
+        for index in group.ring.probe(start):
+            if group.entries[index][0].label not in exclude:
+                return group, index
+        raise NoRouteError(f"every endpoint of slice {target.name!r} was tried for this request")
+
+    def _bounded(self, group: Group, start: int, exclude: Collection[str], now: float) -> int | None:
+        """The first entry in the probe order from point `start` that is available and under its load limit;
+        when every available entry is at its limit, the least loaded for its weight; None when none is available."""
+        balance = self.settings.balance
+        limit = balance * (group.base_total + group.inflight.value + 1)
+        entries = group.entries
+        owners = group.ring.owners
+        points = len(owners)
+        seen: set[int] = set()
+        best: int | None = None
+        best_load = 0.0
+        i = start
+        while len(seen) < len(entries):  # the ring walk: each entry at its first point after the key's position
+            index = owners[i]
+            i = i + 1 if i + 1 < points else 0
+            if index in seen:
+                continue
+            seen.add(index)
+            state, _, base_load, inv_share, _ = entries[index]
+            if (state.gated and not state.admits(now)) or (exclude and state.label in exclude):
+                continue
+            if not balance:
+                return index
+            load = (state.inflight + base_load) * inv_share
+            if load < limit:
+                return index
+            if best is None or load < best_load:
+                best, best_load = index, load
+        return best
+
+    # --- state --------------------------------------------------------------------------------------------
 
     @property
     def table(self) -> RoutingTable | None:
@@ -207,6 +416,16 @@ class Router:
         heard = None if self._subscriber is None else self._subscriber.last_heard_monotonic
         return None if heard is None else time.monotonic() - heard
 
+    @property
+    def sessions(self) -> int:
+        """Sessions remembered now (expired ones included until trimmed)."""
+        return len(self._sessions)
+
+    def status(self) -> dict[str, EndpointStatus]:
+        """Each endpoint of the current table by label: in flight, available, circuit, outcome counts."""
+        now = time.monotonic()
+        return {label: state.status(now) for label, state in sorted(self._states.items())}
+
     def wait_for_table(self, timeout_s: float) -> bool:
         """Block up to `timeout_s` for a first table; True when there is one."""
         return self._has_table.wait(timeout_s)
@@ -221,45 +440,8 @@ class Router:
         if self._ctx is not None:
             self._ctx.term()
 
-    def __enter__(self) -> Router:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _RouterCollector:
-    """Exports the table the router routes on; each gauge is absent while its value is unknown."""
-
-    def __init__(self, router: Router) -> None:
-        self._router = router
-
-    def describe(self) -> list[Metric]:
-        return self._families(None, None, None, None)
-
-    def collect(self) -> list[Metric]:
-        snapshot = self._router._snapshot
-        if snapshot is None:
-            return self._families(None, None, None, self._router.last_heard_age_s)
-        return self._families(
-            snapshot.table.epoch,
-            snapshot.table.version,
-            time.monotonic() - snapshot.applied_monotonic,
-            self._router.last_heard_age_s,
-        )
-
-    @staticmethod
-    def _families(epoch: int | None, version: int | None, age_s: float | None, heard_s: float | None) -> list[Metric]:
-        gauges = (
-            ("prism_router_table_epoch", "Epoch of the routing table in use", epoch),
-            ("prism_router_table_version", "Version of the routing table in use", version),
-            ("prism_router_table_age_seconds", "Seconds since the routing table in use was applied", age_s),
-            ("prism_router_last_heard_age_seconds", "Seconds since a brain was last heard", heard_s),
-        )
-        families: list[Metric] = []
-        for name, help_text, value in gauges:
-            family = GaugeMetricFamily(name, help_text)
-            if value is not None:
-                family.add_metric([], value)
-            families.append(family)
-        return families

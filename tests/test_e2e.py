@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from prismlb.router import Router
-from prismlb.wire import BrainAddress, RoutingTable
+from prismlb.wire import BrainAddress, RoutingTable, Slice, TableNode
 
 from .conftest import free_port
 
@@ -48,8 +48,13 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def llm_nodes(table: RoutingTable) -> list[TableNode]:
+    """The text slice's nodes: agents without GPU labels are acceptable there (and only there)."""
+    return next((s.nodes for s in table.slices if s.name == Slice.LLM), [])
+
+
 def node_ids(table: RoutingTable | None) -> set[str]:
-    return {n.node_id for n in table.slices[0].nodes} if table and table.slices else set()
+    return {n.node_id for n in llm_nodes(table)} if table is not None else set()
 
 
 @pytest.fixture(scope="module")
@@ -139,14 +144,14 @@ def test_only_the_killed_nodes_keys_move(cluster: Cluster) -> None:
         wait_for(lambda: node_ids(router.table) == set(NODES), 30, "a table with all three agents")
         before_table = router.table
         assert before_table is not None
-        before = {k: router.route(k).node_id for k in KEYS}
+        before = {k: Router.from_table(before_table).route(k).node_id for k in KEYS}
         cluster.agents["node-c"].send_signal(signal.SIGKILL)
         wait_for(lambda: node_ids(router.table) == {"node-a", "node-b"}, 15, "node-c to leave the table")
         after_table = router.table
         assert after_table is not None and after_table.order > before_table.order
-        after = {k: router.route(k).node_id for k in KEYS}
-    weight = {n.node_id: n.weight for n in before_table.slices[0].nodes}
-    reweighted = {n.node_id for n in after_table.slices[0].nodes if n.weight != weight[n.node_id]}
+        after = {k: Router.from_table(after_table).route(k).node_id for k in KEYS}
+    weight = {n.node_id: n.weight for n in llm_nodes(before_table)}
+    reweighted = {n.node_id for n in llm_nodes(after_table) if n.weight != weight[n.node_id]}
     moved = {k for k in KEYS if before[k] != after[k]}
     on_c = {k for k in KEYS if before[k] == "node-c"}
     assert on_c and on_c <= moved, "every key of the killed node must move"

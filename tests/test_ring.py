@@ -1,16 +1,17 @@
-"""The weighted consistent-hash ring: minimal disruption, determinism, weight-proportional shares."""
+"""The weighted consistent-hash ring: minimal disruption, determinism, probe order, weight and NUMA shares."""
 
 from __future__ import annotations
 
 import hashlib
 import random
+import zlib
 from collections import Counter
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from prismlb.router import Ring
+from prismlb.router import Ring, position
+from prismlb.router._ring import CROSS_NUMA, SAME_NUMA, bucket_index
 from prismlb.wire import TableNode
 
 KEYS = [f"session-{i}" for i in range(2000)]
@@ -26,8 +27,9 @@ def owners(ring: Ring, keys: list[str] = KEYS) -> list[str]:
     return [ring.lookup(key).node_id for key in keys]
 
 
-def spec_hash(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+def spec_point(name: str) -> int:
+    """A ring point as specified: the first 32 bits of blake2b of `node#i`."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "big")
 
 
 @st.composite
@@ -101,18 +103,69 @@ def test_lookup_matches_a_linear_scan_of_the_specified_points() -> None:
     nodes = [node("gpu-0", 0.05), node("gpu-1", 0.1), node("gpu-2", 0.02)]
     ring = Ring.build(nodes, base_points=100)
     points = sorted(
-        (spec_hash(f"{n.node_id}#{i}".encode()), n.node_id) for n in nodes for i in range(max(1, round(100 * n.weight)))
+        (spec_point(f"{n.node_id}#{i}"), n.node_id) for n in nodes for i in range(max(1, round(100 * n.weight)))
     )
     assert len(points) == 5 + 10 + 2
     assert points[0][1] != points[-1][1]  # so a lookup that fails to wrap would be caught
     wrapped = 0
     for key in KEYS:
-        h = spec_hash(key.encode())
+        h = zlib.crc32(key.encode())
         expected = next((owner for point, owner in points if point >= h), points[0][1])
         wrapped += h > points[-1][0]
         assert ring.lookup(key).node_id == expected
         assert ring.lookup(key.encode()).node_id == expected
     assert wrapped > 0
+
+
+def test_int_keys_are_fibonacci_hashed_so_small_ints_spread() -> None:
+    assert position(1) == (0x9E3779B97F4A7C15 & (2**64 - 1)) >> 32
+    assert position(2**64 + 5) == position(5)
+    ring = Ring.build([node(f"n{i}") for i in range(8)])
+    counts = Counter(ring.lookup(i).node_id for i in range(8000))
+    assert len(counts) == 8 and max(counts.values()) < 2.5 * min(counts.values())
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(nodes=node_sets(1, 12), positions=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=50))
+def test_probe_order_is_every_entry_once_from_the_owner_and_deterministic(
+    nodes: list[TableNode], positions: list[int]
+) -> None:
+    ring = Ring.build(nodes)
+    again = Ring.build(list(reversed(nodes)))
+    for pos in positions:
+        order = list(ring.probe(ring.index(pos)))
+        assert sorted(order) == list(range(len(nodes)))
+        assert ring.entries[order[0]] == ring.entries[ring.owners[ring.index(pos)]]
+        assert [ring.labels[i] for i in order] == [again.labels[i] for i in again.probe(again.index(pos))]
+        # Each entry appears where the ring walk first meets one of its points.
+        walk = [ring.owners[(ring.index(pos) + step) % len(ring.points)] for step in range(len(ring.points))]
+        assert order == list(dict.fromkeys(walk))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(nodes=node_sets(1, 12), data=st.data())
+def test_bucket_index_agrees_with_bisecting_the_ring(nodes: list[TableNode], data: st.DataObject) -> None:
+    ring = Ring.build(nodes, base_points=data.draw(st.sampled_from([1, 8, 128])))
+    shift, slots = bucket_index(ring.points, ring.owners)
+    assert len(slots) == 1 << (32 - shift) and len(slots) >= 8 * len(ring.points)
+    near_points = [(p + d) % 2**32 for p in ring.points[:40] for d in (-1, 0, 1)]
+    for pos in [*near_points, 0, 2**32 - 1, *data.draw(st.lists(st.integers(0, 2**32 - 1), max_size=50))]:
+        expected = ring.owners[ring.index(pos)]
+        slot = slots[pos >> shift]
+        assert slot is None or slot == expected
+
+
+def test_gpu_entries_are_their_own_ring_members_weighted_by_numa() -> None:
+    gpus = [TableNode(node_id="h", endpoint="h:8000", weight=1.0, gpu=g, numa_node=g // 2) for g in range(4)]
+    ring = Ring.build(gpus, base_points=1024, numa_node=0)
+    assert ring.labels == ("h/gpu0", "h/gpu1", "h/gpu2", "h/gpu3")
+    assert ring.weights == (SAME_NUMA, SAME_NUMA, CROSS_NUMA, CROSS_NUMA) == (1.0, 1.0, 0.4, 0.4)
+    counts = Counter(ring.lookup(f"expert-{i}").gpu for i in range(40_000))
+    same, cross = counts[0] + counts[1], counts[2] + counts[3]
+    assert 2.2 < same / cross < 2.9  # 1.0 : 0.4 by weight
+    assert Ring.build(gpus).weights == (1.0,) * 4  # no caller NUMA node: every GPU weighs the same
+    with pytest.raises(ValueError, match="'h/gpu1' appears more than once"):
+        Ring.build([*gpus, gpus[1]])
 
 
 def test_every_node_gets_at_least_one_point() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import queue
 import random
@@ -14,10 +15,19 @@ from collections.abc import Callable, Iterator, Sequence
 import msgspec
 import pytest
 import zmq
+from prismlb.router import Endpoint, Lease, NoRouteError, Outcome, Request, Router, ShedError, add_parser
+from prismlb.wire import (
+    BrainAddress,
+    Experiment,
+    ExperimentArm,
+    RejectCounter,
+    RoutingTable,
+    SliceTable,
+    TableNode,
+    TablePublisher,
+    encode,
+)
 from prometheus_client import CollectorRegistry
-
-from prismlb.router import Endpoint, NoRouteError, Router, add_parser
-from prismlb.wire import BrainAddress, RejectCounter, RoutingTable, SliceTable, TableNode, TablePublisher, encode
 
 KEYS = [f"conversation-{i}" for i in range(200)]
 
@@ -258,7 +268,7 @@ def test_apply_takes_only_newer_tables_and_refuses_unroutable_ones() -> None:
     assert router.route("k").node_id == "b0"
 
 
-def test_exports_the_table_in_use_as_gauges() -> None:
+def test_exports_the_table_in_use_and_each_endpoint_as_gauges() -> None:
     registry = CollectorRegistry()
     router = Router(registry=registry)
     assert registry.get_sample_value("prism_router_table_version") is None
@@ -267,23 +277,54 @@ def test_exports_the_table_in_use_as_gauges() -> None:
     assert registry.get_sample_value("prism_router_table_version") == 7
     age = registry.get_sample_value("prism_router_table_age_seconds")
     assert age is not None and 0 <= age < 5
+    with router.request(Request(key="k", session="s")):
+        assert registry.get_sample_value("prism_router_inflight_requests", {"endpoint": "a0"}) == 1
+    assert registry.get_sample_value("prism_router_inflight_requests", {"endpoint": "a0"}) == 0
+    assert registry.get_sample_value("prism_router_endpoint_available", {"endpoint": "a0"}) == 1
+    assert registry.get_sample_value("prism_router_circuit_state", {"endpoint": "a0"}) == 0
+    assert registry.get_sample_value("prism_router_requests_total", {"endpoint": "a0", "outcome": "ok"}) == 1
+    assert registry.get_sample_value("prism_router_sessions") == 1
+
+
+def versioned_table(version: int, prefix: str, count: int) -> RoutingTable:
+    """A table whose nodes all carry the table's own version in their address and model version."""
+    nodes = [
+        TableNode(
+            node_id=f"{prefix}{i}", endpoint=f"{prefix}{i}.pool:{version}", weight=1.0, model_version=f"v{version}"
+        )
+        for i in range(count)
+    ]
+    experiment = Experiment(name="canary", slice="llm", arms=[ExperimentArm(model_version=f"v{version}", fraction=1.0)])
+    return RoutingTable(
+        epoch=1,
+        version=version,
+        issued_unix_s=time.time(),
+        slices=[SliceTable(name="default", nodes=nodes), SliceTable(name="llm", nodes=nodes)],
+        experiments=[experiment],
+    )
 
 
 def test_concurrent_routing_never_sees_a_mixed_table() -> None:
-    sets = [[f"a{i}" for i in range(5)], [f"b{i}" for i in range(7)]]
-    valid = [{Endpoint(n, f"{n}.pool:8000") for n in ids} for ids in sets]
-    router = Router.from_table(make_table(1, 0, sets[0]))
+    router = Router.from_table(versioned_table(0, "a", 5))
     stop = threading.Event()
     errors: list[BaseException] = []
     routed = [0] * 8
+
+    def consistent(endpoint: Endpoint) -> None:
+        # Node, address and model version must all come from one applied table.
+        version = int(endpoint.address.rsplit(":", 1)[1])
+        if endpoint.model_version != f"v{version}" or endpoint.node_id[0] != "ab"[version % 2]:
+            raise AssertionError(f"{endpoint} mixes tables")
 
     def reader(index: int) -> None:
         rng = random.Random(index)
         try:
             while not stop.is_set():
-                endpoint = router.route(f"key-{rng.randrange(10_000)}")
-                if not any(endpoint in group for group in valid):
-                    raise AssertionError(f"{endpoint} belongs to no applied table")
+                key = f"key-{rng.randrange(10_000)}"
+                consistent(router.route(key))
+                consistent(router.route(Request(key=key, session=f"s{rng.randrange(50)}")))
+                with router.request(Request(key=key, modality="text")) as lease:
+                    consistent(lease.endpoint)
                 routed[index] += 1
         except BaseException as exc:
             errors.append(exc)
@@ -293,7 +334,7 @@ def test_concurrent_routing_never_sees_a_mixed_table() -> None:
         thread.start()
     try:
         for version in range(1, 201):
-            assert router.apply(make_table(1, version, sets[version % 2]))
+            assert router.apply(versioned_table(version, "ab"[version % 2], 5 + version % 3))
             assert {router.route(k).node_id[0] for k in KEYS[:20]} == {"ab"[version % 2]}
     finally:
         stop.set()
@@ -302,6 +343,81 @@ def test_concurrent_routing_never_sees_a_mixed_table() -> None:
     assert errors == []
     assert all(count > 0 for count in routed)
     assert router.table is not None and router.table.version == 200
+    assert all(status.inflight == 0 for status in router.status().values())
+
+
+def test_requests_go_to_their_modality_slice_or_its_fallback() -> None:
+    def nodes(*ids: str) -> list[TableNode]:
+        return [TableNode(node_id=n, endpoint=f"{n}:8000", weight=1.0) for n in ids]
+
+    table = RoutingTable(
+        epoch=1,
+        version=1,
+        issued_unix_s=time.time(),
+        slices=[
+            SliceTable(name="llm", nodes=nodes("t0", "t1")),
+            SliceTable(name="vlm", nodes=nodes("v0")),
+            SliceTable(name="av", nodes=[], fallback="vlm"),
+            SliceTable(name="rag", nodes=[]),
+        ],
+    )
+    router = Router.from_table(table)
+    assert router.route(Request(key="k", modality="image+text")).node_id == "v0"
+    assert router.route(Request(key="k", modality="audio+video")).node_id == "v0"  # av is empty: its fallback
+    assert router.route(Request(key="k", modality="text")).node_id in {"t0", "t1"}
+    assert router.route(Request(key="k")).node_id in {"t0", "t1"}  # no signature: the text slice
+    assert router.route(Request(key="k", modality="hologram")).node_id in {"t0", "t1"}  # unknown: the text slice
+    assert router.route("k").node_id in {"t0", "t1"}
+    assert router.route(Request(key="k", slice="vlm")).node_id == "v0"
+    with pytest.raises(NoRouteError, match="no nodes for slice 'rag' or 'default'"):
+        router.route(Request(key="k", modality="rag+text"))
+    headers = {"x-modality-signature": "img+txt", "X-SESSION-TOKEN": "s1", "X-Prism-Class": "batch"}
+    assert Request.from_headers(headers, key=7) == Request(
+        key=7, modality="img+txt", session="s1", request_class="batch"
+    )
+    # A table with only "default" takes every modality there.
+    assert Router.from_table(make_table(1, 1, ["d0"])).route(Request(modality="audio")).node_id == "d0"
+
+
+def test_the_guardians_shed_classes_are_refused_with_a_typed_error() -> None:
+    table = make_table(3, 4, ["a0", "a1"])
+    degraded = RoutingTable(
+        epoch=3, version=5, issued_unix_s=time.time(), slices=table.slices, shed_classes=["batch"], guardian="degrade"
+    )
+    router = Router.from_table(degraded)
+    with pytest.raises(
+        ShedError, match=r"request class 'batch' is shed while the guardian is 'degrade' \(table epoch 3 version 5\)"
+    ) as info:
+        router.route(Request(key="k", request_class="batch"))
+    assert info.value.request_class == "batch" and info.value.guardian == "degrade"
+    with pytest.raises(ShedError):
+        router.request(Request.from_headers({"X-Prism-Class": "batch"}))
+    assert router.route(Request(key="k")).node_id in {"a0", "a1"}  # core traffic still flows
+    assert router.apply(RoutingTable(epoch=3, version=6, issued_unix_s=time.time(), slices=table.slices))
+    assert router.route(Request(key="k", request_class="batch")).node_id in {"a0", "a1"}
+
+
+def test_async_callers_use_the_same_leases() -> None:
+    router = Router.from_table(make_table(1, 1, ["a0", "a1", "a2"]))
+
+    async def main() -> list[str]:
+        async def one(key: str) -> str:
+            async with router.request(key) as lease:
+                await asyncio.sleep(0.01)
+                return lease.node_id
+
+        async def via_acall(lease: Lease) -> str:
+            await asyncio.sleep(0)
+            return lease.address
+
+        placed = await asyncio.gather(*(one(k) for k in KEYS[:50]))
+        placed.append(await router.acall("k", via_acall))
+        return placed
+
+    placed = asyncio.run(main())
+    assert set(placed[:50]) <= {"a0", "a1", "a2"} and placed[50] == router.route("k").address
+    assert all(status.inflight == 0 for status in router.status().values())
+    assert {s.outcomes.get(Outcome.OK, 0) for s in router.status().values()} != {0}
 
 
 def _cli(argv: list[str]) -> int:
@@ -330,3 +446,24 @@ def test_cli_fails_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert err == [f"prism route: no routing table from {updates} / {snapshot} within 0.2 s"]
     assert _cli(["route", "--curve-secret", "/nonexistent", "k"]) == 2
     assert "must be given together" in capsys.readouterr().err
+
+
+def test_cli_renders_the_current_table_for_nginx(
+    brains: Callable[[], Brain], capsys: pytest.CaptureFixture[str]
+) -> None:
+    brain = brains()
+    table = make_table(2, 9, ["a0", "a1"])
+    brain.publish(RoutingTable(epoch=2, version=9, issued_unix_s=0.0, slices=table.slices))
+    a = brain.address
+    argv = ["route", "--updates", a.updates, "--snapshot", a.snapshot, "--nginx", "--max-fails", "2"]
+    assert _cli([*argv, "--fail-timeout", "5"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "# Prism routing table epoch 2 version 9, issued 1970-01-01T00:00:00Z, guardian 'normal'",
+        "upstream prism_default {",
+        "    hash $http_x_prism_affinity_key consistent;",
+        "    server a0.pool:8000 weight=20 max_fails=2 fail_timeout=5s;  # a0",
+        "    server a1.pool:8000 weight=20 max_fails=2 fail_timeout=5s;  # a1",
+        "}",
+    ]
+    assert _cli(["route", "--updates", a.updates, "--snapshot", a.snapshot]) == 2
+    assert "give keys to route, or --nginx" in capsys.readouterr().err

@@ -1,0 +1,189 @@
+"""Per-endpoint state kept by the caller: requests in flight, passive health (nginx) and a circuit breaker.
+
+Passive health follows nginx's `max_fails` / `fail_timeout`: `max_fails` failed attempts (connect failures,
+errors, timeouts) within `fail_timeout` make the endpoint unavailable for `fail_timeout`; a success clears
+the count (and ends the down time, should a request reach the endpoint while every endpoint was down).
+The circuit breaker follows the design article: a timeout, or a first token that took `slow_s` (300 ms) or
+more, counts as a timeout; `open_after` (3) in a row open the circuit, and after `open_s` (5 s) without
+requests it turns half-open and admits `half_open_trials` trial requests: a success closes it, any failure
+opens it again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import IntEnum, StrEnum
+
+from ._settings import Settings
+
+_log = logging.getLogger("prism.router")
+
+
+class Outcome(StrEnum):
+    """How a request ended, as far as the endpoint's health is concerned."""
+
+    OK = "ok"
+    SLOW = "slow"  # succeeded, but its first token came `slow_s` or later: a timeout for the breaker
+    TIMEOUT = "timeout"
+    CONNECT = "connect"  # the connection could not be made: safe to retry on the next probe
+    ERROR = "error"
+    NONE = "none"  # ended by the caller for reasons of its own: neither success nor failure
+
+
+_FAILURES = frozenset({Outcome.TIMEOUT, Outcome.CONNECT, Outcome.ERROR})
+_TIMEOUTS = frozenset({Outcome.SLOW, Outcome.TIMEOUT})
+
+
+class Circuit(IntEnum):
+    NORMAL = 0
+    OPEN = 1
+    HALF_OPEN = 2
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointStatus:
+    """What the router knows about one endpoint now."""
+
+    inflight: int
+    available: bool
+    circuit: Circuit
+    outcomes: Mapping[Outcome, int]
+
+
+def classify(exc: BaseException) -> Outcome:
+    """The outcome an exception raised while talking to an endpoint stands for (NONE: not the endpoint's doing)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return Outcome.CONNECT
+    if isinstance(exc, TimeoutError):
+        return Outcome.TIMEOUT
+    if isinstance(exc, OSError):
+        return Outcome.ERROR
+    return Outcome.NONE
+
+
+class EndpointState:
+    """One table entry's local state, shared by every table that lists the entry.
+
+    Written only under the router's accounting lock; `route()` reads it without locks (`gated` is False
+    whenever the entry is fully available, so the common case reads one attribute).
+    """
+
+    __slots__ = (
+        "down_until",
+        "fails",
+        "fails_since",
+        "gated",
+        "inflight",
+        "label",
+        "opened_at",
+        "outcomes",
+        "settings",
+        "state",
+        "timeouts",
+        "trials",
+    )
+
+    def __init__(self, label: str, settings: Settings) -> None:
+        self.label = label
+        self.settings = settings
+        self.inflight = 0
+        self.gated = False  # unavailable now, or recently: admits() decides
+        self.fails = 0
+        self.fails_since = 0.0
+        self.down_until = 0.0
+        self.state = Circuit.NORMAL  # NORMAL or OPEN; HALF_OPEN is OPEN after open_s without requests
+        self.timeouts = 0
+        self.opened_at = 0.0
+        self.trials = 0
+        self.outcomes: dict[Outcome, int] = {}
+
+    def circuit(self, now: float) -> Circuit:
+        if self.state is Circuit.OPEN and now - self.opened_at >= self.settings.open_s:
+            return Circuit.HALF_OPEN
+        return self.state
+
+    def admits(self, now: float) -> bool:
+        """Whether a new request may go here: not marked down, and the circuit closed or half-open with room."""
+        if now < self.down_until:
+            return False
+        circuit = self.circuit(now)
+        return circuit is Circuit.NORMAL or (
+            circuit is Circuit.HALF_OPEN and self.trials < self.settings.half_open_trials
+        )
+
+    def status(self, now: float) -> EndpointStatus:
+        return EndpointStatus(self.inflight, self.admits(now), self.circuit(now), dict(self.outcomes))
+
+    def start(self, now: float) -> bool:
+        """Count a request in flight; True when it is a half-open circuit's trial."""
+        self.inflight += 1
+        circuit = self.circuit(now)
+        if circuit is Circuit.HALF_OPEN:
+            self.trials += 1
+            return True
+        if circuit is Circuit.OPEN:
+            self.opened_at = now  # routed here anyway (every endpoint was down): restart the quiet period
+        return False
+
+    def end(self, outcome: Outcome, trial: bool, now: float) -> None:
+        """Count the request out and apply its outcome to passive health and the breaker."""
+        self.inflight -= 1
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        if outcome is Outcome.NONE:
+            if trial:
+                self.trials -= 1
+            return
+        self._passive(outcome, now)
+        self._breaker(outcome, trial, now)
+        self.gated = now < self.down_until or self.state is Circuit.OPEN
+
+    def _passive(self, outcome: Outcome, now: float) -> None:
+        limit = self.settings.max_fails
+        if outcome not in _FAILURES:
+            self.fails = 0
+            if self.down_until > now:  # routed here while down (every endpoint was) and it worked
+                self.down_until = 0.0
+                _log.info("endpoint %s available again: a request to it succeeded", self.label)
+            return
+        if limit == 0:
+            return
+        if now - self.fails_since > self.settings.fail_timeout_s:
+            self.fails, self.fails_since = 0, now
+        self.fails += 1
+        if self.fails >= limit:
+            self.fails = 0
+            self.down_until = now + self.settings.fail_timeout_s
+            _log.warning(
+                "endpoint %s unavailable for %g s after %d failed attempt(s), the last %s",
+                self.label,
+                self.settings.fail_timeout_s,
+                limit,
+                outcome,
+            )
+
+    def _breaker(self, outcome: Outcome, trial: bool, now: float) -> None:
+        if trial:
+            self.trials -= 1
+            if outcome is Outcome.OK:
+                self.state, self.timeouts = Circuit.NORMAL, 0
+                _log.info("endpoint %s circuit closed: the trial request succeeded", self.label)
+            else:
+                self.opened_at = now
+                _log.warning("endpoint %s circuit open again: the trial request ended %s", self.label, outcome)
+            return
+        if self.state is not Circuit.NORMAL:
+            return
+        if outcome is Outcome.OK:
+            self.timeouts = 0
+        elif outcome in _TIMEOUTS:
+            self.timeouts += 1
+            if self.timeouts >= self.settings.open_after:
+                self.state, self.opened_at, self.timeouts = Circuit.OPEN, now, 0
+                _log.warning(
+                    "endpoint %s circuit open after %d timeouts in a row (first token >= %g s or timed out)",
+                    self.label,
+                    self.settings.open_after,
+                    self.settings.slow_s,
+                )

@@ -1,0 +1,257 @@
+"""httpx transports that send each request to the endpoint a Router picks, so an OpenAI-compatible client
+routes through Prism unchanged: `httpx.Client(transport=PrismTransport(router))` as its `http_client`.
+
+The affinity key is the `X-Prism-Affinity-Key` header, else `prefix_key(text=...)` of the JSON body's
+conversation (chat `messages` in order, or a completion `prompt`); the modality is the `X-Modality-Signature`
+header, else the kinds of the messages' content parts; session, context signature and request class come from
+their headers. The request goes to the endpoint's scheme, host and port (its path prefix, if any, before the
+request's path). A connect failure is retried on the next probe; the lease ends when the response is closed,
+and for `"stream": true` requests the response head counts as the first token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+from typing import Any
+
+import httpx
+
+from ._health import Outcome
+from ._keys import BLOCK_SIZE, PREFIX_TOKENS, prefix_key
+from ._lease import Lease
+from ._request import Request
+from ._router import Router
+
+_PART_MODALITY = {
+    "text": "text",
+    "input_text": "text",
+    "image_url": "image",
+    "input_image": "image",
+    "image": "image",
+    "input_audio": "audio",
+    "audio_url": "audio",
+    "video_url": "video",
+    "video": "video",
+}
+
+
+def _part_text(part: Any) -> tuple[str, str]:
+    """(modality, text for the key) of one content part; non-text parts stand in as a digest of themselves."""
+    if isinstance(part, str):
+        return "text", part
+    if not isinstance(part, dict):
+        return "text", repr(part)
+    kind = str(part.get("type", "text"))
+    if isinstance(part.get("text"), str):
+        return _PART_MODALITY.get(kind, "text"), part["text"]
+    digest = hashlib.blake2b(json.dumps(part, sort_keys=True).encode(), digest_size=16).hexdigest()
+    return _PART_MODALITY.get(kind, "text"), f"<{kind}:{digest}>"
+
+
+def _conversation(body: Any) -> tuple[str | None, set[str]]:
+    """The conversation as text, in order (None when the body has none), and the modalities of its parts."""
+    if not isinstance(body, dict):
+        return None, set()
+    if isinstance(body.get("prompt"), str):
+        return body["prompt"], {"text"}
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None, set()
+    kinds: set[str] = set()
+    pieces: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        parts = content if isinstance(content, list) else [content if isinstance(content, str) else ""]
+        texts = []
+        for part in parts:
+            kind, text = _part_text(part)
+            kinds.add(kind)
+            texts.append(text)
+        pieces.append(f"{message.get('role', '')}\n{''.join(texts)}\n")
+    return "".join(pieces), kinds
+
+
+def describe(request: httpx.Request, block_size: int, prefix_tokens: int) -> tuple[Request, bool]:
+    """The router's view of an HTTP request (body already read), and whether it asks for a streamed response."""
+    body: Any = None
+    if request.content and "json" in request.headers.get("content-type", ""):
+        try:
+            body = json.loads(request.content)
+        except ValueError:
+            body = None
+    text, kinds = _conversation(body)
+    described = Request.from_headers(request.headers)
+    key = described.key
+    if key is None and text is not None:
+        key = prefix_key(text=text, block_size=block_size, prefix_tokens=prefix_tokens)
+    modality = described.modality or ("+".join(sorted(kinds)) if kinds else None)
+    streamed = isinstance(body, dict) and body.get("stream") is True
+    return replace(described, key=key, modality=modality), streamed
+
+
+def outcome_of(exc: BaseException) -> Outcome:
+    """The endpoint outcome an httpx exception stands for."""
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return Outcome.CONNECT
+    if isinstance(exc, httpx.TimeoutException):
+        return Outcome.TIMEOUT
+    if isinstance(exc, httpx.TransportError):
+        return Outcome.ERROR
+    return Outcome.NONE
+
+
+def _forward(request: httpx.Request, lease: Lease) -> httpx.Request:
+    """The request re-addressed to the lease's endpoint, with the lease's session headers."""
+    address = lease.address if "://" in lease.address else f"http://{lease.address}"
+    target = httpx.URL(address)
+    url = request.url.copy_with(
+        scheme=target.scheme, host=target.host, port=target.port, path=target.path.rstrip("/") + request.url.path
+    )
+    headers = httpx.Headers(request.headers)
+    del headers["host"]
+    headers.update(lease.headers)
+    return httpx.Request(request.method, url, headers=headers, content=request.content, extensions=request.extensions)
+
+
+class _LeaseStream(httpx.SyncByteStream):
+    """A response body that ends its lease when closed (a failure while reading is the endpoint's outcome)."""
+
+    def __init__(self, stream: httpx.SyncByteStream, lease: Lease) -> None:
+        self._stream = stream
+        self._lease = lease
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            yield from self._stream
+        except Exception as exc:
+            self._lease.fail(outcome_of(exc))
+            raise
+
+    def close(self) -> None:
+        try:
+            self._stream.close()
+        finally:
+            self._lease.end()
+
+
+class _AsyncLeaseStream(httpx.AsyncByteStream):
+    def __init__(self, stream: httpx.AsyncByteStream, lease: Lease) -> None:
+        self._stream = stream
+        self._lease = lease
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._stream:
+                yield chunk
+        except Exception as exc:
+            self._lease.fail(outcome_of(exc))
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._stream.aclose()
+        finally:
+            self._lease.end()
+
+
+class PrismTransport(httpx.BaseTransport):
+    """Sends each request of a sync httpx client to the endpoint `router` picks (see the module docstring)."""
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        block_size: int = BLOCK_SIZE,
+        prefix_tokens: int = PREFIX_TOKENS,
+        tries: int | None = None,
+    ) -> None:
+        self._router = router
+        self._transport = transport or httpx.HTTPTransport()
+        self._block_size = block_size
+        self._prefix_tokens = prefix_tokens
+        self._tries = router.settings.connect_tries if tries is None else tries
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.read()
+        described, streamed = describe(request, self._block_size, self._prefix_tokens)
+        tried: list[str] = []
+        while True:
+            lease = self._router.request(described, exclude=tried)
+            lease.begin()
+            try:
+                response = self._transport.handle_request(_forward(request, lease))
+            except Exception as exc:
+                outcome = outcome_of(exc)
+                lease.fail(outcome)
+                lease.end(exc)
+                if outcome is Outcome.CONNECT and len(tried) + 1 < self._tries:
+                    tried.append(lease.label)
+                    continue
+                raise
+            if streamed:
+                lease.first_token()
+            assert isinstance(response.stream, httpx.SyncByteStream)
+            return httpx.Response(
+                response.status_code,
+                headers=response.headers,
+                stream=_LeaseStream(response.stream, lease),
+                extensions=response.extensions,
+            )
+
+    def close(self) -> None:
+        self._transport.close()
+
+
+class AsyncPrismTransport(httpx.AsyncBaseTransport):
+    """Sends each request of an async httpx client to the endpoint `router` picks (see the module docstring)."""
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        block_size: int = BLOCK_SIZE,
+        prefix_tokens: int = PREFIX_TOKENS,
+        tries: int | None = None,
+    ) -> None:
+        self._router = router
+        self._transport = transport or httpx.AsyncHTTPTransport()
+        self._block_size = block_size
+        self._prefix_tokens = prefix_tokens
+        self._tries = router.settings.connect_tries if tries is None else tries
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await request.aread()
+        described, streamed = describe(request, self._block_size, self._prefix_tokens)
+        tried: list[str] = []
+        while True:
+            lease = self._router.request(described, exclude=tried)
+            lease.begin()
+            try:
+                response = await self._transport.handle_async_request(_forward(request, lease))
+            except Exception as exc:
+                outcome = outcome_of(exc)
+                lease.fail(outcome)
+                lease.end(exc)
+                if outcome is Outcome.CONNECT and len(tried) + 1 < self._tries:
+                    tried.append(lease.label)
+                    continue
+                raise
+            if streamed:
+                lease.first_token()
+            assert isinstance(response.stream, httpx.AsyncByteStream)
+            return httpx.Response(
+                response.status_code,
+                headers=response.headers,
+                stream=_AsyncLeaseStream(response.stream, lease),
+                extensions=response.extensions,
+            )
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()

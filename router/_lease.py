@@ -1,0 +1,126 @@
+"""A request placed on an endpoint, counted in flight until it ends, and its outcome reported."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Self
+
+from ._health import EndpointState, Outcome, classify
+from ._snapshot import Endpoint, InFlight
+
+
+class Lease:
+    """One request on one endpoint: `with router.request(...) as lease:` (or `async with`).
+
+    Entering counts the request in flight (for the bounded-load step); leaving reports how it ended. An
+    exception leaving the block is classified (`ConnectionRefusedError`: CONNECT, `TimeoutError`: TIMEOUT,
+    other `OSError`: ERROR, anything else: not the endpoint's doing), a normal exit is a success, and
+    `fail()` names the outcome explicitly. Call `first_token()` when the first token (or the head of a
+    streamed response) arrives: one that took `slow_s` or more counts as a timeout for the circuit breaker.
+    `headers` are the ones to add to the request (the session token and its context signature);
+    `moved_from` names the node the session was on when it had to move (failover or model-version switch).
+    """
+
+    __slots__ = (
+        "_counter",
+        "_first",
+        "_lock",
+        "_outcome",
+        "_slow_s",
+        "_started",
+        "_state",
+        "_trial",
+        "endpoint",
+        "headers",
+        "label",
+        "moved_from",
+    )
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        headers: Mapping[str, str],
+        moved_from: str | None,
+        state: EndpointState,
+        counter: InFlight,
+        lock: threading.Lock,
+        slow_s: float,
+    ) -> None:
+        self.endpoint = endpoint
+        self.headers = headers
+        self.moved_from = moved_from
+        self.label = state.label
+        self._state = state
+        self._counter = counter
+        self._lock = lock
+        self._slow_s = slow_s
+        self._started: float | None = None
+        self._first: float | None = None
+        self._outcome: Outcome | None = None
+        self._trial = False
+
+    @property
+    def node_id(self) -> str:
+        return self.endpoint.node_id
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    def begin(self) -> None:
+        """Count the request in flight (what entering the `with` block does)."""
+        if self._started is not None:
+            raise RuntimeError("the lease is already in flight")
+        now = time.monotonic()
+        with self._lock:
+            self._trial = self._state.start(now)
+            self._counter.value += 1
+        self._started = now
+
+    def first_token(self) -> None:
+        """Mark the arrival of the first token; later calls are ignored."""
+        if self._first is None:
+            self._first = time.monotonic()
+
+    def fail(self, outcome: Outcome = Outcome.ERROR) -> None:
+        """Report this outcome when the lease ends, whatever else happens."""
+        self._outcome = outcome
+
+    def end(self, exc: BaseException | None = None) -> Outcome | None:
+        """Count the request out and report its outcome (what leaving the `with` block does); None if not begun
+        or already ended."""
+        started = self._started
+        if started is None:
+            return None
+        self._started = None
+        outcome = self._outcome or (Outcome.OK if exc is None else classify(exc))
+        if outcome is Outcome.OK and self._first is not None and self._first - started >= self._slow_s:
+            outcome = Outcome.SLOW
+        now = time.monotonic()
+        with self._lock:
+            self._state.end(outcome, self._trial, now)
+            self._counter.value -= 1
+        return outcome
+
+    def __enter__(self) -> Self:
+        self.begin()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.end(exc)
+
+    async def __aenter__(self) -> Self:
+        return self.__enter__()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.end(exc)
+
+    def __repr__(self) -> str:
+        return f"Lease({self.endpoint.node_id} {self.endpoint.address})"

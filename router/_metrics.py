@@ -1,0 +1,69 @@
+"""Prometheus view of a router: the table in use, and each endpoint's load and health as this caller sees it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from ._router import Router
+
+
+class RouterCollector:
+    """Exports the router's state on collection; each table gauge is absent while its value is unknown."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def describe(self) -> list[Metric]:
+        return self._table_families(None, None, None, None)
+
+    def collect(self) -> list[Metric]:
+        router = self._router
+        table = router.table
+        families = self._table_families(
+            None if table is None else table.epoch,
+            None if table is None else table.version,
+            router.table_age_s,
+            router.last_heard_age_s,
+        )
+        inflight = GaugeMetricFamily(
+            "prism_router_inflight_requests", "Requests in flight from this caller", labels=["endpoint"]
+        )
+        available = GaugeMetricFamily(
+            "prism_router_endpoint_available", "1 when the endpoint takes new requests", labels=["endpoint"]
+        )
+        circuit = GaugeMetricFamily(
+            "prism_router_circuit_state", "Circuit breaker: 0 normal, 1 open, 2 half-open", labels=["endpoint"]
+        )
+        outcomes = CounterMetricFamily(
+            "prism_router_requests", "Requests ended, by outcome", labels=["endpoint", "outcome"]
+        )
+        for label, status in router.status().items():
+            inflight.add_metric([label], status.inflight)
+            available.add_metric([label], float(status.available))
+            circuit.add_metric([label], int(status.circuit))
+            for outcome, count in sorted(status.outcomes.items()):
+                outcomes.add_metric([label, outcome.value], count)
+        sessions = GaugeMetricFamily("prism_router_sessions", "Sessions remembered for stickiness")
+        sessions.add_metric([], router.sessions)
+        return [*families, inflight, available, circuit, outcomes, sessions]
+
+    @staticmethod
+    def _table_families(
+        epoch: int | None, version: int | None, age_s: float | None, heard_s: float | None
+    ) -> list[Metric]:
+        gauges = (
+            ("prism_router_table_epoch", "Epoch of the routing table in use", epoch),
+            ("prism_router_table_version", "Version of the routing table in use", version),
+            ("prism_router_table_age_seconds", "Seconds since the routing table in use was applied", age_s),
+            ("prism_router_last_heard_age_seconds", "Seconds since a brain was last heard", heard_s),
+        )
+        families: list[Metric] = []
+        for name, help_text, value in gauges:
+            family = GaugeMetricFamily(name, help_text)
+            if value is not None:
+                family.add_metric([], value)
+            families.append(family)
+        return families

@@ -1,0 +1,56 @@
+"""What a caller tells the router about a request: affinity key, modality, session, request class."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+from prismlb.wire import MODALITY_HEADER, Slice, parse_signature
+
+SESSION_HEADER = "X-Session-Token"
+CONTEXT_HEADER = "X-Context-Signature"
+CLASS_HEADER = "X-Prism-Class"
+AFFINITY_HEADER = "X-Prism-Affinity-Key"
+CORE_CLASS = "core"
+
+Key = str | bytes | int
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A request to place. Every field is optional.
+
+    `key` is the affinity key (e.g. `prefix_key(tokens)`); without one, the session token is the key, and
+    without either the request goes to a random point of the ring. The slice is `slice` when given, else
+    the one `modality` (an `X-Modality-Signature`) names. `request_class` is what the guardian may shed.
+    """
+
+    key: Key | None = None
+    modality: str | None = None
+    slice: str | None = None
+    session: str | None = None
+    context_signature: str | None = None
+    request_class: str = CORE_CLASS
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str], *, key: Key | None = None, slice: str | None = None) -> Request:
+        """A request described by its HTTP headers (any case): modality, session, context, class, affinity key.
+
+        An explicit `key` wins over the `X-Prism-Affinity-Key` header.
+        """
+        lower = {name.lower(): value for name, value in headers.items()}
+        return cls(
+            key=key if key is not None else lower.get(AFFINITY_HEADER.lower()),
+            modality=lower.get(MODALITY_HEADER.lower()),
+            slice=slice,
+            session=lower.get(SESSION_HEADER.lower()) or None,
+            context_signature=lower.get(CONTEXT_HEADER.lower()) or None,
+            request_class=lower.get(CLASS_HEADER.lower()) or CORE_CLASS,
+        )
+
+
+@lru_cache(maxsize=512)
+def slice_of(signature: str | None) -> Slice:
+    """The modality slice a signature names (LLM when it is absent or unknown)."""
+    return parse_signature(signature)[0]

@@ -1,0 +1,47 @@
+"""The router's settings: bounded load, passive health (nginx), circuit breaker (SPEC §3), sessions, topology."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Every knob of a Router; the defaults are nginx's (passive health) and the design article's (breaker)."""
+
+    balance: float = 1.25
+    """Bounded-load factor c: an entry takes a request only while its load stays under c × its weighted share
+    of the slice's load (Mirrokni et al.); 0 turns the bound off."""
+    max_fails: int = 1
+    """nginx `max_fails`: failed attempts within `fail_timeout_s` that make an endpoint unavailable (0: never)."""
+    fail_timeout_s: float = 10.0
+    """nginx `fail_timeout`: the window failures are counted in, and how long the endpoint is then unavailable."""
+    slow_s: float = 0.3
+    """A first token (or streamed response head) this late counts as a timeout for the circuit breaker."""
+    open_after: int = 3
+    """Timeouts in a row that open an endpoint's circuit."""
+    open_s: float = 5.0
+    """Seconds an open circuit gets no requests before it turns half-open and admits trial requests."""
+    half_open_trials: int = 1
+    """Trial requests a half-open circuit admits at a time; a successful one closes it, a failed one reopens it."""
+    connect_tries: int = 2
+    """Attempts `Router.call` and the httpx transports make when connecting fails, each on the next probe."""
+    session_ttl_s: float = 1800.0
+    """How long a session stays on its endpoint after its last request."""
+    max_sessions: int = 100_000
+    """Sessions remembered at most; past that the least recently used are forgotten."""
+    numa_node: int | None = None
+    """The caller's NUMA node: GPU entries on it weigh 1.0, across NUMA nodes 0.4 (None: all weigh 1.0)."""
+    base_points: int = 128
+    """Ring points of an entry of weight 1.0."""
+
+    def __post_init__(self) -> None:
+        if not (self.balance == 0 or self.balance >= 1):
+            raise ValueError(f"balance must be 0 (off) or at least 1, got {self.balance}")
+        for name in ("max_fails", "open_after", "half_open_trials", "connect_tries", "max_sessions", "base_points"):
+            low = 0 if name == "max_fails" else 1
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
+        for name in ("fail_timeout_s", "slow_s", "open_s", "session_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -1,0 +1,197 @@
+"""The immutable lookup structures built once per routing table and swapped in by one reference."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from prismlb.wire import Experiment, RoutingTable, Slice, SliceTable, TableNode, assign_arm
+
+from ._health import EndpointState
+from ._request import CORE_CLASS
+from ._ring import Ring
+from ._settings import Settings
+
+DEFAULT_SLICE_NAME = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where to send a request: the node's id and the address its inference server listens on, the GPU for a
+    per-GPU entry, and the model version it serves."""
+
+    node_id: str
+    address: str
+    gpu: int | None = None
+    model_version: str = ""
+
+
+class InFlight:
+    """Requests this router has in flight in one group (slice or experiment arm), kept across tables."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+Entry = tuple[EndpointState, float, float, float, Endpoint]
+"""An entry as route() unpacks it (a plain tuple unpacks fastest): `(state, safe, base_load, inv_share,
+endpoint)`. `base_load` is the brain's load estimate (0 when absent), `inv_share` the group's total weight
+over the entry's, and `safe` the count of local requests in flight below which the entry is surely under its
+bounded-load limit (the limit only grows as the group's requests in flight grow)."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Group:
+    """One ring (a slice, or an experiment arm) and its entries, indexed by entry index."""
+
+    name: str
+    ring: Ring
+    slots: list[int | None]  # the ring's bucket index (`bucket_index`)
+    shift: int
+    entries: tuple[Entry, ...]
+    base_total: float  # the brain's load estimates, summed
+    inflight: InFlight
+    index: Mapping[str, int]  # label -> entry index
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SliceRoute:
+    """A slice's group, its experiment with a group per arm's model version, and its fallback slices."""
+
+    name: str
+    group: Group
+    experiment: Experiment | None
+    arms: Mapping[str, Group]  # model version -> group; empty without an experiment
+    fallbacks: tuple[str, ...]
+
+    def arm(self, key: bytes) -> Group:
+        """The group of the arm a session or affinity key is assigned to (the brain's `assign_arm`)."""
+        assert self.experiment is not None
+        return self.arms[assign_arm(self.experiment, key)]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Snapshot:
+    """Everything route() reads, swapped as one attribute so readers never see half a table."""
+
+    table: RoutingTable
+    slices: Mapping[str, SliceRoute | None]  # None: no nodes and no fallback with nodes
+    implicit: Mapping[Slice, SliceRoute | None]  # for requests that name no slice: their modality's, or "default"
+    plain: Mapping[str | None, SliceRoute]  # slices without experiments, for bare keys (None: the text slice)
+    shed: frozenset[str]
+    applied_monotonic: float
+
+
+def _group(
+    name: str,
+    ring: Ring,
+    settings: Settings,
+    state_for: Callable[[str], EndpointState],
+    counter_for: Callable[[str], InFlight],
+) -> Group:
+    total_weight = sum(ring.weights)
+    base_total = sum(node.load or 0.0 for node in ring.entries)
+    entries = tuple(
+        (
+            state_for(label),
+            settings.balance * (base_total + 1) * weight / total_weight - (node.load or 0.0)
+            if settings.balance
+            else math.inf,
+            node.load or 0.0,
+            total_weight / weight,
+            Endpoint(node.node_id, node.endpoint, node.gpu, node.model_version),
+        )
+        for label, node, weight in zip(ring.labels, ring.entries, ring.weights, strict=True)
+    )
+    return Group(
+        name=name,
+        ring=ring,
+        slots=ring.slots,
+        shift=ring.shift,
+        entries=entries,
+        base_total=base_total,
+        inflight=counter_for(name),
+        index={label: i for i, label in enumerate(ring.labels)},
+    )
+
+
+def _arms(
+    slice_table: SliceTable,
+    experiment: Experiment,
+    base: Group,
+    settings: Settings,
+    state_for: Callable[[str], EndpointState],
+    counter_for: Callable[[str], InFlight],
+) -> dict[str, Group]:
+    """One group per arm over the slice's nodes of the arm's model version (the whole slice when it has none)."""
+    arms: dict[str, Group] = {}
+    for arm in experiment.arms:
+        nodes: list[TableNode] = [n for n in slice_table.nodes if n.model_version == arm.model_version]
+        if not nodes:
+            arms[arm.model_version] = base
+            continue
+        ring = Ring.build(nodes, settings.base_points, numa_node=settings.numa_node)
+        arms[arm.model_version] = _group(
+            f"{slice_table.name}@{arm.model_version}", ring, settings, state_for, counter_for
+        )
+    return arms
+
+
+def _chain(name: str, fallback_of: Mapping[str, str | None]) -> list[str]:
+    """The slices a slice's requests may go to after it, following `fallback` (cycles cut)."""
+    chain: list[str] = []
+    current = fallback_of.get(name)
+    while current is not None and current != name and current not in chain:
+        chain.append(current)
+        current = fallback_of.get(current)
+    return chain
+
+
+def build(
+    table: RoutingTable,
+    settings: Settings,
+    state_for: Callable[[str], EndpointState],
+    counter_for: Callable[[str], InFlight],
+) -> Snapshot:
+    """Build every slice's rings and arms; ValueError when the table cannot be routed on.
+
+    `state_for(label)` and `counter_for(group name)` give the router's state objects, which outlive tables.
+    """
+    fallback_of: dict[str, str | None] = {}
+    for slice_table in table.slices:
+        if slice_table.name in fallback_of:
+            raise ValueError(f"slice {slice_table.name!r} appears more than once")
+        fallback_of[slice_table.name] = slice_table.fallback
+    nonempty = {s.name for s in table.slices if s.nodes}
+    experiments: dict[str, Experiment] = {}
+    for listed in table.experiments:
+        experiments.setdefault(listed.slice, listed)  # the first experiment on a slice wins
+    routes: dict[str, SliceRoute] = {}
+    for slice_table in table.slices:
+        if not slice_table.nodes:
+            continue
+        try:
+            ring = Ring.build(slice_table.nodes, settings.base_points, numa_node=settings.numa_node)
+        except ValueError as exc:
+            raise ValueError(f"slice {slice_table.name!r}: {exc}") from None
+        base = _group(slice_table.name, ring, settings, state_for, counter_for)
+        experiment = experiments.get(slice_table.name)
+        arms = {} if experiment is None else _arms(slice_table, experiment, base, settings, state_for, counter_for)
+        fallbacks = tuple(n for n in _chain(slice_table.name, fallback_of) if n in nonempty)
+        routes[slice_table.name] = SliceRoute(slice_table.name, base, experiment, arms, fallbacks)
+    slices: dict[str, SliceRoute | None] = {}
+    for name in fallback_of:
+        slices[name] = routes.get(name) or next((routes[n] for n in _chain(name, fallback_of) if n in routes), None)
+    implicit = {s: slices.get(s.value) or slices.get(DEFAULT_SLICE_NAME) for s in Slice}
+    shed = frozenset(table.shed_classes)
+    plain: dict[str | None, SliceRoute] = {}
+    if CORE_CLASS not in shed:  # bare keys are core requests: when core is shed, they take the path that refuses
+        plain.update((name, r) for name, r in slices.items() if r is not None and not r.arms)
+        text = implicit[Slice.LLM]
+        if text is not None and not text.arms:
+            plain[None] = text
+    return Snapshot(table, slices, implicit, plain, shed, time.monotonic())

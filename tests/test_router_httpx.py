@@ -1,0 +1,249 @@
+"""A real httpx client routed through Prism to real local HTTP servers that speak a slice of the OpenAI API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from prismlb.router import (
+    BLOCK_SIZE,
+    CONTEXT_HEADER,
+    PREFIX_TOKENS,
+    SESSION_HEADER,
+    AsyncPrismTransport,
+    Outcome,
+    PrismTransport,
+    Router,
+    Settings,
+    ShedError,
+    prefix_key,
+)
+from prismlb.router._httpx import describe
+from prismlb.wire import MODALITY_HEADER, RoutingTable, SliceTable, TableNode
+
+DOCUMENT = "Quarterly report. " * 300  # 5,400 bytes: a first turn longer than the key's window
+
+
+class Handler(BaseHTTPRequestHandler):
+    """POST /v1/chat/completions: answers which server it is and what it saw; streams when asked to."""
+
+    server: NamedServer
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        delay = float(self.headers.get("X-Test-Delay", "0"))
+        time.sleep(delay)
+        seen = {
+            "node": self.server.name,
+            "path": self.path,
+            "session": self.headers.get(SESSION_HEADER),
+            "context": self.headers.get(CONTEXT_HEADER),
+            "host": self.headers.get("Host"),
+        }
+        if body.get("stream"):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for i in range(3):
+                self.wfile.write(f"data: {json.dumps({**seen, 'chunk': i})}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(0.05)
+            self.wfile.write(b"data: [DONE]\n\n")
+            return
+        payload = json.dumps({"object": "chat.completion", **seen}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class NamedServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, name: str) -> None:
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.name = name
+        self.address = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.fixture
+def servers() -> Iterator[dict[str, NamedServer]]:
+    started = {name: NamedServer(name) for name in ("gpu-a", "gpu-b", "gpu-c")}
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in started.values()]
+    for thread in threads:
+        thread.start()
+    yield started
+    for server in started.values():
+        server.shutdown()
+        server.server_close()
+
+
+def refused_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def make_router(addresses: dict[str, str], **settings: object) -> Router:
+    nodes = [TableNode(node_id=n, endpoint=a, weight=1.0) for n, a in addresses.items()]
+    vlm = [TableNode(node_id="gpu-a", endpoint=addresses["gpu-a"], weight=1.0)]
+    table = RoutingTable(
+        epoch=1,
+        version=1,
+        issued_unix_s=time.time(),
+        slices=[SliceTable(name="llm", nodes=nodes), SliceTable(name="vlm", nodes=vlm)],
+    )
+    return Router.from_table(table, settings=Settings(**settings))  # type: ignore[arg-type]
+
+
+def chat(conversation: int, turns: int) -> dict[str, object]:
+    """An OpenAI chat request: a shared system prompt, then one conversation's opening and `turns` turns."""
+    messages = [
+        {"role": "system", "content": "You are a careful analyst."},
+        {"role": "user", "content": f"Conversation {conversation}. {DOCUMENT}"},
+    ]
+    for turn in range(1, turns):
+        messages += [{"role": "assistant", "content": f"answer {turn}"}, {"role": "user", "content": f"more {turn}"}]
+    return {"model": "m", "messages": messages}
+
+
+def idle(router: Router) -> bool:
+    return all(status.inflight == 0 for status in router.status().values())
+
+
+def test_an_openai_style_client_routes_through_prism_unchanged(servers: dict[str, NamedServer]) -> None:
+    router = make_router({name: s.address for name, s in servers.items()})
+    with httpx.Client(transport=PrismTransport(router), base_url="http://prism.invalid/v1") as client:
+        first = {c: client.post("/chat/completions", json=chat(c, 1)).json() for c in range(30)}
+        later = {c: client.post("/chat/completions", json=chat(c, 3)).json() for c in range(30)}
+    assert all(first[c]["node"] == later[c]["node"] for c in range(30))  # every turn finds its KV cache
+    assert len({reply["node"] for reply in first.values()}) == 3  # conversations spread
+    assert all(reply["path"] == "/v1/chat/completions" for reply in first.values())
+    assert all(reply["host"] == servers[str(reply["node"])].address.removeprefix("http://") for reply in first.values())
+    assert idle(router)
+    assert sum(s.outcomes.get(Outcome.OK, 0) for s in router.status().values()) == 60
+
+
+def test_headers_pick_the_slice_and_carry_the_session(servers: dict[str, NamedServer]) -> None:
+    router = make_router({name: s.address for name, s in servers.items()})
+    image = {
+        "model": "m",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                ],
+            }
+        ],
+    }
+    with httpx.Client(transport=PrismTransport(router), base_url="http://prism.invalid") as client:
+        assert client.post("/v1/chat/completions", json=image).json()["node"] == "gpu-a"  # the vlm slice
+        headers = {MODALITY_HEADER: "image+text"}
+        assert client.post("/v1/chat/completions", json=chat(1, 1), headers=headers).json()["node"] == "gpu-a"
+        session = {SESSION_HEADER: "user-9", CONTEXT_HEADER: "ctx-9"}
+        replies = [client.post("/v1/chat/completions", json=chat(c, 1), headers=session).json() for c in range(10)]
+    assert len({r["node"] for r in replies}) == 1  # one session, one node, whatever the conversation
+    assert {(r["session"], r["context"]) for r in replies} == {("user-9", "ctx-9")}
+
+
+def test_a_refused_connection_is_retried_on_the_next_endpoint(servers: dict[str, NamedServer]) -> None:
+    addresses = {name: s.address for name, s in servers.items()}
+    addresses["gpu-c"] = refused_address()  # gpu-c is down: nothing listens there
+    router = make_router(addresses)
+    doomed = next(c for c in range(200) if _owner(router, c) == "gpu-c")
+    with httpx.Client(transport=PrismTransport(router), base_url="http://prism.invalid/v1") as client:
+        reply = client.post("/chat/completions", json=chat(doomed, 1))
+    assert reply.status_code == 200 and reply.json()["node"] in {"gpu-a", "gpu-b"}
+    assert router.status()["gpu-c"].outcomes == {Outcome.CONNECT: 1}
+    assert not router.status()["gpu-c"].available
+    with httpx.Client(transport=PrismTransport(router, tries=1), base_url="http://prism.invalid/v1") as client:
+        assert client.post("/chat/completions", json=chat(doomed, 2)).json()["node"] in {"gpu-a", "gpu-b"}
+    refused = make_router(addresses)
+    with (
+        httpx.Client(transport=PrismTransport(refused, tries=1), base_url="http://prism.invalid/v1") as client,
+        pytest.raises(httpx.ConnectError),
+    ):
+        client.post("/chat/completions", json=chat(doomed, 1))
+    assert idle(router) and idle(refused)
+
+
+def _owner(router: Router, conversation: int) -> str:
+    """The node the transport will pick first for a conversation (the same key it computes)."""
+    request = httpx.Request("POST", "http://prism.invalid/v1/chat/completions", json=chat(conversation, 1))
+    described, streamed = describe(request, BLOCK_SIZE, PREFIX_TOKENS)
+    assert described.key == prefix_key(
+        text=f"system\nYou are a careful analyst.\nuser\nConversation {conversation}. {DOCUMENT}\n"
+    )
+    assert not streamed
+    return router.route(described).node_id
+
+
+def test_a_streamed_response_stays_in_flight_until_closed_and_its_head_is_the_first_token(
+    servers: dict[str, NamedServer],
+) -> None:
+    router = make_router({name: s.address for name, s in servers.items()}, slow_s=0.1)
+    with httpx.Client(transport=PrismTransport(router), base_url="http://prism.invalid/v1") as client:
+        streamed = {**chat(1, 1), "stream": True}
+        with client.stream("POST", "/chat/completions", json=streamed) as response:
+            lines = response.iter_lines()
+            node = json.loads(next(lines).removeprefix("data: "))["node"]
+            assert router.status()[node].inflight == 1  # still streaming
+            chunks = [line for line in lines if line.startswith("data: {")]
+        assert len(chunks) == 2 and idle(router)
+        assert router.status()[node].outcomes == {Outcome.OK: 1}  # the body took 150 ms, the head did not
+        with client.stream("POST", "/chat/completions", json=streamed, headers={"X-Test-Delay": "0.15"}) as response:
+            response.read()
+        assert router.status()[node].outcomes == {Outcome.OK: 1, Outcome.SLOW: 1}  # a late head is a timeout
+        client.post("/chat/completions", json=chat(1, 1), headers={"X-Test-Delay": "0.15"})
+        assert router.status()[node].outcomes[Outcome.OK] == 2  # a non-streamed reply's time is not judged
+
+
+def test_the_async_transport_routes_an_async_client(servers: dict[str, NamedServer]) -> None:
+    router = make_router({name: s.address for name, s in servers.items()})
+
+    async def main() -> tuple[list[str], list[str]]:
+        async with httpx.AsyncClient(
+            transport=AsyncPrismTransport(router), base_url="http://prism.invalid/v1"
+        ) as client:
+            one_by_one = [(await client.post("/chat/completions", json=chat(c, 1))).json()["node"] for c in range(20)]
+            async with client.stream("POST", "/chat/completions", json={**chat(0, 1), "stream": True}) as response:
+                lines = [line async for line in response.aiter_lines() if line.startswith("data: {")]
+            one_by_one.append(json.loads(lines[0].removeprefix("data: "))["node"])
+            # All at once: the bounded-load step spreads them (1.25 × a third of 30 is at most 13 per node).
+            replies = await asyncio.gather(*(client.post("/chat/completions", json=chat(c, 1)) for c in range(30)))
+            return one_by_one, [r.json()["node"] for r in replies]
+
+    one_by_one, together = asyncio.run(main())
+    sync = make_router({name: s.address for name, s in servers.items()})
+    with httpx.Client(transport=PrismTransport(sync), base_url="http://prism.invalid/v1") as client:
+        expected = [client.post("/chat/completions", json=chat(c, 1)).json()["node"] for c in range(20)]
+    assert one_by_one[:20] == expected and one_by_one[20] == expected[0]
+    assert len(together) == 30 and max(together.count(n) for n in servers) <= 13
+    assert idle(router)
+
+
+def test_a_shed_request_class_fails_with_the_typed_error(servers: dict[str, NamedServer]) -> None:
+    router = make_router({name: s.address for name, s in servers.items()})
+    table = router.table
+    assert table is not None
+    degraded = RoutingTable(
+        epoch=1, version=2, issued_unix_s=time.time(), slices=table.slices, shed_classes=["batch"], guardian="degrade"
+    )
+    assert router.apply(degraded)
+    with httpx.Client(transport=PrismTransport(router), base_url="http://prism.invalid/v1") as client:
+        with pytest.raises(ShedError, match="'batch' is shed"):
+            client.post("/chat/completions", json=chat(1, 1), headers={"X-Prism-Class": "batch"})
+        assert client.post("/chat/completions", json=chat(1, 1)).status_code == 200
