@@ -77,7 +77,8 @@ def vectors(nodes: int, seq: int, rng: random.Random) -> list[NodeVector]:
 def bench(nodes: int, windows: int) -> dict[str, float]:
     rng = random.Random(7)
     ctx = zmq.Context()
-    brain = Brain(BrainConfig(admin_port=0, train_budget_s=0.0), CollectorRegistry())
+    # nodes must not expire while the bench runs (its ingest alone takes longer than 3 periods)
+    brain = Brain(BrainConfig(admin_port=0, train_budget_s=0.0, stale_periods=1e6), CollectorRegistry())
     endpoint = "tcp://127.0.0.1:0"
     receiver_rejects = RejectCounter("bench", brain.rejects._log)
     receiver = VectorReceiver(ctx, endpoint, receiver_rejects)
@@ -91,24 +92,29 @@ def bench(nodes: int, windows: int) -> dict[str, float]:
         decode(f, (NodeVector,), MAX_VECTOR_BYTES)
     decode_only_s = time.perf_counter() - start
 
+    drained = threading.Event()
+
     def push() -> None:
         with VectorSender(ctx, address, hwm=len(frames) + 10) as sender:
             for batch in batches:
                 for v in batch:
                     while not sender.send(v):
                         time.sleep(0.001)
+            drained.wait()  # the sender's socket drops what it still queues when it closes (linger 0)
 
     pusher = threading.Thread(target=push)
     received = 0
     start = time.perf_counter()
     pusher.start()
     while received + receiver_rejects.total < len(frames):
-        if not receiver.socket.poll(5000):
+        if not receiver.socket.poll(10_000):
+            drained.set()
             raise SystemExit(f"stalled: {received} received of {len(frames)}, rejects {receiver_rejects.counts()}")
         got = receiver.drain()
         received += len(got)
         brain.ingest(got, time.monotonic())
     ingest_s = time.perf_counter() - start
+    drained.set()
     pusher.join()
     for batch in batches:  # one predictor time step per window, as the brain's control period does
         for v in batch:
