@@ -25,7 +25,7 @@ from typing import Annotated
 
 import msgspec
 
-from prismlb.wire import ConfigError, Experiment, ExperimentArm, assign_arm
+from prismlb.wire import ConfigError, Experiment, ExperimentArm
 
 _log = logging.getLogger("prism.brain")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 import socket
 from collections.abc import Iterator
 
@@ -25,3 +27,13 @@ def ctx() -> Iterator[zmq.Context]:
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
+
+
+def require_ebpf() -> None:
+    """Skip, saying why, only where eBPF is truly unavailable: not root, or no bcc. CI runs as root with bcc."""
+    if os.geteuid() != 0:
+        pytest.skip(f"eBPF needs root; running as uid {os.geteuid()}")
+    try:
+        importlib.import_module("bcc")
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"bcc is not importable ({exc}); apt-get install python3-bpfcc")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import socket
@@ -28,6 +27,8 @@ from prismlb.wire import (
     start_authenticator,
 )
 
+from .conftest import require_ebpf
+
 PERIOD_S = 0.2
 
 
@@ -39,15 +40,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _args(*argv: str) -> argparse.Namespace:
     return _parser().parse_args(["agent", *argv])
-
-
-def _ebpf_or_skip() -> None:
-    if os.geteuid() != 0:
-        pytest.skip(f"eBPF needs root; running as uid {os.geteuid()}")
-    try:
-        importlib.import_module("bcc")
-    except (ImportError, OSError) as exc:
-        pytest.skip(f"bcc is not importable ({exc}); apt-get install python3-bpfcc")
 
 
 @pytest.fixture
@@ -131,7 +123,7 @@ def _assert_stream(vectors: list[NodeVector]) -> None:
 
 
 def test_vectors_carry_connect_calls_with_ebpf(ctx: zmq.Context) -> None:
-    _ebpf_or_skip()
+    require_ebpf()
     pull, brain = _pull(ctx)
     registry = CollectorRegistry()
     running = _Running(Agent(_config(brain), registry=registry))

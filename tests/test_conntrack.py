@@ -5,7 +5,6 @@ Skipped only without root or bcc."""
 from __future__ import annotations
 
 import errno
-import importlib
 import os
 import select
 import socket
@@ -26,19 +25,11 @@ from prismlb.agent import Connection, ConnectionTracer
 from prismlb.agent._clock import UnixClock, measure_offset_ns
 
 from ._netns import Namespace, veth_pair
+from .conftest import require_ebpf
 
 pytestmark = pytest.mark.ebpf
 
 FourTuple = tuple[str, int, str, int]
-
-
-def _require_root_and_bcc() -> None:
-    if os.geteuid() != 0:
-        pytest.skip(f"eBPF needs root; running as uid {os.geteuid()}")
-    try:
-        importlib.import_module("bcc")
-    except (ImportError, OSError) as exc:
-        pytest.skip(f"bcc is not importable ({exc}); apt-get install python3-bpfcc")
 
 
 def _wait(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
@@ -191,7 +182,7 @@ def _check_connections(seen: _Seen, clients: list[tuple[FourTuple, int, int, int
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
 def test_loopback_connections_are_seen_from_both_ends(host: str) -> None:
-    _require_root_and_bcc()
+    require_ebpf()
     count = 200
     with socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET) as listener:
         tracer = _open()
@@ -213,7 +204,7 @@ def test_loopback_connections_are_seen_from_both_ends(host: str) -> None:
 
 
 def test_connections_between_namespaces_carry_their_veth_addresses() -> None:
-    _require_root_and_bcc()
+    require_ebpf()
     count = 20
     with veth_pair() as (a, b):
         with b.entered():
@@ -299,7 +290,7 @@ def test_handshake_time_matches_the_clients_own_with_a_dropped_syn() -> None:
     initial RTO gets through. The kernel's handshake time must match what the client measured itself.
     Nothing polls while the client measures: a poller thread waking on the event would hold the GIL. The
     client's own clock is the noisy one (it can be descheduled on a busy machine), so up to three tries."""
-    _require_root_and_bcc()
+    require_ebpf()
     differences = []
     for _ in range(3):
         client_us, kernel, closed = _measure_dropped_syn_handshake()
@@ -314,7 +305,7 @@ def test_handshake_time_matches_the_clients_own_with_a_dropped_syn() -> None:
 
 
 def test_stats_reads_a_live_connection() -> None:
-    _require_root_and_bcc()
+    require_ebpf()
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
         tracer = _open(ports=(port,))
@@ -372,7 +363,7 @@ def _short_connection(address: tuple[str, int], kind: bytes) -> None:
 def test_no_map_entries_leak_after_ten_thousand_connections() -> None:
     """Normal closes, resets by the peer, refused connects, connects abandoned in SYN_SENT and connections
     never accepted: afterwards the map holds what it held before."""
-    _require_root_and_bcc()
+    require_ebpf()
     tracer = _open()
     try:
         baseline = tracer.live_entries()
@@ -429,7 +420,7 @@ def _connect_from_child(address: tuple[str, int]) -> None:
 
 
 def test_port_filter_keeps_only_the_chosen_port() -> None:
-    _require_root_and_bcc()
+    require_ebpf()
     with socket.create_server(("127.0.0.1", 0)) as wanted, socket.create_server(("127.0.0.1", 0)) as other:
         wanted_port, other_port = wanted.getsockname()[1], other.getsockname()[1]
         with _polled(_open(ports=(wanted_port,))) as seen:
@@ -448,7 +439,7 @@ def test_port_filter_keeps_only_the_chosen_port() -> None:
 
 def test_pid_filter_keeps_only_the_chosen_processes() -> None:
     """With pids={ours}: our own client is seen; a child's connection only from our (server) end."""
-    _require_root_and_bcc()
+    require_ebpf()
     with socket.create_server(("127.0.0.1", 0)) as listener:
         address = listener.getsockname()
         with _polled(_open(pids=(os.getpid(),))) as seen:
@@ -476,7 +467,7 @@ def test_pid_filter_keeps_only_the_chosen_processes() -> None:
 def test_lost_events_are_counted_and_tracing_goes_on() -> None:
     """A one-page perf buffer per CPU, not polled while 1,500 connections come and go, overflows; every event
     is either delivered or counted as lost, and tracing goes on."""
-    _require_root_and_bcc()
+    require_ebpf()
     count = 1_500
     with socket.create_server(("127.0.0.1", 0), backlog=512) as listener:
         port = listener.getsockname()[1]

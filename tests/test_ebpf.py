@@ -4,7 +4,6 @@ host check; skipped only without root or bcc."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import socket
 
@@ -12,6 +11,8 @@ import pytest
 
 from prismlb.agent import ConnectionTracer, add_parser, check, probe_ebpf
 from prismlb.bpf import program_text
+
+from .conftest import require_ebpf
 
 pytestmark = pytest.mark.ebpf
 
@@ -34,15 +35,6 @@ CHECK_NAMES = [
 ]
 
 
-def _require_root_and_bcc() -> None:
-    if os.geteuid() != 0:
-        pytest.skip(f"eBPF needs root; running as uid {os.geteuid()}")
-    try:
-        importlib.import_module("bcc")
-    except (ImportError, OSError) as exc:
-        pytest.skip(f"bcc is not importable ({exc}); apt-get install python3-bpfcc")
-
-
 def _run_cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="prism")
     add_parser(parser.add_subparsers(required=True))
@@ -52,7 +44,7 @@ def _run_cli(argv: list[str]) -> int:
 
 
 def test_counter_sees_every_connect() -> None:
-    _require_root_and_bcc()
+    require_ebpf()
     counter, detail = probe_ebpf()
     assert counter is not None, detail
     with counter, socket.create_server(("127.0.0.1", 0), backlog=64) as listener:
@@ -111,7 +103,7 @@ def test_check_lists_every_item() -> None:
 
 
 def test_check_as_root_loads_the_program() -> None:
-    _require_root_and_bcc()
+    require_ebpf()
     rows = {name: (ok, detail) for name, ok, detail in check()}
     for name in CHECK_NAMES[:-1]:
         ok, detail = rows[name]

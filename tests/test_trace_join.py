@@ -3,7 +3,6 @@ HTTP server that exports to the agent over OTLP; the agent forwards to an upstre
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -24,19 +23,10 @@ from prismlb.agent._otlp_receiver import EPHEMERAL_PORT, OtlpReceiver
 
 from ._netns import veth_pair
 from .apps.otel_http_server import make_provider, make_server
-from .conftest import free_port
+from .conftest import free_port, require_ebpf
 
 APPS = Path(__file__).parent / "apps"
 REQUESTS = 1000
-
-
-def require_ebpf() -> None:
-    if os.geteuid() != 0:
-        pytest.skip(f"the kernel path needs root; running as uid {os.geteuid()}")
-    try:
-        importlib.import_module("bcc")
-    except (ImportError, OSError) as exc:
-        pytest.skip(f"bcc is not importable ({exc}); apt-get install python3-bpfcc")
 
 
 @dataclass
