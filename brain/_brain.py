@@ -31,7 +31,7 @@ from ._config import BrainConfig
 from ._control import Control
 from ._drift import DriftDetector
 from ._experiments import Experiments
-from ._exporter import RegistryCollector
+from ._exporter import PredictorCollector, RegistryCollector
 from ._features import node_features, observed_p99_ms
 from ._guardian import Guardian, GuardianConfig
 from ._history import History
@@ -76,6 +76,7 @@ class Brain:
             lambda: self.predictor.trained_steps
         )
         self.metrics.register(RegistryCollector(self.registry))
+        self.metrics.register(PredictorCollector(self.predictor))
 
     def _checkpoint_path(self) -> Path | None:
         return self.config.state_dir / CHECKPOINT if self.config.state_dir is not None else None

@@ -8,6 +8,7 @@ import msgspec
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ._predictor import Predictor
 from ._registry import Registry
 
 
@@ -34,3 +35,25 @@ class RegistryCollector(Collector):
                 if value is not None:
                     metric.add_metric([node_id, name], float(value))
         yield from (health, weight, alarm, metric)
+
+
+class PredictorCollector(Collector):
+    """The predictors' scores on recent held-out windows, side by side, and which one the weights use."""
+
+    def __init__(self, predictor: Predictor) -> None:
+        self._predictor = predictor
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        evaluation = self._predictor.evaluation
+        if evaluation is None:
+            return
+        mae = GaugeMetricFamily("prism_brain_predictor_mae_ms", "MAE on held-out recent windows", labels=["predictor"])
+        p99 = GaugeMetricFamily(
+            "prism_brain_predictor_p99_error_ms", "P99 absolute error on held-out windows", labels=["predictor"]
+        )
+        used = GaugeMetricFamily("prism_brain_predictor_in_use", "1 for the predictor the weights use", labels=["predictor"])
+        for name, score in sorted(evaluation.scores.items()):
+            mae.add_metric([name], score.mae_ms)
+            p99.add_metric([name], score.p99_abs_error_ms)
+            used.add_metric([name], 1.0 if name == evaluation.best else 0.0)
+        yield from (mae, p99, used)
