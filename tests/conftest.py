@@ -30,10 +30,12 @@ def ctx() -> Iterator[zmq.Context]:
 
 
 def require_ebpf() -> None:
-    """Skip, saying why, only where eBPF is truly unavailable: not root, or no bcc. CI runs as root with bcc."""
+    """Skip, saying why, only where eBPF is truly unavailable: not root, no bcc, no tracefs. CI has all three."""
     if os.geteuid() != 0:
         pytest.skip(f"eBPF needs root; running as uid {os.geteuid()}")
     try:
         importlib.import_module("bcc")
     except (ImportError, OSError) as exc:
         pytest.skip(f"bcc is not importable ({exc}); apt-get install python3-bpfcc")
+    if not os.path.exists("/sys/kernel/tracing/events/syscalls/sys_enter_connect"):
+        pytest.skip("tracefs is not mounted (make test's set-up mounts it as root)")

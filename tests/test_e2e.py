@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
@@ -19,7 +18,7 @@ import pytest
 from prismlb.router import Router
 from prismlb.wire import BrainAddress, RoutingTable, Slice, TableNode
 
-from .conftest import free_port
+from .conftest import free_port, require_ebpf
 
 NODES = ("node-a", "node-b", "node-c")
 KEYS = [f"prefix-{i}" for i in range(3000)]
@@ -99,18 +98,6 @@ def brain_metric(port: int, node: str, metric: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-def ebpf_absent_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "not root: the eBPF probe needs root"
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        return "bcc (python3-bpfcc) is not installed"
-    if not Path("/sys/kernel/tracing/events/syscalls/sys_enter_connect").exists():
-        return "tracefs has no syscalls:sys_enter_connect"
-    return None
-
-
 def test_router_gets_a_table_with_all_agents(cluster: Cluster) -> None:
     with Router.connect(cluster.address) as router:
         wait_for(lambda: node_ids(router.table) == set(NODES), 30, "a table with all three agents")
@@ -120,9 +107,7 @@ def test_router_gets_a_table_with_all_agents(cluster: Cluster) -> None:
 
 
 def test_ebpf_counter_sees_connections_the_test_makes(cluster: Cluster) -> None:
-    reason = ebpf_absent_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    require_ebpf()
     wait_for(lambda: brain_metric(cluster.metrics_port, "node-a", "connect_calls_total") is not None, 20, "eBPF counter")
     before = brain_metric(cluster.metrics_port, "node-a", "connect_calls_total")
     assert before is not None
