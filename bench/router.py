@@ -22,11 +22,12 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import zmq
+
 from prismlb.router import Request, Ring, Router, Settings, prefix_key
+from prismlb.sim import traces_dir
 from prismlb.wire import (
     BrainAddress,
     RejectCounter,
@@ -38,7 +39,7 @@ from prismlb.wire import (
 )
 from uhashring import HashRing  # type: ignore[import-untyped]
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake/conversation_trace.jsonl"
+MOONCAKE = traces_dir() / "mooncake/conversation_trace.jsonl"
 TRACE_BLOCK = 512  # tokens per Mooncake hash id
 WEIGHT_STEPS = [round(0.05 * k, 2) for k in range(1, 21)]  # the brain publishes weights in steps of 0.05
 

@@ -40,9 +40,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from prismlb.sim import traces_dir
 from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+TRACES = traces_dir()
 AZURE_CONV = TRACES / "azure" / "AzureLLMInferenceTrace_conv.csv"
 AZURE_CODE = TRACES / "azure" / "AzureLLMInferenceTrace_code.csv"
 MOONCAKE_CONVERSATION = TRACES / "mooncake" / "conversation_trace.jsonl"

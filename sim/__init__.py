@@ -1,1 +1,5 @@
-"""placeholder"""
+"""Simulation and trace replay support."""
+
+from ._traces import traces_dir
+
+__all__ = ["traces_dir"]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
+
 from prismlb.router import BLOCK_SIZE, PREFIX_TOKENS, Router, Settings, block_hashes, prefix_key
+from prismlb.sim import traces_dir
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake/conversation_trace.jsonl"
+MOONCAKE = traces_dir() / "mooncake/conversation_trace.jsonl"
 TRACE_BLOCK = 512  # tokens per Mooncake hash id
 
 
