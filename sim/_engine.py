@@ -1,0 +1,461 @@
+"""Emulated inference engine: an OpenAI-compatible HTTP server whose timing follows a per-GPU-class model.
+
+This is an emulator, not an inference engine: it generates placeholder tokens. It speaks the interfaces Prism
+reads from a real vLLM V1 server: `/v1/chat/completions` (streaming SSE or JSON), `/metrics` (vLLM V1 names)
+and optionally KV events over ZeroMQ (vLLM's frames). The model is described in `docs/sim.md`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import queue
+import threading
+import time
+import uuid
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Literal
+
+import msgspec
+import zmq
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from prismlb.wire import parse_signature
+
+BLOCK_SIZE_TOKENS = 16
+CHARS_PER_TOKEN = 4
+MODEL_NAME = "prism-emulated-8b"
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+GpuClass = Literal["a100", "h100", "l40s"]
+Modality = Literal["image", "audio", "video"]
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """Timing and capacity of one GPU class serving an 8B model in BF16 (sources in docs/sim.md)."""
+
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    decode_batch_slope: float
+    encoder_s: dict[Modality, float]
+    kv_blocks: int
+    max_batch: int
+
+
+PROFILES: dict[GpuClass, GpuProfile] = {
+    "a100": GpuProfile(10_000.0, 60.0, 0.01, {"image": 0.030, "audio": 0.050, "video": 0.250}, 28_000, 128),
+    "h100": GpuProfile(20_000.0, 100.0, 0.008, {"image": 0.015, "audio": 0.025, "video": 0.120}, 28_000, 192),
+    "l40s": GpuProfile(6_000.0, 45.0, 0.012, {"image": 0.045, "audio": 0.070, "video": 0.350}, 13_000, 96),
+}
+
+_PART_MODALITY: dict[str, Modality] = {"image_url": "image", "input_audio": "audio", "video": "video", "video_url": "video"}
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+# vLLM's KV event encoding (vllm/distributed/kv_events.py): array-like batch, tagged-map events.
+class _KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class _BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class _BlockRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+@dataclass
+class _Sequence:
+    """One request inside the emulated scheduler; `out` receives token counts, then None when done."""
+
+    prompt_tokens: list[int]
+    block_hashes: list[int]
+    max_tokens: int
+    encoder_s: float
+    arrival_s: float
+    out: queue.Queue[int | None] = field(default_factory=queue.Queue)
+    generated: int = 0
+    cached_tokens: int = 0
+    private_blocks: int = 0
+
+
+def prompt_tokens(text: str) -> list[int]:
+    """Emulated tokenizer: one token per 4 characters, its id a CRC32 of those characters."""
+    data = [text[i : i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN)]
+    return [zlib.crc32(chunk.encode()) & 0x7FFF_FFFF for chunk in data]
+
+
+def block_hashes(tokens: list[int]) -> list[int]:
+    """Hashes of the prompt's full 16-token blocks, each chained on its parent's (as vLLM's prefix cache)."""
+    hashes: list[int] = []
+    parent = b""
+    for start in range(0, len(tokens) - BLOCK_SIZE_TOKENS + 1, BLOCK_SIZE_TOKENS):
+        block = tokens[start : start + BLOCK_SIZE_TOKENS]
+        digest = hashlib.sha256(parent + b"".join(t.to_bytes(4, "big") for t in block)).digest()
+        parent = digest
+        hashes.append(int.from_bytes(digest[:8], "big") >> 1)
+    return hashes
+
+
+class _Metrics:
+    """vLLM V1 Prometheus metrics on a private registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", labels, registry=self.registry)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting.", labels, registry=self.registry)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", labels, registry=self.registry)
+        self.queries = Counter("vllm:prefix_cache_queries", "Prompt tokens queried.", labels, registry=self.registry)
+        self.hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found cached.", labels, registry=self.registry)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "TTFT.", labels, buckets=_TTFT_BUCKETS, registry=self.registry
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "E2E latency.", labels, buckets=_E2E_BUCKETS, registry=self.registry
+        )
+        self.values = (MODEL_NAME, "0")
+        for metric in (self.running, self.waiting, self.kv_usage, self.queries, self.hits, self.ttft, self.e2e):
+            metric.labels(*self.values)  # published from the start, at zero
+
+
+class EmulatedEngine:
+    """An emulated vLLM-like engine on `url`; `start()` serves, `close()` stops."""
+
+    def __init__(
+        self,
+        gpu_class: GpuClass = "a100",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        kv_events_endpoint: str | None = None,
+        time_scale: float = 1.0,
+    ) -> None:
+        if gpu_class not in PROFILES:
+            raise ValueError(f"gpu_class must be one of {sorted(PROFILES)}, not {gpu_class!r}")
+        if not time_scale > 0:
+            raise ValueError(f"time_scale must be positive, not {time_scale}")
+        self.gpu_class = gpu_class
+        self.profile = PROFILES[gpu_class]
+        self.time_scale = time_scale
+        self.metrics = _Metrics()
+        self._cond = threading.Condition()
+        self._waiting: list[_Sequence] = []
+        self._running: list[_Sequence] = []
+        self._cache: OrderedDict[int, int] = OrderedDict()  # block hash -> references, least recently used first
+        self._stopping = False
+        self._kv_seq = 0
+        self._pub: zmq.Socket | None = None
+        if kv_events_endpoint is not None:
+            self._pub = zmq.Context.instance().socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(kv_events_endpoint)
+        self._server = ThreadingHTTPServer((host, port), _handler(self))
+        self._server.daemon_threads = True
+        self._threads = [
+            threading.Thread(target=self._server.serve_forever, name="emulated-engine-http", daemon=True),
+            threading.Thread(target=self._step_loop, name="emulated-engine-steps", daemon=True),
+        ]
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> EmulatedEngine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._server.shutdown()
+        self._server.server_close()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join()
+        if self._pub is not None:
+            self._pub.close(linger=0)
+
+    def now_s(self) -> float:
+        """Emulated time: wall time divided by `time_scale`."""
+        return time.monotonic() / self.time_scale
+
+    def submit(self, text: str, parts: dict[Modality, int], max_tokens: int) -> _Sequence:
+        """Queue a request; raises ValueError when its prompt can never fit the KV cache."""
+        tokens = prompt_tokens(text)
+        if math.ceil((len(tokens) + max_tokens) / BLOCK_SIZE_TOKENS) > self.profile.kv_blocks:
+            raise ValueError("prompt and max_tokens exceed the KV cache")
+        encoder_s = sum(self.profile.encoder_s[m] * n for m, n in parts.items())
+        seq = _Sequence(tokens, block_hashes(tokens), max_tokens, encoder_s, self.now_s())
+        with self._cond:
+            self._waiting.append(seq)
+            self._update_gauges()
+            self._cond.notify()
+        return seq
+
+    def _step_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                admitted, events = self._admit()
+                decoding = list(self._running)
+                self._running.extend(admitted)
+                self._update_gauges()
+            self._publish(events)
+            step_s = sum(self._prefill_s(seq) for seq in admitted)
+            if decoding:
+                step_s += (1 + self.profile.decode_batch_slope * (len(decoding) - 1)) / self.profile.decode_tokens_per_s
+            time.sleep(step_s * self.time_scale)
+            now = self.now_s()
+            with self._cond:
+                for seq in admitted + decoding:
+                    seq.generated += 1
+                    seq.private_blocks = math.ceil((len(seq.prompt_tokens) + seq.generated) / BLOCK_SIZE_TOKENS) - len(
+                        seq.block_hashes
+                    )
+                    if seq.generated == 1:
+                        self.metrics.ttft.labels(*self.metrics.values).observe(now - seq.arrival_s)
+                    seq.out.put(1)
+                    if seq.generated >= seq.max_tokens:
+                        self._finish(seq, now)
+                events = self._evict(0)
+                self._update_gauges()
+            self._publish(events)
+
+    def _prefill_s(self, seq: _Sequence) -> float:
+        return seq.encoder_s + (len(seq.prompt_tokens) - seq.cached_tokens) / self.profile.prefill_tokens_per_s
+
+    def _admit(self) -> tuple[list[_Sequence], list[Any]]:
+        """Admit waiting requests in order while the batch and the KV cache have room (lock held)."""
+        admitted: list[_Sequence] = []
+        events: list[Any] = []
+        while self._waiting and len(self._running) + len(admitted) < self.profile.max_batch:
+            seq = self._waiting[0]
+            hit = 0
+            for h in seq.block_hashes:
+                if h not in self._cache:
+                    break
+                hit += 1
+            new = seq.block_hashes[hit:]
+            private = math.ceil((len(seq.prompt_tokens) + 1) / BLOCK_SIZE_TOKENS) - len(seq.block_hashes)
+            evicted = self._evict(len(new) + private, keep=set(seq.block_hashes[:hit]))
+            events.extend(evicted)
+            if self._used_blocks() + len(new) + private > self.profile.kv_blocks:
+                break
+            self._waiting.pop(0)
+            for h in seq.block_hashes:
+                self._cache[h] = self._cache.get(h, 0) + 1
+                self._cache.move_to_end(h)
+            seq.cached_tokens = hit * BLOCK_SIZE_TOKENS
+            seq.private_blocks = private
+            self.metrics.queries.labels(*self.metrics.values).inc(len(seq.prompt_tokens))
+            self.metrics.hits.labels(*self.metrics.values).inc(seq.cached_tokens)
+            if new:
+                parent = seq.block_hashes[hit - 1] if hit else None
+                tokens = seq.prompt_tokens[hit * BLOCK_SIZE_TOKENS : len(seq.block_hashes) * BLOCK_SIZE_TOKENS]
+                events.append(_BlockStored(new, parent, tokens, BLOCK_SIZE_TOKENS, None, "GPU"))
+            admitted.append(seq)
+        return admitted, events
+
+    def _evict(self, needed: int, keep: set[int] | None = None) -> list[Any]:
+        """Evict least recently used unreferenced blocks until `needed` more fit (lock held)."""
+        removed: list[int] = []
+        excess = self._used_blocks() + needed - self.profile.kv_blocks
+        if excess > 0:
+            for h, refs in list(self._cache.items()):
+                if excess <= 0:
+                    break
+                if refs == 0 and (keep is None or h not in keep):
+                    del self._cache[h]
+                    removed.append(h)
+                    excess -= 1
+        return [_BlockRemoved(removed, "GPU")] if removed else []
+
+    def _finish(self, seq: _Sequence, now: float) -> None:
+        self._running.remove(seq)
+        for h in seq.block_hashes:
+            self._cache[h] -= 1
+        seq.private_blocks = 0
+        self.metrics.e2e.labels(*self.metrics.values).observe(now - seq.arrival_s)
+        seq.out.put(None)
+
+    def _used_blocks(self) -> int:
+        return len(self._cache) + sum(seq.private_blocks for seq in self._running)
+
+    def _update_gauges(self) -> None:
+        values = self.metrics.values
+        self.metrics.running.labels(*values).set(len(self._running))
+        self.metrics.waiting.labels(*values).set(len(self._waiting))
+        self.metrics.kv_usage.labels(*values).set(self._used_blocks() / self.profile.kv_blocks)
+
+    def _publish(self, events: list[Any]) -> None:
+        """Send one KV event batch in vLLM's frames (topic, 8-byte big-endian seq, msgpack); step thread only."""
+        if self._pub is None or not events:
+            return
+        payload = msgspec.msgpack.encode(_KVEventBatch(time.time(), events))
+        self._pub.send_multipart([b"", self._kv_seq.to_bytes(8, "big"), payload])
+        self._kv_seq += 1
+
+
+def _content(messages: Any) -> tuple[str, dict[Modality, int]]:
+    """The prompt text of OpenAI chat messages and the count of media parts by modality."""
+    if not isinstance(messages, list):
+        raise ValueError("messages must be a list")
+    texts: list[str] = []
+    parts: dict[Modality, int] = {}
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                elif isinstance(kind, str) and kind in _PART_MODALITY:
+                    modality = _PART_MODALITY[kind]
+                    parts[modality] = parts.get(modality, 0) + 1
+                else:
+                    raise ValueError(f"unsupported content part {kind!r}")
+        elif content is not None:
+            raise ValueError("message content must be a string or a list of parts")
+    return "\n".join(texts), parts
+
+
+def _usage(seq: _Sequence) -> dict[str, Any]:
+    prompt = len(seq.prompt_tokens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": seq.generated,
+        "total_tokens": prompt + seq.generated,
+        "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
+    }
+
+
+def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "PrismEmulatedEngine/1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            """Quiet: the emulator does not log each request."""
+
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] != "/metrics":
+                self._json(404, {"error": {"message": "not found"}})
+                return
+            body = generate_latest(engine.metrics.registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            if self.path != "/v1/chat/completions":
+                self._json(404, {"error": {"message": "not found"}})
+                return
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY_BYTES:
+                self._json(413, {"error": {"message": "body too large"}})
+                return
+            try:
+                request = json.loads(self.rfile.read(length))
+                text, parts = _content(request.get("messages"))
+                max_tokens = int(request.get("max_tokens") or 16)
+                if max_tokens < 1:
+                    raise ValueError("max_tokens must be at least 1")
+                seq = engine.submit(text, parts, max_tokens)
+            except (ValueError, AttributeError, TypeError) as exc:
+                self._json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+                return
+            modality, _ = parse_signature(self.headers.get("X-Modality-Signature"))
+            rid = f"chatcmpl-emulated-{uuid.uuid4().hex}"
+            created = int(time.time())
+            if request.get("stream"):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.send_header("X-Emulated-Slice", modality.value)
+                self.end_headers()
+                while seq.out.get() is not None:
+                    chunk = {
+                        "id": rid,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": MODEL_NAME,
+                        "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}],
+                    }
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                final = {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": MODEL_NAME,
+                    "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                    "usage": _usage(seq),
+                }
+                self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+                self.close_connection = True
+                return
+            while seq.out.get() is not None:
+                pass
+            self._json(
+                200,
+                {
+                    "id": rid,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": MODEL_NAME,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "tok " * seq.max_tokens},
+                            "finish_reason": "length",
+                        }
+                    ],
+                    "usage": _usage(seq),
+                },
+                {"X-Emulated-Slice": modality.value},
+            )
+
+        def _json(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+    return Handler

@@ -1,0 +1,138 @@
+"""The emulated inference engine over real HTTP and ZeroMQ: streaming, timing model, vLLM metrics and KV events."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from prismlb.agent._engine import EngineCollector
+from prismlb.agent._kv_events import KvEventSubscriber
+from prismlb.sim import EmulatedEngine, block_hashes, prompt_tokens
+from prismlb.wire import bloom_contains
+
+from .conftest import free_port
+
+SCALE = 0.2
+
+
+@pytest.fixture
+def engine() -> Iterator[EmulatedEngine]:
+    with EmulatedEngine("a100", time_scale=SCALE) as e:
+        yield e
+
+
+def body(text: str, max_tokens: int = 4, stream: bool = False, parts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    content: Any = [{"type": "text", "text": text}, *parts] if parts else text
+    return {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": stream}
+
+
+def ttft(url: str, payload: dict[str, Any]) -> float:
+    """Wall seconds from sending a streamed request to its first chunk."""
+    start = time.monotonic()
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**payload, "stream": True}, timeout=10) as r:
+        first: float | None = None
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: "):
+                first = time.monotonic() - start
+    assert first is not None
+    return first
+
+
+def test_streamed_and_plain_completion(engine: EmulatedEngine) -> None:
+    url = engine.url + "/v1/chat/completions"
+    headers = {"X-Modality-Signature": "image+text"}
+    with httpx.stream("POST", url, json=body("hello " * 20, 5, stream=True), headers=headers, timeout=10) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "text/event-stream"
+        assert r.headers["x-emulated-slice"] == "vlm"
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[:5]] == ["tok "] * 5
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    plain = httpx.post(url, json=body("x" * 400, 3), timeout=10)
+    assert plain.status_code == 200
+    answer = plain.json()
+    assert answer["object"] == "chat.completion"
+    assert answer["usage"]["prompt_tokens"] == 100
+    assert answer["usage"]["completion_tokens"] == 3
+    assert httpx.post(url, json={"messages": "nope"}, timeout=10).status_code == 400
+
+
+def test_ttft_grows_with_prompt_and_shrinks_on_reused_prefix(engine: EmulatedEngine) -> None:
+    short = ttft(engine.url, body("a short prompt", 1))
+    long_text = "".join(f"line {i} of a long shared document. " for i in range(1500))  # ~13k tokens, 1.3 s model
+    long_cold = ttft(engine.url, body(long_text, 1))
+    long_warm = ttft(engine.url, body(long_text + " a new question", 1))
+    assert long_cold > short + 0.15
+    assert long_warm < long_cold / 3
+    warm = httpx.post(engine.url + "/v1/chat/completions", json=body(long_text, 1), timeout=10).json()
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= warm["usage"]["prompt_tokens"] - 16
+
+
+def test_image_part_adds_encoder_time() -> None:
+    with EmulatedEngine("l40s", time_scale=1.0) as e:
+        text = ttft(e.url, body("describe", 1))
+        video = {"type": "video", "video": {"url": "file:///v.mp4"}}
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        with_image = ttft(e.url, body("describe again", 1, parts=[image, image, video]))
+    assert with_image - text > 0.3  # two images (45 ms each) and a video (350 ms) on an L40S
+
+
+def test_metrics_detected_as_vllm(engine: EmulatedEngine) -> None:
+    collector = EngineCollector(engine.url + "/metrics")
+    first = collector.sample()
+    assert collector.kind == "vllm"
+    assert first.requests_running == 0 and first.requests_waiting == 0
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(httpx.post, engine.url + "/v1/chat/completions", json=body(f"q{i}", 200), timeout=30) for i in range(4)]
+        time.sleep(0.3)
+        busy = collector.sample()
+        assert all(f.result().status_code == 200 for f in futures)
+    assert busy.requests_running == 4
+    assert busy.kv_cache_usage_ratio is not None and busy.kv_cache_usage_ratio > 0
+    after = collector.sample()
+    assert after.requests_running == 0
+    windows = [s.ttft.requests for s in (busy, after) if s.ttft is not None]
+    assert sum(windows) == 4
+
+
+def test_kv_events_seen_by_subscriber() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with EmulatedEngine("h100", kv_events_endpoint=endpoint, time_scale=SCALE) as e:
+        with KvEventSubscriber(endpoint) as subscriber:
+            subscriber.start()
+            time.sleep(0.3)  # the SUB socket joins
+            text = "the same system prompt " * 40
+            httpx.post(e.url + "/v1/chat/completions", json=body(text, 1), timeout=10)
+            deadline = time.monotonic() + 3
+            while subscriber.stats().blocks == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            hashes = block_hashes(prompt_tokens(text))
+            stats = subscriber.stats()
+            summary = subscriber.summary()
+    assert stats.blocks == len(hashes) > 0
+    assert stats.last_seq == 0
+    assert summary is not None and summary.block_size_tokens == 16
+    assert not subscriber.failures.counts()
+    assert all(bloom_contains(summary, h) for h in hashes)
+
+
+def test_concurrent_requests_are_batched(engine: EmulatedEngine) -> None:
+    url = engine.url + "/v1/chat/completions"
+    start = time.monotonic()
+    httpx.post(url, json=body("one", 50), timeout=30)
+    single = time.monotonic() - start
+    start = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: httpx.post(url, json=body(f"req {i}", 50), timeout=30), range(8)))
+    together = time.monotonic() - start
+    assert all(a.status_code == 200 for a in answers)
+    assert together < 2 * single < 8 * single
