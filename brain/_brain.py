@@ -7,7 +7,6 @@ import threading
 import time
 from pathlib import Path
 
-import msgspec
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -225,6 +224,3 @@ class Brain:
             )
             _log.info("table %d.%d: %s", table.epoch, table.version, summary)
         return table
-
-    def table_json(self) -> dict[str, object] | None:
-        return msgspec.to_builtins(self.current) if self.current is not None else None
