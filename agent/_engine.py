@@ -16,7 +16,6 @@ import http.client
 import itertools
 import logging
 import math
-import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from prismlb.wire import ModalityLatency
+from prismlb.wire import ModalityLatency, RejectCounter
 
 _log = logging.getLogger("prism.agent.engine")
 
@@ -80,27 +79,6 @@ _SGLANG = _EngineNames(
     queue="sglang:queue_time_seconds",
 )
 _ENGINES = (_VLLM, _SGLANG)
-
-
-class FailureCounts:
-    """Failures counted by kind; the first of each kind is logged once, later ones only counted."""
-
-    def __init__(self, what: str, logger: logging.Logger) -> None:
-        self._what = what
-        self._log = logger
-        self._lock = threading.Lock()
-        self._counts: dict[str, int] = {}
-
-    def record(self, kind: str, detail: object) -> None:
-        with self._lock:
-            first = kind not in self._counts
-            self._counts[kind] = self._counts.get(kind, 0) + 1
-        if first:
-            self._log.warning("%s: %s (%s); further failures of this kind are only counted", self._what, detail, kind)
-
-    def counts(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
 
 
 @dataclass(frozen=True)
@@ -159,7 +137,7 @@ class EngineCollector:
         self.url = url
         self.timeout_s = timeout_s
         self.kind: str | None = None
-        self.failures = FailureCounts(f"engine scrape of {url} failed", _log)
+        self.failures = RejectCounter(f"engine scrape of {url} failed", _log)
         self._previous: dict[str, _Series] | None = None
 
     def sample(self) -> EngineSample:
@@ -168,7 +146,7 @@ class EngineCollector:
             samples = _parse(self._fetch())
             names = self._detect(samples)
         except _ScrapeError as exc:
-            self.failures.record(exc.kind, exc)
+            self.failures.count(exc.kind, exc)
             return EngineSample()
         previous, self._previous = self._previous, samples
         return _read(names, samples, previous)

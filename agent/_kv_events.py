@@ -30,10 +30,8 @@ from typing import Any, NamedTuple, Self, TypeGuard
 import msgspec
 import zmq
 
-from prismlb.wire import KvSummary
 
-from prismlb.wire import BLOOM_BITS, BLOOM_HASHES, CountingBloom, block_key
-from ._engine import FailureCounts
+from prismlb.wire import BLOOM_BITS, BLOOM_HASHES, CountingBloom, KvSummary, RejectCounter, block_key
 
 _log = logging.getLogger("prism.agent.kv_events")
 
@@ -106,7 +104,7 @@ class KvEventSubscriber:
             raise ValueError(f"max_blocks must be at least 1, not {max_blocks}")
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
-        self.failures = FailureCounts(f"KV events from {endpoint}", _log)
+        self.failures = RejectCounter(f"KV events from {endpoint}", _log)
         self._max_blocks = max_blocks
         self._replay_timeout_ms = max(1, round(replay_timeout_s * 1000))
         self._ctx = context if context is not None else zmq.Context.instance()
@@ -199,17 +197,17 @@ class KvEventSubscriber:
 
     def _on_message(self, frames: list[bytes]) -> int:
         if len(frames) != 3:
-            self.failures.record("frames", f"{len(frames)} frames, not 3 (topic, seq, payload)")
+            self.failures.count("frames", f"{len(frames)} frames, not 3 (topic, seq, payload)")
             return 0
         _, seq_bytes, payload = frames
         if len(seq_bytes) != 8:
-            self.failures.record("seq", f"sequence frame of {len(seq_bytes)} bytes, not 8")
+            self.failures.count("seq", f"sequence frame of {len(seq_bytes)} bytes, not 8")
             return 0
         seq = int.from_bytes(seq_bytes, "big")
         expected = self._next_seq
         applied = 0
         if expected is not None and seq < expected:
-            self.failures.record("publisher_restart", f"sequence went back from {expected - 1} to {seq}")
+            self.failures.count("publisher_restart", f"sequence went back from {expected - 1} to {seq}")
             self._clear()
             expected = None
         if expected is None:
@@ -221,7 +219,7 @@ class KvEventSubscriber:
             applied += replayed
             missed = seq - expected - replayed
             if missed:
-                self.failures.record("gap", f"batches {expected}..{seq - 1} missed, {replayed} replayed")
+                self.failures.count("gap", f"batches {expected}..{seq - 1} missed, {replayed} replayed")
                 with self._lock:
                     self._counts["missed"] += missed
         with self._lock:
@@ -244,17 +242,17 @@ class KvEventSubscriber:
         try:
             dealer.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
         except zmq.Again:
-            self.failures.record("replay_unavailable", f"cannot send to {self.replay_endpoint}")
+            self.failures.count("replay_unavailable", f"cannot send to {self.replay_endpoint}")
             return 0
         applied, want = 0, start
         while True:
             if not dealer.poll(self._replay_timeout_ms):
-                self.failures.record("replay_timeout", f"replay silent for {self._replay_timeout_ms} ms")
+                self.failures.count("replay_timeout", f"replay silent for {self._replay_timeout_ms} ms")
                 self._drop_replay_socket()
                 break
             frames = dealer.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
-                self.failures.record("replay_malformed", f"replay answer of {len(frames)} frames")
+                self.failures.count("replay_malformed", f"replay answer of {len(frames)} frames")
                 self._drop_replay_socket()
                 break
             seq = int.from_bytes(frames[1], "big", signed=True)
@@ -290,18 +288,18 @@ class KvEventSubscriber:
         try:
             raw = self._decoder.decode(payload)
         except msgspec.DecodeError as exc:
-            self.failures.record("payload", f"not msgpack: {exc}")
+            self.failures.count("payload", f"not msgpack: {exc}")
             return None
         raw_events = _batch_events(raw)
         if raw_events is None:
-            self.failures.record("batch", f"not a KVEventBatch: {type(raw).__name__}")
+            self.failures.count("batch", f"not a KVEventBatch: {type(raw).__name__}")
             return None
         events = []
         for raw_event in raw_events:
             try:
                 events.append(_parse_event(raw_event))
             except _Malformed as exc:
-                self.failures.record(exc.kind, exc)
+                self.failures.count(exc.kind, exc)
         return events
 
     def _clear(self) -> None:

@@ -39,18 +39,17 @@ class RejectCounter:
         self._metric = _metric(registry) if registry is not None else None
 
     def record(self, error: WireError) -> None:
+        self.count(error.kind, error)
+
+    def count(self, kind: str, detail: object) -> None:
+        """Count one failure of `kind`; the first of each kind is logged with `detail`."""
         with self._lock:
-            first = error.kind not in self._counts
-            self._counts[error.kind] = self._counts.get(error.kind, 0) + 1
+            first = kind not in self._counts
+            self._counts[kind] = self._counts.get(kind, 0) + 1
         if self._metric is not None:
-            self._metric.labels(self.receiver, error.kind).inc()
+            self._metric.labels(self.receiver, kind).inc()
         if first:
-            self._log.warning(
-                "%s rejected a message (%s): %s; further rejects of this kind are only counted",
-                self.receiver,
-                error.kind,
-                error,
-            )
+            self._log.warning("%s: %s (%s); further failures of this kind are only counted", self.receiver, detail, kind)
 
     def counts(self) -> dict[str, int]:
         with self._lock:
