@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prismlb.wire import ENGINE_LATENCY_KEY
+
 from ._config import AgentConfig
 from ._ebpf import ConnectCounter
 from ._engine import EngineCollector
@@ -30,7 +32,6 @@ NVLINK_PERIOD_S = 3.0
 _log = logging.getLogger("prism.agent")
 
 
-ENGINE_LATENCY_KEY = "engine"
 
 
 def _engine(collector: EngineCollector) -> Reading:

@@ -41,7 +41,7 @@ from datetime import datetime
 from pathlib import Path
 
 from prismlb.sim import traces_dir
-from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector
+from prismlb.wire import ENGINE_LATENCY_KEY, ModalityLatency, NodeMetrics, NodeVector
 
 TRACES = traces_dir()
 AZURE_CONV = TRACES / "azure" / "AzureLLMInferenceTrace_conv.csv"
@@ -207,7 +207,7 @@ def _node_vectors(node_id: str, served: Sequence[_Served], windows: int, config:
         blocks = sum(s.blocks for s in admitted)
         latency = {}
         if ttft:
-            latency["engine"] = ModalityLatency(
+            latency[ENGINE_LATENCY_KEY] = ModalityLatency(
                 requests=len(ttft),
                 ttft_p50_ms=_quantile(ttft, 0.50),
                 ttft_p95_ms=_quantile(ttft, 0.95),

@@ -32,7 +32,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 
-from prismlb.wire import NodeVector, Slice, TableNode
+from prismlb.wire import ENGINE_LATENCY_KEY, NodeVector, Slice, TableNode
 
 from ._registry import EntryKey, NodeState
 from ._slices import pools
@@ -43,7 +43,6 @@ WEIGHT_STEP = 0.05
 WEIGHT_FLOOR = 0.05
 HYSTERESIS = 0.075
 ALARM_DERATE = 0.5
-ENGINE_LATENCY_KEY = "engine"
 _MAX_MS = 1e12  # the wire's bound on table values
 
 Predictions = Mapping[str, Mapping[Slice, float]]

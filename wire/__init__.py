@@ -44,7 +44,7 @@ from ._messages import (
     SnapshotRequest,
     TableNode,
 )
-from ._modality import DEFAULT_SLICE, MODALITY_HEADER, Slice, parse_signature
+from ._modality import DEFAULT_SLICE, ENGINE_LATENCY_KEY, MODALITY_HEADER, Slice, parse_signature
 from ._rejects import RejectCounter
 from ._service import MetricsServer, serve_metrics, sd_notify, setup_logging, stop_on_signals, watchdog_interval_s
 from ._transport import (
@@ -62,6 +62,7 @@ __all__ = [
     "BLOOM_HASHES",
     "DEFAULT_SLICE",
     "DIMENSIONS",
+    "ENGINE_LATENCY_KEY",
     "KINDS",
     "MAX_TABLE_BYTES",
     "MAX_VECTOR_BYTES",

@@ -12,6 +12,7 @@ import re
 from enum import StrEnum
 
 MODALITY_HEADER = "X-Modality-Signature"
+ENGINE_LATENCY_KEY = "engine"  # NodeVector.latency key for the engine's own, slice-less histograms
 
 
 class Slice(StrEnum):
