@@ -6,28 +6,19 @@ base weight; the router, which knows its caller's NUMA node, multiplies it by `n
 NUMA node, 0.4 across) and lays out `virtual_nodes` points (base 128) per entry. A GPU whose PCIe
 utilisation is over 85% is derated to half its weight, so new work drifts to its siblings until it cools.
 
-This module imports only `prismlb.wire`, so the router can use it without the rest of the brain.
+The NUMA rule itself is `prismlb.wire.numa_factor`, shared with the router.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prismlb.wire import GpuState, NodeVector, Slice
+from prismlb.wire import GpuState, NodeVector, Slice, numa_factor
 
 TOPOLOGY_SLICES = frozenset({Slice.AV})
-SAME_NUMA = 1.0
-CROSS_NUMA = 0.4
 BASE_VIRTUAL_NODES = 128
 PCIE_DERATE_ABOVE_RATIO = 0.85
 PCIE_DERATE = 0.5
-
-
-def numa_factor(caller_numa: int | None, gpu_numa: int | None) -> float:
-    """1.0 on the caller's NUMA node, 0.4 across; 1.0 when either side's NUMA node is unknown."""
-    if caller_numa is None or gpu_numa is None or caller_numa == gpu_numa:
-        return SAME_NUMA
-    return CROSS_NUMA
 
 
 def virtual_nodes(weight: float, caller_numa: int | None, gpu_numa: int | None) -> int:

@@ -10,13 +10,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from prismlb.wire import TableNode
+from prismlb.wire import TableNode, numa_factor
 
 from ._keys import position
-
-SAME_NUMA = 1.0
-CROSS_NUMA = 0.4
-"""Weight factors of a GPU entry on the caller's NUMA node and across NUMA nodes (SPEC §3)."""
 
 _INDEX_BITS = 17  # entries per ring, at most the wire's 100,000 nodes per slice
 
@@ -26,11 +22,9 @@ def label(node: TableNode) -> str:
     return node.node_id if node.gpu is None else f"{node.node_id}/gpu{node.gpu}"
 
 
-def numa_factor(node: TableNode, caller_numa: int | None) -> float:
-    """CROSS_NUMA for a GPU entry on another NUMA node than the caller's; SAME_NUMA otherwise or when unknown."""
-    if node.gpu is None or caller_numa is None or node.numa_node is None or node.numa_node == caller_numa:
-        return SAME_NUMA
-    return CROSS_NUMA
+def entry_numa_factor(node: TableNode, caller_numa: int | None) -> float:
+    """`wire.numa_factor` for a per-GPU entry; a whole-node entry always weighs 1.0."""
+    return 1.0 if node.gpu is None else numa_factor(caller_numa, node.numa_node)
 
 
 @lru_cache(maxsize=1 << 16)
@@ -141,7 +135,7 @@ class Ring:
         ring = cls.__new__(cls)
         ring.labels = tuple(sorted(by_label))
         ring.entries = tuple(by_label[name] for name in ring.labels)
-        ring.weights = tuple(node.weight * numa_factor(node, numa_node) for node in ring.entries)
+        ring.weights = tuple(node.weight * entry_numa_factor(node, numa_node) for node in ring.entries)
         layout = _layout(
             tuple((name, max(1, round(base_points * w))) for name, w in zip(ring.labels, ring.weights, strict=True))
         )

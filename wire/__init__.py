@@ -45,6 +45,7 @@ from ._messages import (
     TableNode,
 )
 from ._modality import DEFAULT_SLICE, ENGINE_LATENCY_KEY, MODALITY_HEADER, Slice, parse_signature
+from ._numa import CROSS_NUMA, SAME_NUMA, numa_factor
 from ._rejects import RejectCounter
 from ._service import MetricsServer, serve_metrics, sd_notify, setup_logging, stop_on_signals, watchdog_interval_s
 from ._transport import (
@@ -60,6 +61,7 @@ __all__ = [
     "BLOOM_BITS",
     "BLOOM_CAPACITY",
     "BLOOM_HASHES",
+    "CROSS_NUMA",
     "DEFAULT_SLICE",
     "DIMENSIONS",
     "ENGINE_LATENCY_KEY",
@@ -67,6 +69,7 @@ __all__ = [
     "MAX_TABLE_BYTES",
     "MAX_VECTOR_BYTES",
     "MODALITY_HEADER",
+    "SAME_NUMA",
     "SCHEMA_VERSION",
     "AuthorizedKeys",
     "BrainAddress",
@@ -117,6 +120,7 @@ __all__ = [
     "encode",
     "generate_keypair",
     "health",
+    "numa_factor",
     "parse_signature",
     "sd_notify",
     "serve_metrics",
