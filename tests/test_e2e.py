@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from prismlb.router import Router
-from prismlb.wire import BrainAddress, RoutingTable, Slice, TableNode
+from prismlb.cli._demo import llm_nodes
+from prismlb.wire import BrainAddress, RoutingTable
 
 from .conftest import free_port, require_ebpf
 
@@ -45,11 +46,6 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def llm_nodes(table: RoutingTable) -> list[TableNode]:
-    """The text slice's nodes: agents without GPU labels are acceptable there (and only there)."""
-    return next((s.nodes for s in table.slices if s.name == Slice.LLM), [])
 
 
 def node_ids(table: RoutingTable | None) -> set[str]:
