@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from prismlb.router import Router
 from prismlb.cli._demo import llm_nodes
+from prismlb.router import Router
 from prismlb.wire import BrainAddress, RoutingTable
 
 from .conftest import free_port, require_ebpf
