@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Self
 
@@ -25,6 +25,7 @@ class Lease:
     """
 
     __slots__ = (
+        "_clock",
         "_counter",
         "_first",
         "_lock",
@@ -48,6 +49,7 @@ class Lease:
         counter: InFlight,
         lock: threading.Lock,
         slow_s: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.endpoint = endpoint
         self.headers = headers
@@ -57,6 +59,7 @@ class Lease:
         self._counter = counter
         self._lock = lock
         self._slow_s = slow_s
+        self._clock = clock
         self._started: float | None = None
         self._first: float | None = None
         self._outcome: Outcome | None = None
@@ -74,7 +77,7 @@ class Lease:
         """Count the request in flight (what entering the `with` block does)."""
         if self._started is not None:
             raise RuntimeError("the lease is already in flight")
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             self._trial = self._state.start(now)
             self._counter.value += 1
@@ -83,7 +86,7 @@ class Lease:
     def first_token(self) -> None:
         """Mark the arrival of the first token; later calls are ignored."""
         if self._first is None:
-            self._first = time.monotonic()
+            self._first = self._clock()
 
     def fail(self, outcome: Outcome = Outcome.ERROR) -> None:
         """Report this outcome when the lease ends, whatever else happens."""
@@ -99,7 +102,7 @@ class Lease:
         outcome = self._outcome or (Outcome.OK if exc is None else classify(exc))
         if outcome is Outcome.OK and self._first is not None and self._first - started >= self._slow_s:
             outcome = Outcome.SLOW
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             self._state.end(outcome, self._trial, now)
             self._counter.value -= 1

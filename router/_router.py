@@ -80,8 +80,16 @@ class Router:
     `Router.connect` follows one or more brains.
     """
 
-    def __init__(self, *, registry: CollectorRegistry | None = None, settings: Settings | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        registry: CollectorRegistry | None = None,
+        settings: Settings | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings or Settings()
+        self.clock = clock
+        """Seconds on a monotonic clock for health, breakers, sessions and table age (a simulation passes its own)."""
         self.rejects = RejectCounter("router", _log, registry)
         self._snapshot: Snapshot | None = None
         self._apply_lock = threading.Lock()
@@ -97,9 +105,11 @@ class Router:
             registry.register(RouterCollector(self))
 
     @classmethod
-    def from_table(cls, table: RoutingTable, *, settings: Settings | None = None) -> Self:
+    def from_table(
+        cls, table: RoutingTable, *, settings: Settings | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> Self:
         """A router fixed on `table`, with no network; ValueError when the table cannot be routed on."""
-        router = cls(settings=settings)
+        router = cls(settings=settings, clock=clock)
         router.apply(table)
         return router
 
@@ -163,7 +173,7 @@ class Router:
                     counter = self._counters[name] = InFlight()
                 return counter
 
-            snapshot = build(table, self.settings, state_for, counter_for)
+            snapshot = build(table, self.settings, state_for, counter_for, self.clock())
             self._snapshot = snapshot
             # State of entries and groups no table lists any more goes; a lease still out keeps its own reference.
             self._states = {label: s for label, s in self._states.items() if label in used_states}
@@ -219,7 +229,7 @@ class Router:
                         < self.settings.balance * (group.base_total + group.inflight.value + 1)
                     ):
                         return endpoint
-                    group, index = self._choose(snapshot, target, group, pos, (), time.monotonic())
+                    group, index = self._choose(snapshot, target, group, pos, (), self.clock())
                     return group.entries[index][4]
         if isinstance(request, Request):
             if slice_name is not None:
@@ -245,7 +255,9 @@ class Router:
         if context:
             headers[CONTEXT_HEADER] = context
         state, _, _, _, endpoint = group.entries[index]
-        return Lease(endpoint, headers, moved_from, state, group.inflight, self._lock, self.settings.slow_s)
+        return Lease(
+            endpoint, headers, moved_from, state, group.inflight, self._lock, self.settings.slow_s, self.clock
+        )
 
     def call(self, request: Request | Key, fn: Callable[[Lease], T], *, tries: int | None = None) -> T:
         """`fn(lease)` inside a lease; when connecting fails (`ConnectionRefusedError`), again on the next probe,
@@ -307,7 +319,7 @@ class Router:
             raise ShedError(request.request_class, snapshot.table.guardian, f"table {describe(snapshot.table)}")
         target = self._resolve(snapshot, request.slice, request.modality)
         key = request.key if request.key is not None else request.session
-        now = time.monotonic()
+        now = self.clock()
         group = target.group
         if target.arms:
             arm_key = request.session or key
@@ -408,7 +420,7 @@ class Router:
     def table_age_s(self) -> float | None:
         """Seconds since the current table was applied; None without a table."""
         snapshot = self._snapshot
-        return None if snapshot is None else time.monotonic() - snapshot.applied_monotonic
+        return None if snapshot is None else self.clock() - snapshot.applied_monotonic
 
     @property
     def last_heard_age_s(self) -> float | None:
@@ -423,7 +435,7 @@ class Router:
 
     def status(self) -> dict[str, EndpointStatus]:
         """Each endpoint of the current table by label: in flight, available, circuit, outcome counts."""
-        now = time.monotonic()
+        now = self.clock()
         return {label: state.status(now) for label, state in sorted(self._states.items())}
 
     def wait_for_table(self, timeout_s: float) -> bool:

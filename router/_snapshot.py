@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -156,10 +155,12 @@ def build(
     settings: Settings,
     state_for: Callable[[str], EndpointState],
     counter_for: Callable[[str], InFlight],
+    now: float,
 ) -> Snapshot:
     """Build every slice's rings and arms; ValueError when the table cannot be routed on.
 
-    `state_for(label)` and `counter_for(group name)` give the router's state objects, which outlive tables.
+    `state_for(label)` and `counter_for(group name)` give the router's state objects, which outlive tables;
+    `now` is the router's clock, for the table's age.
     """
     fallback_of: dict[str, str | None] = {}
     for slice_table in table.slices:
@@ -194,4 +195,4 @@ def build(
         text = implicit[Slice.LLM]
         if text is not None and not text.arms:
             plain[None] = text
-    return Snapshot(table, slices, implicit, plain, shed, time.monotonic())
+    return Snapshot(table, slices, implicit, plain, shed, now)
