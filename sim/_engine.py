@@ -15,10 +15,10 @@ import threading
 import time
 import uuid
 import zlib
-from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import zmq
@@ -27,32 +27,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from prismlb.wire import parse_signature
 
-BLOCK_SIZE_TOKENS = 16
+from ._model import KV_BLOCK_TOKENS, PROFILES, EngineModel, Event, GpuClass, Job, Modality
+
+BLOCK_SIZE_TOKENS = KV_BLOCK_TOKENS
 CHARS_PER_TOKEN = 4
 MODEL_NAME = "prism-emulated-8b"
 MAX_BODY_BYTES = 16 * 1024 * 1024
-
-GpuClass = Literal["a100", "h100", "l40s"]
-Modality = Literal["image", "audio", "video"]
-
-
-@dataclass(frozen=True)
-class GpuProfile:
-    """Timing and capacity of one GPU class serving an 8B model in BF16 (sources in docs/sim.md)."""
-
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    decode_batch_slope: float
-    encoder_s: dict[Modality, float]
-    kv_blocks: int
-    max_batch: int
-
-
-PROFILES: dict[GpuClass, GpuProfile] = {
-    "a100": GpuProfile(10_000.0, 60.0, 0.01, {"image": 0.030, "audio": 0.050, "video": 0.250}, 28_000, 128),
-    "h100": GpuProfile(20_000.0, 100.0, 0.008, {"image": 0.015, "audio": 0.025, "video": 0.120}, 28_000, 192),
-    "l40s": GpuProfile(6_000.0, 45.0, 0.012, {"image": 0.045, "audio": 0.070, "video": 0.350}, 13_000, 96),
-}
 
 _PART_MODALITY: dict[str, Modality] = {"image_url": "image", "input_audio": "audio", "video": "video", "video_url": "video"}
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -80,19 +60,14 @@ class _BlockRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockRemo
     medium: str | None
 
 
-@dataclass
-class _Sequence:
-    """One request inside the emulated scheduler; `out` receives token counts, then None when done."""
+@dataclass(eq=False)
+class _Stream:
+    """One request between the HTTP handler and the model: the model's job and its token ids; `out` gets
+    the job at its first token and again when it is finished."""
 
-    prompt_tokens: list[int]
-    block_hashes: list[int]
-    max_tokens: int
-    encoder_s: float
-    arrival_s: float
-    out: queue.Queue[int | None] = field(default_factory=queue.Queue)
-    generated: int = 0
-    cached_tokens: int = 0
-    private_blocks: int = 0
+    job: Job
+    tokens: list[int]
+    out: queue.Queue[Job] = field(default_factory=queue.Queue)
 
 
 def prompt_tokens(text: str) -> list[int]:
@@ -136,7 +111,11 @@ class _Metrics:
 
 
 class EmulatedEngine:
-    """An emulated vLLM-like engine on `url`; `start()` serves, `close()` stops."""
+    """An emulated vLLM-like engine on `url`; `start()` serves, `close()` stops.
+
+    Its timing is `EngineModel` (the cluster replay's model too) run against the wall clock: model seconds
+    are wall seconds divided by `time_scale`.
+    """
 
     def __init__(
         self,
@@ -154,10 +133,8 @@ class EmulatedEngine:
         self.profile = PROFILES[gpu_class]
         self.time_scale = time_scale
         self.metrics = _Metrics()
+        self.model = EngineModel(self.profile)
         self._cond = threading.Condition()
-        self._waiting: list[_Sequence] = []
-        self._running: list[_Sequence] = []
-        self._cache: OrderedDict[int, int] = OrderedDict()  # block hash -> references, least recently used first
         self._stopping = False
         self._kv_seq = 0
         self._pub: zmq.Socket | None = None
@@ -169,7 +146,7 @@ class EmulatedEngine:
         self._server.daemon_threads = True
         self._threads = [
             threading.Thread(target=self._server.serve_forever, name="emulated-engine-http", daemon=True),
-            threading.Thread(target=self._step_loop, name="emulated-engine-steps", daemon=True),
+            threading.Thread(target=self._drive, name="emulated-engine-model", daemon=True),
         ]
 
     @property
@@ -204,124 +181,87 @@ class EmulatedEngine:
         """Emulated time: wall time divided by `time_scale`."""
         return time.monotonic() / self.time_scale
 
-    def submit(self, text: str, parts: dict[Modality, int], max_tokens: int) -> _Sequence:
+    def submit(self, text: str, parts: dict[Modality, int], max_tokens: int) -> _Stream:
         """Queue a request; raises ValueError when its prompt can never fit the KV cache."""
         tokens = prompt_tokens(text)
-        if math.ceil((len(tokens) + max_tokens) / BLOCK_SIZE_TOKENS) > self.profile.kv_blocks:
-            raise ValueError("prompt and max_tokens exceed the KV cache")
-        encoder_s = sum(self.profile.encoder_s[m] * n for m, n in parts.items())
-        seq = _Sequence(tokens, block_hashes(tokens), max_tokens, encoder_s, self.now_s())
+        job = Job(tuple(block_hashes(tokens)), len(tokens), max_tokens, self.profile.media_s(parts), 0.0)
+        stream = _Stream(job, tokens)
+        job.tag = stream
         with self._cond:
-            self._waiting.append(seq)
-            self._update_gauges()
-            self._cond.notify()
-        return seq
-
-    def _step_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping and not self._waiting and not self._running:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                admitted, events = self._admit()
-                decoding = list(self._running)
-                self._running.extend(admitted)
-                self._update_gauges()
-            self._publish(events)
-            step_s = sum(self._prefill_s(seq) for seq in admitted)
-            if decoding:
-                step_s += (1 + self.profile.decode_batch_slope * (len(decoding) - 1)) / self.profile.decode_tokens_per_s
-            time.sleep(step_s * self.time_scale)
             now = self.now_s()
-            with self._cond:
-                for seq in admitted + decoding:
-                    seq.generated += 1
-                    seq.private_blocks = math.ceil((len(seq.prompt_tokens) + seq.generated) / BLOCK_SIZE_TOKENS) - len(
-                        seq.block_hashes
-                    )
-                    if seq.generated == 1:
-                        self.metrics.ttft.labels(*self.metrics.values).observe(now - seq.arrival_s)
-                    seq.out.put(1)
-                    if seq.generated >= seq.max_tokens:
-                        self._finish(seq, now)
-                events = self._evict(0)
-                self._update_gauges()
-            self._publish(events)
+            job.arrival_s = now
+            self._handle(self.model.advance(now))
+            self._handle(self.model.submit(job, now))
+            self._cond.notify()
+        return stream
 
-    def _prefill_s(self, seq: _Sequence) -> float:
-        return seq.encoder_s + (len(seq.prompt_tokens) - seq.cached_tokens) / self.profile.prefill_tokens_per_s
+    def _drive(self) -> None:
+        """Run the model against the wall clock: wake at its next due event or a new submission."""
+        with self._cond:
+            while not self._stopping:
+                now = self.now_s()
+                self._handle(self.model.advance(now))
+                self._publish()
+                due = self.model.next_event_s()
+                self._cond.wait(None if due == math.inf else max(0.0, (due - now) * self.time_scale))
 
-    def _admit(self) -> tuple[list[_Sequence], list[Any]]:
-        """Admit waiting requests in order while the batch and the KV cache have room (lock held)."""
-        admitted: list[_Sequence] = []
-        events: list[Any] = []
-        while self._waiting and len(self._running) + len(admitted) < self.profile.max_batch:
-            seq = self._waiting[0]
-            hit = 0
-            for h in seq.block_hashes:
-                if h not in self._cache:
-                    break
-                hit += 1
-            new = seq.block_hashes[hit:]
-            private = math.ceil((len(seq.prompt_tokens) + 1) / BLOCK_SIZE_TOKENS) - len(seq.block_hashes)
-            evicted = self._evict(len(new) + private, keep=set(seq.block_hashes[:hit]))
-            events.extend(evicted)
-            if self._used_blocks() + len(new) + private > self.profile.kv_blocks:
-                break
-            self._waiting.pop(0)
-            for h in seq.block_hashes:
-                self._cache[h] = self._cache.get(h, 0) + 1
-                self._cache.move_to_end(h)
-            seq.cached_tokens = hit * BLOCK_SIZE_TOKENS
-            seq.private_blocks = private
-            self.metrics.queries.labels(*self.metrics.values).inc(len(seq.prompt_tokens))
-            self.metrics.hits.labels(*self.metrics.values).inc(seq.cached_tokens)
-            if new:
-                parent = seq.block_hashes[hit - 1] if hit else None
-                tokens = seq.prompt_tokens[hit * BLOCK_SIZE_TOKENS : len(seq.block_hashes) * BLOCK_SIZE_TOKENS]
-                events.append(_BlockStored(new, parent, tokens, BLOCK_SIZE_TOKENS, None, "GPU"))
-            admitted.append(seq)
-        return admitted, events
+    def _handle(self, events: list[Event]) -> None:
+        """Metrics and stream notifications for the model's events (lock held)."""
+        metrics, values = self.metrics, self.metrics.values
+        for kind, job, t in events:
+            stream = job.tag
+            assert isinstance(stream, _Stream)
+            if kind == "admitted":
+                metrics.queries.labels(*values).inc(job.prompt_tokens)
+                metrics.hits.labels(*values).inc(job.cached_tokens)
+            elif kind == "first_token":
+                metrics.ttft.labels(*values).observe(t - job.arrival_s)
+                stream.out.put(job)
+            else:
+                metrics.e2e.labels(*values).observe(t - job.arrival_s)
+                stream.out.put(job)
+        metrics.running.labels(*values).set(self.model.running)
+        metrics.waiting.labels(*values).set(len(self.model.waiting))
+        metrics.kv_usage.labels(*values).set(self.model.kv_usage)
+        if events:
+            self._cond.notify()
 
-    def _evict(self, needed: int, keep: set[int] | None = None) -> list[Any]:
-        """Evict least recently used unreferenced blocks until `needed` more fit (lock held)."""
-        removed: list[int] = []
-        excess = self._used_blocks() + needed - self.profile.kv_blocks
-        if excess > 0:
-            for h, refs in list(self._cache.items()):
-                if excess <= 0:
-                    break
-                if refs == 0 and (keep is None or h not in keep):
-                    del self._cache[h]
-                    removed.append(h)
-                    excess -= 1
-        return [_BlockRemoved(removed, "GPU")] if removed else []
-
-    def _finish(self, seq: _Sequence, now: float) -> None:
-        self._running.remove(seq)
-        for h in seq.block_hashes:
-            self._cache[h] -= 1
-        seq.private_blocks = 0
-        self.metrics.e2e.labels(*self.metrics.values).observe(now - seq.arrival_s)
-        seq.out.put(None)
-
-    def _used_blocks(self) -> int:
-        return len(self._cache) + sum(seq.private_blocks for seq in self._running)
-
-    def _update_gauges(self) -> None:
-        values = self.metrics.values
-        self.metrics.running.labels(*values).set(len(self._running))
-        self.metrics.waiting.labels(*values).set(len(self._waiting))
-        self.metrics.kv_usage.labels(*values).set(self._used_blocks() / self.profile.kv_blocks)
-
-    def _publish(self, events: list[Any]) -> None:
-        """Send one KV event batch in vLLM's frames (topic, 8-byte big-endian seq, msgpack); step thread only."""
-        if self._pub is None or not events:
+    def _publish(self) -> None:
+        """Send the model's cache changes as one KV event batch in vLLM's frames (driver thread, lock held)."""
+        stored, removed = self.model.stored, self.model.removed
+        if self._pub is None or not (stored or removed):
+            stored.clear()
+            removed.clear()
             return
+        events: list[Any] = []
+        if removed:
+            events.append(_BlockRemoved(list(removed), "GPU"))
+        for job, new in stored:
+            stream = job.tag
+            assert isinstance(stream, _Stream)
+            hit = len(job.blocks) - len(new)
+            parent = job.blocks[hit - 1] if hit else None
+            tokens = stream.tokens[hit * BLOCK_SIZE_TOKENS : len(job.blocks) * BLOCK_SIZE_TOKENS]
+            events.append(_BlockStored(list(new), parent, tokens, BLOCK_SIZE_TOKENS, None, "GPU"))
+        stored.clear()
+        removed.clear()
         payload = msgspec.msgpack.encode(_KVEventBatch(time.time(), events))
         self._pub.send_multipart([b"", self._kv_seq.to_bytes(8, "big"), payload])
         self._kv_seq += 1
+
+    def stream_tokens(self, stream: _Stream) -> Iterator[int]:
+        """Yield 1 per output token at the model's pace: the first at the first token, the last at the end."""
+        job = stream.out.get()
+        yield 1
+        count = job.output_tokens
+        first, finish = job.first_token_s, job.finish_s
+        assert first is not None and finish is not None
+        for i in range(1, count):
+            delay = (first + (finish - first) * i / (count - 1) - self.now_s()) * self.time_scale
+            if delay > 0:
+                time.sleep(delay)
+            yield 1
+        stream.out.get()
 
 
 def _content(messages: Any) -> tuple[str, dict[Modality, int]]:
@@ -349,13 +289,13 @@ def _content(messages: Any) -> tuple[str, dict[Modality, int]]:
     return "\n".join(texts), parts
 
 
-def _usage(seq: _Sequence) -> dict[str, Any]:
-    prompt = len(seq.prompt_tokens)
+def _usage(stream: _Stream) -> dict[str, Any]:
+    job = stream.job
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": seq.generated,
-        "total_tokens": prompt + seq.generated,
-        "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": job.output_tokens,
+        "total_tokens": job.prompt_tokens + job.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
     }
 
 
@@ -406,7 +346,7 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Connection", "close")
                 self.send_header("X-Emulated-Slice", modality.value)
                 self.end_headers()
-                while seq.out.get() is not None:
+                for _ in engine.stream_tokens(seq):
                     chunk = {
                         "id": rid,
                         "object": "chat.completion.chunk",
@@ -427,7 +367,7 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
                 self.close_connection = True
                 return
-            while seq.out.get() is not None:
+            for _ in engine.stream_tokens(seq):
                 pass
             self._json(
                 200,
@@ -439,7 +379,7 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
                     "choices": [
                         {
                             "index": 0,
-                            "message": {"role": "assistant", "content": "tok " * seq.max_tokens},
+                            "message": {"role": "assistant", "content": "tok " * seq.job.output_tokens},
                             "finish_reason": "length",
                         }
                     ],
