@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -64,6 +65,7 @@ class Brain:
         self.drained: set[str] = set()
         self.current: RoutingTable | None = None
         self.admin_queue = AdminQueue()
+        self._next_cycle = self._next_predict = self._next_control = -math.inf
         self._vectors = Counter("prism_brain_vectors", "Node vectors accepted", registry=self.metrics)
         self._published = Counter("prism_brain_tables_published", "Routing tables published", registry=self.metrics)
         Gauge("prism_brain_nodes", "Live nodes", registry=self.metrics).set_function(lambda: len(self.registry.nodes))
@@ -153,37 +155,47 @@ class Brain:
         poller.register(receiver.socket, zmq.POLLIN)
         poller.register(publisher.snapshot_socket, zmq.POLLIN)
         watchdog = watchdog_interval_s()
-        start = time.monotonic()
-        next_cycle = next_heartbeat = next_watchdog = next_predict = start
-        next_control = start + cfg.control_period_s
+        next_heartbeat = next_watchdog = time.monotonic()
         while not stop.is_set():
-            wait = max(0.0, min(next_cycle, next_heartbeat) - time.monotonic())
+            wait = max(0.0, min(self._next_cycle, next_heartbeat) - time.monotonic())
             poller.poll(timeout=wait * 1000)
             now = time.monotonic()
             self.ingest(receiver.drain(), now)
             publisher.serve_snapshots()
             self.admin_queue.apply_pending()
-            if now >= next_predict:
-                next_predict = now + cfg.predict_period_s
-                self.predict()
-            if now >= next_control:
-                next_control = now + cfg.control_period_s
-                self.observe_window()
-                self.control.step(time.time(), self.registry.nodes, self.experiments.snapshot())
-            if now >= next_cycle:
-                next_cycle = now + cfg.cycle_s
-                table = self.cycle(now)
-                if table is not None:
-                    publisher.publish(table)
-                    self.current = table
-                    self._published.inc()
-                    next_heartbeat = now + cfg.heartbeat_s
+            table = self.tick(now, time.time())
+            if table is not None:
+                publisher.publish(table)
+                self._published.inc()
+                next_heartbeat = now + cfg.heartbeat_s
             if now >= next_heartbeat:
                 next_heartbeat = now + cfg.heartbeat_s
                 publisher.heartbeat()
             if watchdog is not None and now >= next_watchdog:
                 next_watchdog = now + watchdog
                 sd_notify("WATCHDOG=1")
+
+    def tick(self, now: float, wall_s: float) -> RoutingTable | None:
+        """The periodic work due at monotonic `now`: predict, control, and build the next table (returned when
+        routing changed). The service loop calls it with real time, a cluster replay with simulated time."""
+        cfg = self.config
+        if self._next_cycle == -math.inf:
+            self._next_cycle = self._next_predict = now
+            self._next_control = now + cfg.control_period_s
+        if now >= self._next_predict:
+            self._next_predict = now + cfg.predict_period_s
+            self.predict()
+        if now >= self._next_control:
+            self._next_control = now + cfg.control_period_s
+            self.observe_window()
+            self.control.step(wall_s, self.registry.nodes, self.experiments.snapshot())
+        if now < self._next_cycle:
+            return None
+        self._next_cycle = now + cfg.cycle_s
+        table = self.cycle(now)
+        if table is not None:
+            self.current = table
+        return table
 
     def ingest(self, vectors: list[NodeVector], now: float) -> None:
         """Registry and history for every accepted vector."""

@@ -152,6 +152,8 @@ class RunResult:
     cross_numa_share: float
     """Share of requests sent from a gateway to a node on the other NUMA node."""
     killed_node: str | None
+    killed_at_s: float | None
+    """Simulated second of the kill (None: no kill)."""
     recovery_s: float | None
     """Seconds from the kill until the policy stopped sending requests to the dead node (None: no kill)."""
     timeline: Sequence[tuple[float, float]]

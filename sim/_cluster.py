@@ -1,0 +1,367 @@
+"""Cluster replay: a discrete-event simulation of engines (`EngineModel`) under a routing policy, in simulated time.
+
+Per request of a workload, at its arrival: the policy chooses a node; a dead node refuses the connection (the
+attempt fails at once and the caller tries again with that node excluded, up to `MAX_ATTEMPTS`); a live one
+queues it. Each node's engine model runs in simulated time; its first tokens and ends go back to the policy.
+Each live node's agent sends a node vector every `vector_period_s` (what `prism agent` would: engine gauges,
+KV hit ratio, arrival rate, TTFT quantiles per slice over the last `LATENCY_WINDOW_S`); the policy's `tick`
+runs every `tick_s`. A node killed mid-run loses its requests in flight (each tried again elsewhere) and stops
+answering and reporting.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from prismlb.brain import TAU0_MS
+from prismlb.wire import ENGINE_LATENCY_KEY, ModalityLatency, NodeMetrics, NodeVector, Slice, parse_signature
+
+from ._model import PROFILES, EngineModel, Event, GpuClass, Job
+from ._types import EngineStats, Outcome, Policy, RunResult, SimNode, SimRequest, SliceStats, Workload
+
+MAX_ATTEMPTS = 4
+LATENCY_WINDOW_S = 5.0
+TIMELINE_WINDOW_S = 10.0
+CONNECT_REFUSED_S = 0.001
+"""A refused connect costs the caller a loopback round trip before it tries the next node."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    name: str
+    gpu_class: GpuClass
+    numa_node: int = 0
+    labels: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Kill:
+    node: str
+    at_fraction: float = 0.5
+    """When, as a share of the workload's arrival span."""
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q` quantile by nearest rank (NaN for no values)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+class _Node:
+    """One engine, its agent's window and what the replay measures on it."""
+
+    def __init__(self, spec: NodeSpec, block_tokens: int, index: int) -> None:
+        self.spec = spec
+        self.info = SimNode(spec.name, f"http://10.0.{index // 250}.{index % 250 + 1}:8000", spec.gpu_class, spec.numa_node)
+        self.model = EngineModel(PROFILES[spec.gpu_class], block_tokens)
+        self.alive = True
+        self.wake_at = math.inf
+        self.seq = 0
+        self.arrivals = 0
+        self.window_queries = self.window_hits = 0
+        self.first_tokens: deque[tuple[float, str, float]] = deque()  # (time, slice, ttft s) for the agent
+        self.busy_area = 0.0  # ∫ requests in flight dt, for load max/mean
+        self.inflight = 0
+        self.last_change = 0.0
+        self.jobs: set[Job] = set()
+
+    def account(self, now: float, delta: int) -> None:
+        self.busy_area += self.inflight * (now - self.last_change)
+        self.last_change = now
+        self.inflight += delta
+
+    def stats(self) -> EngineStats:
+        m = self.model
+        return EngineStats(m.running, len(m.waiting), m.kv_usage, m.prefix_queries_tokens, m.prefix_hits_tokens)
+
+    def vector(self, now: float, period_s: float) -> NodeVector:
+        """What this node's agent would send now."""
+        while self.first_tokens and self.first_tokens[0][0] < now - LATENCY_WINDOW_S:
+            self.first_tokens.popleft()
+        by_slice: dict[str, list[float]] = {}
+        for _, slice_name, ttft in self.first_tokens:
+            by_slice.setdefault(slice_name, []).append(ttft * 1000)
+            by_slice.setdefault(ENGINE_LATENCY_KEY, []).append(ttft * 1000)
+        latency = {
+            key: ModalityLatency(
+                requests=len(v), ttft_p50_ms=percentile(v, 0.5), ttft_p95_ms=percentile(v, 0.95), ttft_p99_ms=percentile(v, 0.99)
+            )
+            for key, v in by_slice.items()
+        }
+        m = self.model
+        queries = m.prefix_queries_tokens - self.window_queries
+        hits = m.prefix_hits_tokens - self.window_hits
+        self.window_queries, self.window_hits = m.prefix_queries_tokens, m.prefix_hits_tokens
+        metrics = NodeMetrics(
+            cpu_util_ratio=0.05,
+            gpu_util_ratio=1.0 if m.running else 0.0,
+            kv_cache_usage_ratio=min(1.0, m.kv_usage),
+            kv_cache_miss_ratio=1.0 - hits / queries if queries else None,
+            requests_running=m.running,
+            requests_waiting=len(m.waiting),
+            requests_per_s=self.arrivals / period_s,
+        )
+        self.arrivals = 0
+        self.seq += 1
+        labels = {"gpu": self.spec.gpu_class, **(self.spec.labels or {})}
+        return NodeVector(
+            node_id=self.spec.name,
+            host=self.spec.name,
+            endpoint=self.info.address,
+            labels=labels,
+            seq=self.seq,
+            sample_time_unix_s=now,
+            period_s=period_s,
+            metrics=metrics,
+            latency=latency,
+        )
+
+
+class _View:
+    """The `ClusterView` policies read."""
+
+    def __init__(self, nodes: Mapping[str, _Node]) -> None:
+        self._nodes = nodes
+        self.nodes = [n.info for n in nodes.values()]
+        self.pending: list[NodeVector] = []
+
+    def stats(self, name: str) -> EngineStats | None:
+        node = self._nodes.get(name)
+        return node.stats() if node is not None and node.alive else None
+
+    def vectors(self) -> list[NodeVector]:
+        out, self.pending = self.pending, []
+        return out
+
+
+@dataclass(slots=True)
+class _Attempt:
+    request: SimRequest
+    node: str
+    slice_name: str
+    first_token_s: float | None = None
+
+
+class Simulation:
+    """One replay of `workload` on `nodes` under `policy`; `run()` returns its RunResult."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        policy: Policy,
+        nodes: Sequence[NodeSpec],
+        *,
+        utilisation: float,
+        seed: int,
+        kill: Kill | None = None,
+        vector_period_s: float = 1.0,
+        gateways_numa: Sequence[int] = (0, 1),
+    ) -> None:
+        if not nodes:
+            raise ValueError("a cluster needs at least one node")
+        if not workload.requests:
+            raise ValueError(f"workload {workload.name!r} has no requests")
+        self.workload = workload
+        self.policy = policy
+        self.utilisation = utilisation
+        self.seed = seed
+        self.kill = kill
+        self.vector_period_s = vector_period_s
+        self.gateways_numa = tuple(gateways_numa)
+        self.nodes = {spec.name: _Node(spec, workload.block_tokens, i) for i, spec in enumerate(nodes)}
+        if kill is not None and kill.node not in self.nodes:
+            raise ValueError(f"cannot kill {kill.node!r}: not a node of the cluster")
+        self.view = _View(self.nodes)
+        self._heap: list[tuple[float, int, str, object]] = []
+        self._order = itertools.count()
+        self.ttft: list[tuple[str, float, float]] = []  # (slice, first token time, ttft s)
+        self.failed_attempts = 0
+        self.lost = 0
+        self.cross_numa = 0
+        self.dispatched = 0
+        self.killed_at: float | None = None
+        self.last_sent_to_dead: float | None = None
+
+    def _push(self, t: float, kind: str, payload: object = None) -> None:
+        heapq.heappush(self._heap, (t, next(self._order), kind, payload))
+
+    def run(self) -> RunResult:
+        started = time.perf_counter()
+        requests = self.workload.requests
+        span = requests[-1].arrival_s
+        self._vectors(0.0, None)  # the agents are up before the first request
+        self.policy.start(self.view, 0.0)
+        for request in requests:
+            self._push(request.arrival_s, "arrive", (request, frozenset(), 0))
+        self._push(0.0, "tick")
+        if self.kill is not None:
+            self._push(self.kill.at_fraction * span, "kill", self.kill.node)
+        remaining = len(requests)
+        handlers = {
+            "arrive": self._arrive,
+            "wake": self._wake,
+            "tick": self._tick,
+            "vectors": self._vectors,
+            "kill": self._kill,
+        }
+        now = 0.0
+        while self._heap and remaining:
+            now, _, kind, payload = heapq.heappop(self._heap)
+            remaining -= handlers[kind](now, payload)
+        for node in self.nodes.values():
+            node.account(now, 0)
+        self.policy.close()
+        return self._result(now, time.perf_counter() - started)
+
+    # --- events -------------------------------------------------------------------------------------------
+
+    def _arrive(self, now: float, payload: object) -> int:
+        request, exclude, attempts = payload  # type: ignore[misc]
+        name = self.policy.choose(request, now, exclude)
+        node = self.nodes[name]
+        self.policy.dispatched(name, request, now)
+        if not node.alive:
+            self.failed_attempts += 1
+            self.last_sent_to_dead = now
+            self.policy.finished(name, request, now, Outcome.CONNECT_ERROR)
+            return self._retry(now + CONNECT_REFUSED_S, request, exclude | {name}, attempts + 1)
+        self.dispatched += 1
+        if node.info.numa_node != self.gateways_numa[request.id % len(self.gateways_numa)]:
+            self.cross_numa += 1
+        profile = node.model.profile
+        job = Job(request.blocks, request.input_tokens, max(1, request.output_tokens), profile.media_s(request.media), now)
+        job.tag = _Attempt(request, name, parse_signature(request.signature)[0].value)
+        if not node.model.fits(job):
+            job.output_tokens = 1  # an engine truncates what cannot fit; the prompt itself always fits here
+        node.arrivals += 1
+        node.account(now, +1)
+        node.jobs.add(job)
+        self._apply(node, now, node.model.advance(now) + node.model.submit(job, now))
+        return 0
+
+    def _retry(self, now: float, request: SimRequest, exclude: frozenset[str], attempts: int) -> int:
+        if attempts >= MAX_ATTEMPTS or len(exclude) >= len(self.nodes):
+            self.lost += 1
+            return 1
+        self._push(now, "arrive", (request, exclude, attempts))
+        return 0
+
+    def _wake(self, now: float, payload: object) -> int:
+        node = self.nodes[payload]  # type: ignore[index]
+        if not node.alive or now < node.wake_at:
+            return 0
+        node.wake_at = math.inf
+        return self._apply(node, now, node.model.advance(now))
+
+    def _apply(self, node: _Node, now: float, events: list[Event]) -> int:
+        """Tell the policy about the node's first tokens and ends; schedule its next wake-up."""
+        done = 0
+        for kind, job, t in events:
+            attempt = job.tag
+            assert isinstance(attempt, _Attempt)
+            if kind == "first_token":
+                attempt.first_token_s = t
+                ttft = t - attempt.request.arrival_s
+                self.ttft.append((attempt.slice_name, t, ttft))
+                node.first_tokens.append((t, attempt.slice_name, ttft))
+                self.policy.first_token(node.spec.name, attempt.request, t)
+            elif kind == "finished":
+                node.jobs.discard(job)
+                node.account(t, -1)
+                self.policy.finished(node.spec.name, attempt.request, t, Outcome.OK)
+                done += 1
+        node.model.stored.clear()
+        node.model.removed.clear()
+        due = node.model.next_event_s()
+        if due < node.wake_at:
+            node.wake_at = due
+            self._push(due, "wake", node.spec.name)
+        return done
+
+    def _tick(self, now: float, _: object) -> int:
+        self.policy.tick(self.view, now)
+        self._push(now + self.policy.tick_s, "tick")
+        return 0
+
+    def _vectors(self, now: float, _: object) -> int:
+        done = 0
+        for node in self.nodes.values():
+            if node.alive:
+                done += self._apply(node, now, node.model.advance(now))
+                self.view.pending.append(node.vector(now, self.vector_period_s))
+        self._push(now + self.vector_period_s, "vectors")
+        return done
+
+    def _kill(self, now: float, name: object) -> int:
+        node = self.nodes[name]  # type: ignore[index]
+        lost = self._apply(node, now, node.model.advance(now))
+        node.alive = False
+        self.killed_at = now
+        for job in sorted(node.jobs, key=lambda j: j.tag.request.id):  # type: ignore[union-attr]
+            attempt = job.tag
+            assert isinstance(attempt, _Attempt)
+            node.account(now, -1)
+            self.failed_attempts += 1
+            self.policy.finished(node.spec.name, attempt.request, now, Outcome.CONNECT_ERROR)
+            if attempt.first_token_s is None:
+                lost += self._retry(now, attempt.request, frozenset({node.spec.name}), 1)
+            else:
+                lost += 1  # the stream broke after its first token: the caller sees an error (no TTFT to redo)
+                self.lost += 1
+        node.jobs.clear()
+        return lost
+
+    # --- result -------------------------------------------------------------------------------------------
+
+    def _result(self, end: float, wall_s: float) -> RunResult:
+        slices: dict[str, SliceStats] = {}
+        groups: dict[str, list[float]] = {"all": [t for _, _, t in self.ttft]}
+        for slice_name, _, t in self.ttft:
+            groups.setdefault(slice_name, []).append(t)
+        for name, values in groups.items():
+            ms = [v * 1000 for v in values]
+            if name == "all":
+                within = sum(t * 1000 <= TAU0_MS[Slice(s)] for s, _, t in self.ttft)
+            else:
+                within = sum(v <= TAU0_MS[Slice(name)] for v in ms)
+            slices[name] = SliceStats(len(ms), percentile(ms, 0.5), percentile(ms, 0.99), within / len(ms) if ms else math.nan)
+        queries = sum(n.model.prefix_queries_tokens for n in self.nodes.values())
+        hits = sum(n.model.prefix_hits_tokens for n in self.nodes.values())
+        areas = [n.busy_area for n in self.nodes.values()]
+        mean_area = sum(areas) / len(areas)
+        timeline: list[tuple[float, float]] = []
+        windows: dict[int, list[float]] = {}
+        for _, t, ttft in self.ttft:
+            windows.setdefault(int(t // TIMELINE_WINDOW_S), []).append(ttft * 1000)
+        for k in sorted(windows):
+            timeline.append(((k + 0.5) * TIMELINE_WINDOW_S, percentile(windows[k], 0.99)))
+        recovery = None
+        if self.killed_at is not None:
+            recovery = 0.0 if self.last_sent_to_dead is None else self.last_sent_to_dead - self.killed_at
+        return RunResult(
+            trace=self.workload.name,
+            policy=self.policy.name,
+            utilisation=self.utilisation,
+            seed=self.seed,
+            requests=len(self.workload.requests),
+            completed=len(self.workload.requests) - self.lost,
+            failed_attempts=self.failed_attempts,
+            slices=slices,
+            kv_hit_rate=hits / queries if queries else 0.0,
+            kv_hit_bound=math.nan,
+            load_max_over_mean=max(areas) / mean_area if mean_area else math.nan,
+            cross_numa_share=self.cross_numa / self.dispatched if self.dispatched else math.nan,
+            killed_node=self.kill.node if self.kill is not None else None,
+            killed_at_s=self.killed_at,
+            recovery_s=recovery,
+            timeline=timeline,
+            wall_s=wall_s,
+        )

@@ -1,0 +1,196 @@
+"""`prism eval`: every policy on every trace at named utilisation levels, plus a node kill per trace.
+
+Clusters (docs/sim.md): text traces run on eight A100-class nodes (the article's LLM pool); the multimodal mix
+runs on the article's mixed fleet: A100s for text, H100s (NVLink, HBM3) for images, L40S (AV1, CUDA Graphs)
+for audio and video. Load is scaled so the offered prefill work (prompt tokens without any cache reuse,
+plus media encoders) is the named share of the cluster's prefill capacity. The kill runs take the 80% load
+and kill one node half-way through the trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from ._cluster import Kill, NodeSpec, Simulation
+from ._model import PROFILES
+from ._types import Policy, RunResult, Workload
+from ._workload import LEVELS, WORKLOADS, infinite_cache_hit_rate, load, scale_to_utilisation
+
+PRISM = "prism"
+KILL_LEVEL = 0.8
+
+TEXT_CLUSTER = tuple(NodeSpec(f"a100-{i}", "a100", i % 2) for i in range(8))
+MM_CLUSTER = (
+    *(NodeSpec(f"a100-{i}", "a100", i % 2) for i in range(2)),
+    *(NodeSpec(f"h100-{i}", "h100", i % 2, {"nvlink": "yes"}) for i in range(4)),
+    *(NodeSpec(f"l40s-{i}", "l40s", i % 2, {"cuda_graphs": "yes"}) for i in range(2)),
+)
+
+
+def cluster_for(trace: str) -> tuple[NodeSpec, ...]:
+    return MM_CLUSTER if trace == "mm" else TEXT_CLUSTER
+
+
+def capacity(nodes: Sequence[NodeSpec]) -> tuple[float, dict[str, float]]:
+    """(prefill tokens/s, encoder cluster-seconds per media part) of a cluster: what scaling divides by."""
+    profiles = [PROFILES[n.gpu_class] for n in nodes]
+    tokens = sum(p.prefill_tokens_per_s for p in profiles)
+    media = {m: sum(p.encoder_s[m] for p in profiles) / len(profiles) ** 2 for m in ("image", "audio", "video")}
+    return tokens, media
+
+
+def policy_factories(block_tokens: int) -> dict[str, Callable[[], Policy]]:
+    """Prism first, then the baselines, by name."""
+    from ._prism import PrismPolicy
+    from .policies import BASELINES
+
+    return {PRISM: lambda: PrismPolicy(block_tokens=block_tokens), **BASELINES}
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    trace: str
+    policy: str
+    utilisation: float
+    seed: int
+    limit: int | None
+    kill: bool = False
+
+
+@lru_cache(maxsize=8)
+def _workload(trace: str, seed: int, limit: int | None) -> tuple[Workload, float]:
+    workload = load(trace, seed=seed, limit=limit)
+    return workload, infinite_cache_hit_rate(workload)
+
+
+def run_case(case: Case) -> RunResult:
+    """One replay; the same case gives the same result."""
+    import torch
+
+    torch.set_num_threads(1)
+    logging.getLogger("prism").setLevel(logging.ERROR)
+    workload, bound = _workload(case.trace, case.seed, case.limit)
+    nodes = cluster_for(case.trace)
+    tokens, media = capacity(nodes)
+    scaled = scale_to_utilisation(workload, case.utilisation, tokens, encoder_s_per_media=media)
+    policy = policy_factories(workload.block_tokens)[case.policy]()
+    kill = Kill(nodes[len(nodes) // 2 - 1].name) if case.kill else None
+    result = Simulation(scaled, policy, nodes, utilisation=case.utilisation, seed=case.seed, kill=kill).run()
+    return dataclasses.replace(result, kv_hit_bound=bound)
+
+
+def cases(
+    traces: Sequence[str], policies: Sequence[str], levels: Sequence[float], *, seed: int, limit: int | None, kill: bool
+) -> list[Case]:
+    out = [Case(t, p, u, seed, limit) for t in traces for u in levels for p in policies]
+    if kill:
+        out += [Case(t, p, KILL_LEVEL, seed, limit, kill=True) for t in traces for p in policies]
+    return out
+
+
+def run_all(todo: Sequence[Case], jobs: int = 1, progress: Callable[[RunResult], None] | None = None) -> list[RunResult]:
+    """Every case, in `jobs` processes; results in the order of `todo`."""
+    if jobs <= 1:
+        results = []
+        for case in todo:
+            results.append(run_case(case))
+            if progress is not None:
+                progress(results[-1])
+        return results
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        results = []
+        for result in pool.imap(run_case, todo):
+            results.append(result)
+            if progress is not None:
+                progress(result)
+        return results
+
+
+def _levels(text: str) -> list[float]:
+    levels = []
+    for part in text.split(","):
+        name = part.strip()
+        value = LEVELS.get(name) if name in LEVELS else float(name.rstrip("%")) / (100 if name.endswith("%") else 1)
+        if value is None or not 0 < value <= 2:
+            raise argparse.ArgumentTypeError(f"utilisation {name!r} is not a level ({', '.join(LEVELS)}) or in (0, 2]")
+        levels.append(value)
+    return levels
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="replay traces against Prism and the baselines in a cluster simulation",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("--traces", default=",".join(WORKLOADS), help="comma-separated (default: all)")
+    parser.add_argument("--policies", default=None, help="comma-separated (default: prism and every baseline)")
+    parser.add_argument("--levels", type=_levels, default=list(LEVELS.values()), help="e.g. 50%%,80%%,95%%")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--limit", type=int, default=None, help="requests per trace (default: the whole trace; mm: 6000)")
+    parser.add_argument("--no-kill", action="store_true", help="skip the node-kill runs")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--out", type=Path, default=Path("docs/results"), help="where the report goes")
+    parser.add_argument("--no-report", action="store_true", help="print the tables only")
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ._report import format_table, write_report
+
+    traces = [t.strip() for t in args.traces.split(",") if t.strip()]
+    unknown = sorted(set(traces) - set(WORKLOADS))
+    if unknown:
+        raise SystemExit(f"prism eval: unknown traces {unknown}; known: {', '.join(WORKLOADS)}")
+    known = list(policy_factories(1))
+    policies = known if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
+    if set(policies) - set(known):
+        raise SystemExit(f"prism eval: unknown policies {sorted(set(policies) - set(known))}; known: {', '.join(known)}")
+    todo = cases(traces, policies, args.levels, seed=args.seed, limit=args.limit, kill=not args.no_kill)
+    started = time.monotonic()
+
+    def progress(r: RunResult) -> None:
+        p99 = r.slices["all"].ttft_p99_ms
+        kill = f", {r.killed_node} killed" if r.killed_node else ""
+        print(
+            f"[{time.monotonic() - started:6.1f} s] {r.trace} {r.utilisation:.0%}{kill} {r.policy}: "
+            f"TTFT p99 {p99:.0f} ms, KV hit {r.kv_hit_rate:.1%} ({r.wall_s:.1f} s)",
+            flush=True,
+        )
+
+    results = run_all(todo, args.jobs, progress)
+    print()
+    print(format_table(results))
+    if not args.no_report:
+        command = "prism eval " + " ".join(_argv_echo(args))
+        paths = write_report(results, args.out, command=command)
+        print(f"report: {', '.join(str(p) for p in paths if p.suffix == '.md')}")
+    print(f"{len(results)} runs in {time.monotonic() - started:.0f} s")
+    return 0
+
+
+def _argv_echo(args: argparse.Namespace) -> list[str]:
+    """The options that differ from the defaults, as they would be typed."""
+    out = []
+    if args.traces != ",".join(WORKLOADS):
+        out.append(f"--traces {args.traces}")
+    if args.policies is not None:
+        out.append(f"--policies {args.policies}")
+    if args.levels != list(LEVELS.values()):
+        out.append("--levels " + ",".join(f"{v:.0%}" for v in args.levels))
+    if args.seed != 1:
+        out.append(f"--seed {args.seed}")
+    if args.limit is not None:
+        out.append(f"--limit {args.limit}")
+    if args.no_kill:
+        out.append("--no-kill")
+    return out

@@ -1,0 +1,112 @@
+"""Prism under replay: the real `Brain` fed with the agents' node vectors, and real `Router`s on its tables.
+
+Nothing of the policy lives here: the brain's `tick` (predict, control, table build) runs every `cycle_s` of
+simulated time after ingesting the vectors the simulated agents sent; each new table goes to every gateway's
+router (`Router.apply`, as its subscriber would deliver it); requests take `Router.request` leases, which
+count them in flight and report first tokens and failures to the router's health and circuit breakers. The
+predictor trains `train_steps` optimiser steps every `train_interval_s` (a step count, not a CPU budget, so
+runs are deterministic). All of it runs on the simulation's clock.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from prismlb.brain import BrainConfig
+from prismlb.router import Lease, Outcome, Request, Router, Settings
+
+from ._types import ClusterView, Outcome as SimOutcome, Policy, SimRequest
+
+KEY_BLOCKS_TOKENS = 1024
+"""The prefix key covers the prompt's first 1,024 tokens (the router's `PREFIX_TOKENS`)."""
+
+
+def affinity_key(request: SimRequest, block_tokens: int) -> int:
+    """The chained id of the last prefix block within the key's window, as `prefix_key` computes it from
+    token ids; a request without blocks gets its own id (no affinity)."""
+    if not request.blocks:
+        return request.id
+    depth = max(1, KEY_BLOCKS_TOKENS // block_tokens)
+    return request.blocks[min(depth, len(request.blocks)) - 1]
+
+
+class PrismPolicy(Policy):
+    """The brain and `gateways` routers, on simulated time."""
+
+    name = "prism"
+
+    def __init__(
+        self,
+        *,
+        block_tokens: int,
+        gateways: int = 1,
+        settings: Settings | None = None,
+        train_interval_s: float = 30.0,
+        train_steps: int = 4,
+    ) -> None:
+        from prismlb.brain import Brain
+
+        self.config = BrainConfig(admin_port=0, stale_periods=3.0)
+        self.tick_s = self.config.cycle_s
+        logging.getLogger("prism").setLevel(logging.WARNING)
+        torch.manual_seed(0)
+        self.brain = Brain(self.config)
+        self.now = 0.0
+        self.routers = [Router(settings=settings, clock=self._clock) for _ in range(gateways)]
+        self.block_tokens = block_tokens
+        self.train_interval_s = train_interval_s
+        self.train_steps = train_steps
+        self._next_train = train_interval_s
+        self._leases: dict[int, Lease] = {}
+
+    def _clock(self) -> float:
+        return self.now
+
+    def tick(self, view: ClusterView, now: float) -> None:
+        self.now = now
+        self.brain.ingest(list(view.vectors()), now)
+        if now >= self._next_train:
+            self._next_train = now + self.train_interval_s
+            self.brain.predictor.train_step(float("inf"), max_steps=self.train_steps)
+        table = self.brain.tick(now, now)
+        if table is not None:
+            for router in self.routers:
+                router.apply(table)
+
+    def start(self, view: ClusterView, now: float) -> None:
+        self.tick(view, now)
+
+    def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
+        self.now = now
+        router = self.routers[request.id % len(self.routers)]
+        placed = Request(key=affinity_key(request, self.block_tokens), modality=request.signature, session=request.session)
+        lease = router.request(placed, exclude=exclude)
+        self._leases[request.id] = lease
+        return lease.node_id
+
+    def dispatched(self, node: str, request: SimRequest, now: float) -> None:
+        self.now = now
+        self._leases[request.id].begin()
+
+    def first_token(self, node: str, request: SimRequest, now: float) -> None:
+        self.now = now
+        lease = self._leases.get(request.id)
+        if lease is not None:
+            lease.first_token()
+
+    def finished(self, node: str, request: SimRequest, now: float, outcome: SimOutcome) -> None:
+        self.now = now
+        lease = self._leases.pop(request.id, None)
+        if lease is None:
+            return
+        if outcome is SimOutcome.CONNECT_ERROR:
+            lease.fail(Outcome.CONNECT)
+        lease.end()
+
+    def close(self) -> None:
+        for router in self.routers:
+            router.close()
+        self.brain.control.guardian.close()
+        self.brain.history.close()

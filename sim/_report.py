@@ -1,0 +1,333 @@
+"""The cluster replay's results (`prism eval`) as Markdown tables, a README headline and PNG plots.
+
+One table per trace and utilisation level (kill runs get their own): rows are policies, Prism first, then the
+baselines in the order they came. "p99 vs best baseline" is a run's overall TTFT P99 over the lowest P99 of
+the non-Prism policies in the same table. Milliseconds have no decimals from 100 up and one below; percentages
+one decimal. Plots use Matplotlib's Agg canvas with a fixed size, resolution and hash salt and no software
+tag, so the same results give the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import LogFormatter
+
+from prismlb.wire import Slice
+
+from ._types import RunResult
+
+PRISM = "prism"
+HEADLINE_UTILISATION = 0.8
+MISSING = "–"
+_SLICE_ORDER = [s.value for s in Slice]
+_FIGSIZE = (7.0, 4.0)
+_DPI = 100
+_RC = {"svg.hashsalt": "prism-report", "savefig.dpi": _DPI}
+
+_GroupKey = tuple[str, float, str | None]
+"""Trace, utilisation, killed node (None: no kill)."""
+
+
+def format_ms(value: float) -> str:
+    """Milliseconds: no decimals from 100 up, one below; MISSING when not a number."""
+    if not math.isfinite(value):
+        return MISSING
+    return f"{value:.0f}" if round(value, 1) >= 100 else f"{value:.1f}"
+
+
+def format_pct(share: float) -> str:
+    """A share in [0, 1] as a percentage with one decimal."""
+    return f"{100 * share:.1f}" if math.isfinite(share) else MISSING
+
+
+def _p99(run: RunResult, slice_: str = "all") -> float:
+    stats = run.slices.get(slice_)
+    return math.nan if stats is None else stats.ttft_p99_ms
+
+
+def _best_baseline(runs: Iterable[RunResult]) -> RunResult | None:
+    """The non-Prism run with the lowest overall TTFT P99 (the first of equals); None when there is none."""
+    baselines = [r for r in runs if r.policy != PRISM and math.isfinite(_p99(r))]
+    return min(baselines, key=_p99, default=None)
+
+
+def _ratio(value: float, best: RunResult | None) -> str:
+    reference = math.nan if best is None else _p99(best)
+    if not (math.isfinite(value) and math.isfinite(reference)) or reference <= 0:
+        return MISSING
+    return f"{value / reference:.2f}×"
+
+
+def _ordered(items: Iterable[str]) -> list[str]:
+    """Distinct items in order of first appearance."""
+    return list(dict.fromkeys(items))
+
+
+def _policies(runs: Sequence[RunResult]) -> list[str]:
+    """Prism first, then the other policies in the order they came."""
+    names = _ordered(r.policy for r in runs)
+    return sorted(names, key=lambda name: name != PRISM)
+
+
+def _groups(runs: Sequence[RunResult]) -> dict[_GroupKey, list[RunResult]]:
+    """Runs by table: traces as they came, plain runs by utilisation, then kill runs; rows in policy order."""
+    traces = _ordered(r.trace for r in runs)
+    rank = {name: i for i, name in enumerate(_policies(runs))}
+    groups: dict[_GroupKey, list[RunResult]] = {}
+    for run in sorted(runs, key=lambda r: (rank[r.policy], r.seed)):
+        groups.setdefault((run.trace, run.utilisation, run.killed_node), []).append(run)
+    order = sorted(groups, key=lambda k: (traces.index(k[0]), k[2] is not None, k[1], k[2] or ""))
+    return {key: groups[key] for key in order}
+
+
+def _slices_present(runs: Sequence[RunResult]) -> list[str]:
+    """Slices other than "all" that any run reports: the wire's order, then unknown names sorted."""
+    names = {name for r in runs for name in r.slices if name != "all"}
+    return sorted(names, key=lambda n: (_SLICE_ORDER.index(n) if n in _SLICE_ORDER else len(_SLICE_ORDER), n))
+
+
+def _md_table(header: Sequence[str], rows: Iterable[Sequence[str]], text_columns: Collection[int] = (0,)) -> str:
+    """A Markdown table: `text_columns` left-aligned, the others (numbers) right-aligned."""
+    lines = [header, [":---" if i in text_columns else "---:" for i in range(len(header))], *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def _heading(key: _GroupKey) -> str:
+    trace, utilisation, killed = key
+    kill = f" · {killed} killed" if killed is not None else ""
+    return f"## {trace} · {100 * utilisation:.0f}% utilisation{kill}"
+
+
+def _row(run: RunResult, slices: Sequence[str], best: RunResult | None, kill: bool) -> list[str]:
+    overall = run.slices.get("all")
+    recovery = [MISSING if run.recovery_s is None else f"{run.recovery_s:.1f}"] if kill else []
+    return [
+        run.policy,
+        format_ms(math.nan if overall is None else overall.ttft_p50_ms),
+        format_ms(_p99(run)),
+        _ratio(_p99(run), best),
+        *(format_ms(_p99(run, s)) for s in slices),
+        format_pct(math.nan if overall is None else overall.slo_attainment),
+        format_pct(run.kv_hit_rate),
+        format_pct(run.kv_hit_bound),
+        f"{run.load_max_over_mean:.2f}",
+        format_pct(run.cross_numa_share),
+        str(run.failed_attempts),
+        *recovery,
+    ]
+
+
+def _table(key: _GroupKey, runs: Sequence[RunResult]) -> str:
+    """One table's heading, its best baseline and the table."""
+    kill = key[2] is not None
+    slices = _slices_present(runs)
+    best = _best_baseline(runs)
+    header = [
+        "policy",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "p99 vs best baseline",
+        *(f"p99 {s} ms" for s in slices),
+        "SLO %",
+        "KV hit %",
+        "KV bound %",
+        "load max/mean",
+        "cross-NUMA %",
+        "failed attempts",
+        *(["recovery s"] if kill else []),
+    ]
+    note = MISSING if best is None else f"{best.policy} (TTFT p99 {format_ms(_p99(best))} ms)"
+    rows = (_row(r, slices, best, kill) for r in runs)
+    return f"{_heading(key)}\n\nBest baseline: {note}.\n\n{_md_table(header, rows)}"
+
+
+def format_table(results: Sequence[RunResult], *, trace: str | None = None) -> str:
+    """Markdown tables, one per (trace, utilisation) and per kill run set; only `trace`'s when given."""
+    runs = [r for r in results if trace is None or r.trace == trace]
+    return "\n\n".join(_table(key, group) for key, group in _groups(runs).items())
+
+
+def _headline_row(runs: Sequence[RunResult]) -> list[str] | None:
+    prism = next((r for r in runs if r.policy == PRISM), None)
+    best = _best_baseline(runs)
+    if prism is None or best is None:
+        return None
+    return [
+        prism.trace,
+        format_ms(_p99(prism)),
+        best.policy,
+        format_ms(_p99(best)),
+        _ratio(_p99(prism), best),
+        format_pct(prism.kv_hit_rate),
+        format_pct(best.kv_hit_rate),
+    ]
+
+
+def headline(results: Sequence[RunResult]) -> str:
+    """A compact Markdown table: per trace at 80% utilisation, Prism's TTFT P99 and KV hits vs the best baseline."""
+    header = [
+        f"trace ({100 * HEADLINE_UTILISATION:.0f}% util.)",
+        "Prism p99 ms",
+        "best baseline",
+        "baseline p99 ms",
+        "Prism / baseline p99",
+        "Prism KV hit %",
+        "baseline KV hit %",
+    ]
+    rows = []
+    for trace in _ordered(r.trace for r in results):
+        runs = [
+            r
+            for r in results
+            if r.trace == trace and r.killed_node is None and math.isclose(r.utilisation, HEADLINE_UTILISATION)
+        ]
+        row = _headline_row(runs)
+        if row is not None:
+            rows.append(row)
+    return _md_table(header, rows, text_columns=(0, 2))
+
+
+def _axes(title: str) -> tuple[Figure, Axes]:
+    """A figure on Agg's canvas, with fixed size and resolution, and its one axes."""
+    figure = Figure(figsize=_FIGSIZE, dpi=_DPI)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    axes.set_title(title)
+    return figure, axes
+
+
+def _log_y(axes: Axes) -> None:
+    """A log y axis labelled in plain numbers (100, 200, 1000), without mathtext."""
+    axes.set_yscale("log")
+    axes.yaxis.set_major_formatter(LogFormatter())
+    axes.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+
+
+def _save(figure: Figure, axes: Axes, path: Path) -> Path:
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, format="png", metadata={"Software": None})
+    return path
+
+
+def _p99_plot(trace: str, runs: Sequence[RunResult], colours: Mapping[str, str], path: Path) -> Path:
+    """TTFT P99 against utilisation, one line per policy, log y."""
+    figure, axes = _axes(f"{trace}: TTFT p99 vs utilisation")
+    for policy in colours:
+        points = sorted((r.utilisation, _p99(r)) for r in runs if r.policy == policy and math.isfinite(_p99(r)))
+        if points:
+            axes.plot(*zip(*points), marker="o", color=colours[policy], label=policy)
+    levels = sorted({r.utilisation for r in runs})
+    axes.set_xticks(levels, [f"{100 * u:.0f}%" for u in levels])
+    _log_y(axes)
+    axes.set_xlabel("utilisation")
+    axes.set_ylabel("TTFT p99 (ms)")
+    return _save(figure, axes, path)
+
+
+def _kv_plot(trace: str, runs: Sequence[RunResult], colours: Mapping[str, str], path: Path) -> Path:
+    """KV hit rate per policy at each utilisation level (bars), the infinite-cache bound as a line per level."""
+    figure, axes = _axes(f"{trace}: KV-cache hit rate")
+    levels = sorted({r.utilisation for r in runs})
+    width = 0.8 / len(colours)
+    for i, policy in enumerate(colours):
+        bars = [(levels.index(r.utilisation), r.kv_hit_rate) for r in runs if r.policy == policy]
+        axes.bar(
+            [x - 0.4 + (i + 0.5) * width for x, _ in bars],
+            [100 * hit for _, hit in bars],
+            width,
+            color=colours[policy],
+            label=policy,
+        )
+    bounds = [100 * max(r.kv_hit_bound for r in runs if r.utilisation == u) for u in levels]
+    xs = range(len(levels))
+    starts, ends = [x - 0.45 for x in xs], [x + 0.45 for x in xs]
+    axes.hlines(bounds, starts, ends, colors="black", linestyles="--", label="infinite-cache bound")
+    axes.set_xticks(list(xs), [f"{100 * u:.0f}%" for u in levels])
+    axes.set_ylim(0, 100)
+    axes.set_xlabel("utilisation")
+    axes.set_ylabel("KV hit (% of prompt tokens)")
+    return _save(figure, axes, path)
+
+
+def _kill_plot(
+    trace: str, runs: Sequence[RunResult], colours: Mapping[str, str], kill_at_s: float | None, path: Path
+) -> Path:
+    """TTFT P99 per window against simulated time, one line per policy, a vertical line at the kill."""
+    killed = _ordered(r.killed_node or "" for r in runs)
+    figure, axes = _axes(f"{trace}: TTFT p99 per window, {', '.join(killed)} killed")
+    for run in runs:
+        if run.timeline:
+            axes.plot(*zip(*run.timeline), color=colours[run.policy], label=run.policy)
+    if kill_at_s is not None:
+        axes.axvline(kill_at_s, color="black", linestyle=":", label="kill")
+    _log_y(axes)
+    axes.set_xlabel("simulated time (s)")
+    axes.set_ylabel("TTFT p99 (ms)")
+    return _save(figure, axes, path)
+
+
+def _plots(trace: str, runs: Sequence[RunResult], out_dir: Path) -> dict[str, Path]:
+    """The trace's PNG plots by caption: p99 and KV hits over the plain runs, the timeline over the kill runs."""
+    colours = {policy: f"C{i % 10}" for i, policy in enumerate(_policies(runs))}
+    plain = [r for r in runs if r.killed_node is None]
+    kills = [r for r in runs if r.killed_node is not None]
+    plots = {}
+    with matplotlib.rc_context(_RC):
+        if plain:
+            plots["TTFT p99 vs utilisation"] = _p99_plot(trace, plain, colours, out_dir / f"{trace}-p99.png")
+            plots["KV-cache hit rate"] = _kv_plot(trace, plain, colours, out_dir / f"{trace}-kv.png")
+        if kills:
+            path = out_dir / f"{trace}-kill.png"
+            plots["TTFT p99 around the kill"] = _kill_plot(trace, kills, colours, kills[0].killed_at_s, path)
+    return plots
+
+
+def _trace_page(
+    trace: str, results: Sequence[RunResult], command: str, note: str | None, plots: Mapping[str, Path]
+) -> str:
+    parts = [f"# Replay: {trace}", f"Command:\n\n```\n{command}\n```", format_table(results, trace=trace)]
+    if note:
+        parts.append(f"## Notes\n\n{note.strip()}")
+    if plots:
+        parts.append("## Plots\n\n" + "\n\n".join(f"![{caption}]({p.name})" for caption, p in plots.items()))
+    return "\n\n".join(parts) + "\n"
+
+
+def _summary_page(results: Sequence[RunResult], command: str) -> str:
+    index = "\n".join(f"- [{t}]({t}.md)" for t in _ordered(r.trace for r in results))
+    return (
+        f"# Replay summary\n\nCommand:\n\n```\n{command}\n```\n\n"
+        f"TTFT p99 and KV-cache hit rate at {100 * HEADLINE_UTILISATION:.0f}% utilisation, Prism against the "
+        f"baseline with the lowest p99 (ratio below 1: Prism is faster).\n\n{headline(results)}\n\n"
+        f"## Traces\n\n{index}\n"
+    )
+
+
+def write_report(
+    results: Sequence[RunResult],
+    out_dir: Path,
+    *,
+    command: str,
+    notes: Mapping[str, str] | None = None,
+) -> list[Path]:
+    """Write `<trace>.md` (with `notes[trace]`), its PNGs and `summary.md`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for trace in _ordered(r.trace for r in results):
+        runs = [r for r in results if r.trace == trace]
+        plots = _plots(trace, runs, out_dir)
+        page = out_dir / f"{trace}.md"
+        page.write_text(_trace_page(trace, runs, command, (notes or {}).get(trace), plots), encoding="utf-8")
+        written += [page, *plots.values()]
+    summary = out_dir / "summary.md"
+    summary.write_text(_summary_page(results, command), encoding="utf-8")
+    return [*written, summary]
