@@ -1,8 +1,8 @@
 """`prism eval`: every policy on every trace at named utilisation levels, plus a node kill per trace.
 
 Clusters (docs/sim.md): text traces run on eight A100-class nodes (the article's LLM pool); the multimodal mix
-runs on the article's mixed fleet: A100s for text, H100s (NVLink, HBM3) for images, L40S (AV1, CUDA Graphs)
-for audio and video. Load is scaled so the offered prefill work (prompt tokens without any cache reuse,
+runs on the article's pools sized to the mix's prefill work (images about 68%, audio and video about 32%):
+three H100s (NVLink, HBM3: the image pool) and five L40S (AV1, CUDA Graphs: the audio/video pool). Load is scaled so the offered prefill work (prompt tokens without any cache reuse,
 plus media encoders) is the named share of the cluster's prefill capacity. The kill runs take the 80% load
 and kill one node half-way through the trace.
 """
@@ -30,9 +30,8 @@ KILL_LEVEL = 0.8
 
 TEXT_CLUSTER = tuple(NodeSpec(f"a100-{i}", "a100", i % 2) for i in range(8))
 MM_CLUSTER = (
-    *(NodeSpec(f"a100-{i}", "a100", i % 2) for i in range(2)),
-    *(NodeSpec(f"h100-{i}", "h100", i % 2, {"nvlink": "yes"}) for i in range(4)),
-    *(NodeSpec(f"l40s-{i}", "l40s", i % 2, {"cuda_graphs": "yes"}) for i in range(2)),
+    *(NodeSpec(f"h100-{i}", "h100", i % 2, {"nvlink": "yes"}) for i in range(3)),
+    *(NodeSpec(f"l40s-{i}", "l40s", i % 2, {"cuda_graphs": "yes"}) for i in range(5)),
 )
 
 
