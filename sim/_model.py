@@ -178,7 +178,7 @@ class EngineModel:
                 _, _, job = heapq.heappop(self._decoding)
                 self._release(job)
                 events.append(("finished", job, t))
-            if self.prefilling is None:
+            if self.prefilling is None and self.next_event_s() > t:  # after everything due at t
                 self._start(t, events)
 
     # --- internals ----------------------------------------------------------------------------------------
