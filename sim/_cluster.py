@@ -234,7 +234,7 @@ class Simulation:
             self.policy.finished(name, request, now, Outcome.CONNECT_ERROR)
             return self._retry(now + CONNECT_REFUSED_S, request, exclude | {name}, attempts + 1)
         self.dispatched += 1
-        if node.info.numa_node != self.gateways_numa[request.id % len(self.gateways_numa)]:
+        if node.info.numa_node != self._gateway_numa(request):
             self.cross_numa += 1
         profile = node.model.profile
         job = Job(request.blocks, request.input_tokens, max(1, request.output_tokens), profile.media_s(request.media), now)
@@ -246,6 +246,11 @@ class Simulation:
         node.jobs.add(job)
         self._apply(node, now, node.model.advance(now) + node.model.submit(job, now))
         return 0
+
+    def _gateway_numa(self, request: SimRequest) -> int:
+        """The NUMA node of the gateway process the request came through (requests spread over them by id)."""
+        spread = (request.id * 0x9E37_79B1 & 0xFFFF_FFFF) >> 16
+        return self.gateways_numa[spread % len(self.gateways_numa)]
 
     def _retry(self, now: float, request: SimRequest, exclude: frozenset[str], attempts: int) -> int:
         if attempts >= MAX_ATTEMPTS or len(exclude) >= len(self.nodes):
