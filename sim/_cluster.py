@@ -28,6 +28,7 @@ from ._types import EngineStats, Outcome, Policy, RunResult, SimNode, SimRequest
 MAX_ATTEMPTS = 4
 LATENCY_WINDOW_S = 5.0
 TIMELINE_WINDOW_S = 10.0
+RECOVERY_WINDOW_S = 1.0
 CONNECT_REFUSED_S = 0.001
 """A refused connect costs the caller a loopback round trip before it tries the next node."""
 
@@ -45,6 +46,18 @@ class Kill:
     node: str
     at_fraction: float = 0.5
     """When, as a share of the workload's arrival span."""
+
+
+def recovery_s(killed_at: float, refused: Sequence[float]) -> float:
+    """Seconds from a kill to the end of the last 1-second window after it in which two or more attempts were
+    sent to the dead node: until then the policy still routes traffic there. A lone attempt in a window (a
+    health probe, such as nginx's retry after `fail_timeout`) does not count; 0 when no window had two."""
+    windows: dict[int, int] = {}
+    for t in refused:
+        k = int((t - killed_at) // RECOVERY_WINDOW_S)
+        windows[k] = windows.get(k, 0) + 1
+    busy = [k for k, n in windows.items() if n >= 2]
+    return (max(busy) + 1) * RECOVERY_WINDOW_S if busy else 0.0
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -188,7 +201,7 @@ class Simulation:
         self.cross_numa = 0
         self.dispatched = 0
         self.killed_at: float | None = None
-        self.last_sent_to_dead: float | None = None
+        self.refused: list[float] = []  # when an attempt was sent to a dead node
 
     def _push(self, t: float, kind: str, payload: object = None) -> None:
         heapq.heappush(self._heap, (t, next(self._order), kind, payload))
@@ -230,7 +243,7 @@ class Simulation:
         self.policy.dispatched(name, request, now)
         if not node.alive:
             self.failed_attempts += 1
-            self.last_sent_to_dead = now
+            self.refused.append(now)
             self.policy.finished(name, request, now, Outcome.CONNECT_ERROR)
             return self._retry(now + CONNECT_REFUSED_S, request, exclude | {name}, attempts + 1)
         self.dispatched += 1
@@ -348,9 +361,7 @@ class Simulation:
             windows.setdefault(int(t // TIMELINE_WINDOW_S), []).append(ttft * 1000)
         for k in sorted(windows):
             timeline.append(((k + 0.5) * TIMELINE_WINDOW_S, percentile(windows[k], 0.99)))
-        recovery = None
-        if self.killed_at is not None:
-            recovery = 0.0 if self.last_sent_to_dead is None else self.last_sent_to_dead - self.killed_at
+        recovery = None if self.killed_at is None else recovery_s(self.killed_at, self.refused)
         return RunResult(
             trace=self.workload.name,
             policy=self.policy.name,

@@ -155,7 +155,8 @@ class RunResult:
     killed_at_s: float | None
     """Simulated second of the kill (None: no kill)."""
     recovery_s: float | None
-    """Seconds from the kill until the policy stopped sending requests to the dead node (None: no kill)."""
+    """Seconds from the kill until the policy stopped sending requests to the dead node: the end of the last
+    1-second window with two or more attempts there (lone health probes do not count); None: no kill."""
     timeline: Sequence[tuple[float, float]]
     """(simulated s, TTFT P99 ms of requests that got their first token in that window), for plots."""
     wall_s: float

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from prismlb.sim import Outcome, Policy, SimRequest, Workload
-from prismlb.sim._cluster import Kill, NodeSpec, Simulation
+from prismlb.sim._cluster import Kill, NodeSpec, Simulation, recovery_s
 from prismlb.sim._prism import PrismPolicy, affinity_key
 from prismlb.sim._types import ClusterView
 
@@ -116,3 +116,9 @@ def test_bad_setups_are_refused() -> None:
         Simulation(Workload("empty", [], 512, "x"), Spread(), NODES, utilisation=0.5, seed=0)
     with pytest.raises(ValueError, match="not a node"):
         Simulation(workload(), Spread(), NODES, utilisation=0.5, seed=0, kill=Kill("ghost"))
+
+
+def test_recovery_ignores_lone_probes() -> None:
+    assert recovery_s(100.0, []) == 0.0
+    assert recovery_s(100.0, [100.0, 100.2, 101.5, 110.0, 120.0]) == 1.0
+    assert recovery_s(100.0, [100.0, 103.1, 103.9]) == 4.0

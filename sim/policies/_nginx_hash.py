@@ -1,0 +1,88 @@
+"""nginx `hash $http_x_modality_signature consistent`: a ketama ring keyed by the request's modality signature.
+
+Source: nginx/nginx mainline (1.27 sources), `src/http/modules/ngx_http_upstream_hash_module.c`
+(`ngx_http_upstream_update_chash`, `ngx_http_upstream_find_chash_point`, `ngx_http_upstream_get_chash_peer`);
+https://nginx.org/en/docs/http/ngx_http_upstream_module.html#hash.
+
+The ring holds 160 points per unit of weight per server. A server `host:port` hashes as in Cache::Memcached::Fast:
+`base = crc32(host "\\0" port)` and point `j` is `crc32` of base followed by point `j-1`'s value as 4
+little-endian bytes (0 for the first); points are sorted and duplicate values dropped. A request goes to the
+first point at or after `crc32(key)`, wrapping; a point whose server is tried or down (passive health, as in
+`_round_robin`) is passed over for the next one, and after more than 20 such tries nginx falls back to plain
+round robin. An empty key also means round robin.
+
+The key is the request's `X-Modality-Signature` value, faithfully: every request of one signature goes to one
+node, so all "text" traffic lands on a single server while it is up. That is the point of this baseline.
+
+Simplifications: those of `NginxUpstream`; the walk restarts from the key's point on each attempt of a request
+(nginx keeps its position, which passes the same points).
+"""
+
+from __future__ import annotations
+
+import bisect
+import zlib
+from collections.abc import Mapping
+
+from .._types import ClusterView, SimRequest
+from ._round_robin import FAIL_TIMEOUT_S, MAX_FAILS, NginxUpstream
+
+POINTS_PER_WEIGHT = 160
+MAX_TRIES = 20
+
+
+def ring_points(servers: Mapping[str, int]) -> list[tuple[int, str]]:
+    """nginx's consistent-hash points `(hash, server)` for `{server: weight}`, sorted, duplicates dropped."""
+    points: list[tuple[int, str]] = []
+    for server, weight in servers.items():
+        host, port = _host_port(server)
+        base = zlib.crc32(host + b"\0" + port)
+        prev = 0
+        for _ in range(POINTS_PER_WEIGHT * weight):
+            prev = zlib.crc32(prev.to_bytes(4, "little"), base)
+            points.append((prev, server))
+    points.sort(key=lambda p: p[0])
+    return [p for i, p in enumerate(points) if i == 0 or p[0] != points[i - 1][0]]
+
+
+def _host_port(server: str) -> tuple[bytes, bytes]:
+    """Split as nginx does: `unix:` paths have no port; otherwise digits after the last ':' are the port."""
+    raw = server.encode()
+    if raw[:5].lower() == b"unix:":
+        return raw[5:], b""
+    host, sep, port = raw.rpartition(b":")
+    return (host, port) if sep and port.isdigit() else (raw, b"")
+
+
+class NginxConsistentHash(NginxUpstream):
+    """nginx `hash $http_x_modality_signature consistent` with max_fails=1 fail_timeout=10s."""
+
+    name = "nginx-hash"
+
+    def __init__(
+        self,
+        weights: Mapping[str, int] | None = None,
+        max_fails: int = MAX_FAILS,
+        fail_timeout_s: float = FAIL_TIMEOUT_S,
+    ) -> None:
+        super().__init__(weights, max_fails, fail_timeout_s)
+        self.ring: list[tuple[int, str]] = []
+        self._hashes: list[int] = []
+
+    def start(self, view: ClusterView, now: float) -> None:
+        super().start(view, now)
+        self.ring = ring_points({p.server: p.weight for p in self.peers})
+        self._hashes = [h for h, _ in self.ring]
+
+    def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
+        key = request.signature.encode()
+        if not key:
+            return self.round_robin(now, exclude)
+        point = bisect.bisect_left(self._hashes, zlib.crc32(key))
+        for _ in range(MAX_TRIES + 1):
+            server = self.ring[point % len(self.ring)][1]
+            best = self.smooth(p for p in self.peers if p.server == server and self.ready(p, now, exclude))
+            if best is not None:
+                return self.picked(best, now, exclude)
+            point += 1
+        return self.round_robin(now, exclude)

@@ -1,0 +1,370 @@
+"""The replay's baselines: each one's defining behaviour, `exclude`, and how each stops using a dead node."""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from prismlb.sim._types import EngineStats, Outcome, Policy, SimNode, SimRequest
+from prismlb.sim.policies import (
+    BASELINES,
+    LeastConnections,
+    LLMDScorer,
+    NginxConsistentHash,
+    RoundRobin,
+    SGLangCacheAware,
+)
+from prismlb.sim.policies._llmd import PrefixIndex
+from prismlb.sim.policies._nginx_hash import ring_points
+from prismlb.sim.policies._sglang import PrefixTree
+
+IDLE = EngineStats(running=0, waiting=0, kv_usage=0.0, prefix_queries_tokens=0, prefix_hits_tokens=0)
+
+
+class FakeView:
+    """A ClusterView over named nodes whose `/metrics` answers unless the node is dead."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.nodes = [SimNode(n, f"http://10.0.0.{i + 1}:8000", "h100", 0) for i, n in enumerate(names)]
+        self.live: dict[str, EngineStats] = dict.fromkeys(names, IDLE)
+        self.dead: set[str] = set()
+
+    def stats(self, name: str) -> EngineStats | None:
+        return None if name in self.dead else self.live[name]
+
+    def vectors(self) -> list[object]:
+        return []
+
+
+def req(i: int, blocks: tuple[int, ...] = (), signature: str = "text") -> SimRequest:
+    """Request `i` with prefix `blocks` and a modality signature."""
+    tokens = 512 * max(1, len(blocks))
+    return SimRequest(id=i, arrival_s=0.0, input_tokens=tokens, output_tokens=8, blocks=blocks, signature=signature)
+
+
+def started(policy: Policy, names: Sequence[str] = ("a", "b", "c")) -> tuple[Policy, FakeView]:
+    """`policy` started on a fresh view of `names`."""
+    view = FakeView(names)
+    policy.start(view, 0.0)
+    return policy, view
+
+
+def send(policy: Policy, view: FakeView, request: SimRequest, now: float, keep: bool = False) -> list[str]:
+    """Send one request as the simulator does (dead nodes refuse; live ones finish it unless `keep`): nodes tried."""
+    tried: list[str] = []
+    exclude: frozenset[str] = frozenset()
+    while len(exclude) < len(view.nodes):
+        node = policy.choose(request, now, exclude)
+        assert node not in exclude
+        tried.append(node)
+        policy.dispatched(node, request, now)
+        if node not in view.dead:
+            if not keep:
+                policy.finished(node, request, now, Outcome.OK)
+            return tried
+        policy.finished(node, request, now, Outcome.CONNECT_ERROR)
+        exclude |= {node}
+    return tried
+
+
+def run(
+    policy: Policy,
+    view: FakeView,
+    until: float,
+    every: float = 0.1,
+    blocks: Callable[[int], tuple[int, ...]] = lambda i: (),
+) -> list[tuple[float, list[str]]]:
+    """Requests every `every` s up to `until`, the policy's ticks in between; (time, nodes tried) per request."""
+    out: list[tuple[float, list[str]]] = []
+    next_tick = 0.0
+    for i in range(int(until / every) + 1):
+        now = round(i * every, 6)
+        while next_tick <= now:
+            policy.tick(view, next_tick)
+            next_tick = round(next_tick + policy.tick_s, 6)
+        out.append((now, send(policy, view, req(i, blocks(i)), now)))
+    return out
+
+
+# --- every baseline -------------------------------------------------------------------------------------------
+
+
+def test_baselines_are_named_by_their_key() -> None:
+    assert sorted(BASELINES) == ["least-conn", "llm-d", "llm-d-chart", "nginx-hash", "round-robin", "sglang"]
+    for name, make in BASELINES.items():
+        assert make().name == name
+
+
+@pytest.mark.parametrize("name", sorted(BASELINES))
+def test_every_baseline_respects_exclude(name: str) -> None:
+    policy, view = started(BASELINES[name](), ("a", "b", "c", "d"))
+    policy.tick(view, 0.0)
+    for i in range(40):
+        for exclude in (frozenset({"a"}), frozenset({"a", "b", "c"}), frozenset({"b", "d"})):
+            node = policy.choose(req(i, (i, 1000 + i)), 0.0, exclude)
+            assert node not in exclude
+            policy.dispatched(node, req(i), 0.0)
+            policy.finished(node, req(i), 0.0, Outcome.OK)
+    assert policy.choose(req(99), 0.0, frozenset({"a", "b", "c", "d"})) in {"a", "b", "c", "d"}
+
+
+# --- nginx round robin, least_conn, hash ----------------------------------------------------------------------
+
+
+def test_round_robin_cycles_in_upstream_order() -> None:
+    policy, view = started(RoundRobin())
+    assert [send(policy, view, req(i), 0.0)[0] for i in range(7)] == ["a", "b", "c", "a", "b", "c", "a"]
+
+
+def test_round_robin_skips_a_failed_server_for_fail_timeout_then_probes_it() -> None:
+    policy, view = started(RoundRobin())
+    view.dead.add("b")
+    assert send(policy, view, req(0), 1.0) == ["a"]
+    assert send(policy, view, req(1), 1.0) == ["b", "c"]  # refused: b fails once (max_fails=1)
+    within = [send(policy, view, req(i), 1.0 + i * 0.5)[0] for i in range(2, 21)]  # through 11.0 s: fail_timeout
+    assert "b" not in within
+    view.dead.clear()
+    after = [send(policy, view, req(i), 11.5 + i * 0.1)[0] for i in range(30, 36)]
+    assert "b" in after  # probed after fail_timeout, and back for good once it answers
+    assert Counter(send(policy, view, req(i), 20.0)[0] for i in range(40, 49)) == {"a": 3, "b": 3, "c": 3}
+
+
+def test_least_conn_picks_the_fewest_in_flight_and_breaks_ties_by_round_robin() -> None:
+    policy, view = started(LeastConnections())
+    assert [send(policy, view, req(i), 0.0)[0] for i in range(6)] == ["a", "b", "c", "a", "b", "c"]  # all tied at 0
+    for i, node in enumerate("aab"):
+        policy.dispatched(node, req(10 + i), 1.0)
+    assert send(policy, view, req(20), 1.0, keep=True) == ["c"]  # a has 2 in flight, b 1, c 0
+    assert send(policy, view, req(21), 1.0, keep=True) == ["b"]  # a 2, b 1, c 1: round robin between b and c
+    policy.finished("a", req(10), 2.0, Outcome.OK)
+    policy.finished("a", req(11), 2.0, Outcome.OK)
+    assert send(policy, view, req(22), 2.0, keep=True) == ["a"]
+
+
+def test_least_conn_skips_a_failed_server() -> None:
+    policy, view = started(LeastConnections())
+    view.dead.add("a")
+    assert send(policy, view, req(0), 0.0) == ["a", "b"]
+    assert {send(policy, view, req(i), 0.0 + i)[0] for i in range(1, 10)} <= {"b", "c"}
+
+
+def test_nginx_ring_has_160_points_per_weight_unit_hashed_like_nginx() -> None:
+    servers = {"10.0.0.1:8000": 1, "10.0.0.2:8000": 2, "unix:/run/engine.sock": 1}
+    points = ring_points(servers)
+    assert Counter(s for _, s in points) == {"10.0.0.1:8000": 160, "10.0.0.2:8000": 320, "unix:/run/engine.sock": 160}
+    assert [h for h, _ in points] == sorted(h for h, _ in points)
+    first = zlib.crc32(b"10.0.0.1\x008000" + bytes(4))  # crc32(HOST \0 PORT PREV_HASH), PREV_HASH = 0
+    second = zlib.crc32(b"10.0.0.1\x008000" + first.to_bytes(4, "little"))
+    assert {first, second} <= {h for h, s in points if s == "10.0.0.1:8000"}
+    assert zlib.crc32(b"/run/engine.sock\x00" + bytes(4)) in {h for h, _ in points}
+    policy, _ = started(NginxConsistentHash(weights={"b": 2}), ("a", "b", "c", "d"))
+    assert isinstance(policy, NginxConsistentHash) and len(policy.ring) == 160 * 5
+
+
+def test_nginx_hash_sends_one_signature_to_one_node() -> None:
+    policy, view = started(NginxConsistentHash(), ("a", "b", "c", "d"))
+    for signature in ("text", "image+text", "audio+text", "video+text"):
+        assert len({send(policy, view, req(i, signature=signature), i * 0.1)[0] for i in range(50)}) == 1
+
+
+def test_nginx_hash_removing_a_node_moves_only_its_keys() -> None:
+    four, view4 = started(NginxConsistentHash(), ("a", "b", "c", "d"))
+    three, view3 = started(NginxConsistentHash(), ("a", "b", "c", "d"))
+    three.start(FakeView(("a", "b", "c")), 0.0)  # same addresses for a, b, c; d gone
+    keys = [f"key-{i}" for i in range(400)]
+    before = {k: send(four, view4, req(i, signature=k), 0.0)[0] for i, k in enumerate(keys)}
+    after = {k: send(three, view3, req(i, signature=k), 0.0)[0] for i, k in enumerate(keys)}
+    moved = {k for k in keys if before[k] != after[k]}
+    assert moved == {k for k in keys if before[k] == "d"}
+    assert 50 < len(moved) < 150  # about a quarter of the keys
+
+
+def test_nginx_hash_marks_a_failed_server_down_for_fail_timeout_and_restores_it() -> None:
+    policy, view = started(NginxConsistentHash(), ("a", "b", "c", "d"))
+    home = send(policy, view, req(0), 0.0)[0]
+    view.dead.add(home)
+    tried = send(policy, view, req(1), 1.0)
+    assert tried[0] == home and len(tried) == 2  # refused, then the next point's server
+    fallback = tried[1]
+    assert {send(policy, view, req(i), 1.0 + i)[0] for i in range(2, 11)} == {fallback}  # up to 10 s later
+    view.dead.clear()
+    assert send(policy, view, req(20), 12.0) == [home]  # fail_timeout over: probed, and it answers
+    assert {send(policy, view, req(i), 12.0 + i)[0] for i in range(21, 30)} == {home}
+
+
+@pytest.mark.parametrize("make", [RoundRobin, LeastConnections, NginxConsistentHash])
+def test_nginx_balancers_probe_a_dead_server_at_most_once_per_fail_timeout(make: Callable[[], Policy]) -> None:
+    policy, view = started(make(), ("a", "b", "c", "d"))
+    dead = send(policy, view, req(0), 0.0)[0]
+    view.dead.add(dead)
+    hits = [t for t, tried in run(policy, view, 60.0) if dead in tried]
+    assert hits and all(later - earlier > 10.0 for earlier, later in zip(hits, hits[1:]))
+
+
+# --- SGLang cache-aware -----------------------------------------------------------------------------------------
+
+
+def test_sglang_routes_a_prefix_match_above_threshold_to_the_matching_worker() -> None:
+    policy, view = started(SGLangCacheAware())
+    assert send(policy, view, req(0, (1, 2, 3, 4)), 0.0) == ["a"]  # empty trees: the first smallest
+    assert send(policy, view, req(1, (5, 6)), 0.1) == ["b"]  # no match: smallest tree
+    assert send(policy, view, req(2, (1, 2, 3, 9)), 0.2) == ["a"]  # 3/4 matched > 0.3
+    assert send(policy, view, req(3, (5, 7, 8, 10)), 0.3) == ["c"]  # 1/4 matched <= 0.3: smallest tree
+
+
+def test_sglang_balances_by_load_only_beyond_both_thresholds() -> None:
+    policy, view = started(SGLangCacheAware())
+    send(policy, view, req(0, (1, 2, 3)), 0.0)  # a's tree holds (1, 2, 3)
+
+    def load(a: int, b: int, c: int) -> None:
+        assert isinstance(policy, SGLangCacheAware)
+        for name, n in zip("abc", (a, b, c)):
+            policy.workers[name].load = n
+
+    load(70, 10, 10)  # range 60 <= 64: cache-aware
+    assert send(policy, view, req(1, (1, 2, 3)), 1.0, keep=True) == ["a"]
+    load(300, 231, 240)  # range 69 > 64 but 300 <= 1.5 * 231: cache-aware
+    assert send(policy, view, req(2, (1, 2, 3)), 2.0, keep=True) == ["a"]
+    load(70, 5, 3)  # range 67 > 64 and 70 > 1.5 * 3: least loaded
+    assert send(policy, view, req(3, (1, 2, 3)), 3.0, keep=True) == ["c"]
+
+
+def test_sglang_tree_evicts_least_recently_used_leaves_down_to_max_size() -> None:
+    tree = PrefixTree(["a", "b"])
+    tree.insert((1, 2, 3), "a", 1.0)
+    tree.insert((1, 4, 5), "a", 2.0)
+    tree.insert((1, 2, 3), "b", 3.0)
+    assert tree.size == {"a": 5, "b": 3}
+    tree.evict(3)
+    assert tree.size == {"a": 3, "b": 3}
+    assert tree.match((1, 4, 5), 4.0) == (3, "a")
+    assert tree.match((1, 2, 3), 4.0) == (3, "b")  # a's oldest leaves went; b still holds them
+    tree.remove("b")
+    assert tree.match((1, 2, 3), 5.0) == (1, "a") and set(tree.nodes) == {1, 4, 5}
+
+
+def test_sglang_evicts_every_eviction_interval() -> None:
+    policy, view = started(SGLangCacheAware())
+    assert isinstance(policy, SGLangCacheAware)
+    policy.max_tree_blocks = 2
+    send(policy, view, req(0, (1, 2, 3, 4)), 0.0)
+    policy.tick(view, 60.0)
+    assert policy.tree.size["a"] == 4
+    policy.tick(view, 120.0)
+    assert policy.tree.size["a"] == 2
+    assert policy.max_tree_blocks == 2 and SGLangCacheAware(block_tokens=512).max_tree_blocks == 2**26 // (4 * 512)
+
+
+def test_sglang_health_checker_marks_a_dead_worker_unhealthy_after_three_failed_checks() -> None:
+    policy, view = started(SGLangCacheAware())
+    assert isinstance(policy, SGLangCacheAware)
+    policy.tick(view, 0.0)
+    view.dead.add("b")
+    for t in (60.0, 120.0):
+        policy.tick(view, t)
+        assert policy.workers["b"].healthy
+    policy.tick(view, 180.0)
+    assert not policy.workers["b"].healthy
+    assert {send(policy, view, req(i, (i,)), 181.0 + i)[0] for i in range(30)} == {"a", "c"}
+    view.dead.clear()
+    policy.tick(view, 240.0)
+    assert not policy.workers["b"].healthy
+    policy.tick(view, 300.0)
+    assert policy.workers["b"].healthy  # two good checks in a row
+
+
+def test_sglang_circuit_breaker_opens_after_ten_refused_attempts() -> None:
+    policy, view = started(SGLangCacheAware())
+    assert isinstance(policy, SGLangCacheAware)
+    send(policy, view, req(0, (1, 2)), 0.0)  # a's tree holds (1, 2): a matching request picks a
+    view.dead.add("a")
+    for i in range(1, 11):
+        assert send(policy, view, req(i, (1, 2)), float(i))[0] == "a"
+    assert policy.workers["a"].breaker == "open"
+    assert all(send(policy, view, req(i, (1, 2)), 11.0 + i)[0] != "a" for i in range(20))
+    assert "a" not in policy.tree.size  # chosen while unavailable: dropped from the tree, as sgl-router does
+
+
+def test_sglang_stops_choosing_a_dead_worker() -> None:
+    policy, view = started(SGLangCacheAware(), ("a", "b", "c", "d"))
+    view.dead.add("c")
+    picks = run(policy, view, 400.0, every=0.5, blocks=lambda i: (10 * i, 10 * i + 1))
+    assert any("c" in tried for _, tried in picks)
+    assert all(tried[0] != "c" for t, tried in picks if t > 180.0)  # unhealthy after three 60 s checks
+
+
+# --- llm-d ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weights", [(2.0, 2.0, 3.0), (3.0, 2.0, 2.0)])
+def test_llmd_scores_are_weighted_prefix_queue_kv_and_the_max_wins(weights: tuple[float, float, float]) -> None:
+    policy, view = started(LLMDScorer(weights=weights))
+    wp, wq, wk = weights
+    assert isinstance(policy, LLMDScorer)
+    view.live.update(
+        a=EngineStats(4, 10, 0.5, 0, 0),
+        b=EngineStats(4, 0, 0.5, 0, 0),
+        c=EngineStats(4, 5, 0.9, 0, 0),
+    )
+    policy.tick(view, 0.0)
+    policy.index.add((1, 2, 3, 4), "a")
+    policy.index.add((1, 2), "c")
+    scores = policy.scores(req(0, (1, 2, 3, 4)), ["a", "b", "c"])
+    expected = {
+        "a": wp * 1.0 + wq * 0.0 + wk * 0.5,
+        "b": wp * 0.0 + wq * 1.0 + wk * 0.5,
+        "c": wp * 0.5 + wq * 0.5 + wk * 0.1,
+    }
+    assert scores == pytest.approx(expected)
+    assert send(policy, view, req(0, (1, 2, 3, 4)), 0.01) == ["a"]
+    assert send(policy, view, req(1, (7, 8)), 0.02) == ["b"]  # no prefix anywhere: the empty queue wins
+
+
+def test_llmd_prefix_index_matches_leading_blocks_per_pod_with_an_lru() -> None:
+    index = PrefixIndex(capacity=3)
+    index.add((1, 2, 3), "a")
+    index.add((1, 2), "b")
+    assert index.match((1, 2, 3, 4)) == {"a": 3, "b": 2}
+    assert index.match((9, 1, 2)) == {}  # stops at the first block nobody holds
+    index.add((5,), "a")  # a's least recently added block (1) goes
+    assert index.match((1, 2, 3)) == {"a": 2, "b": 2}  # every held block of the leading run counts, as in the EPP
+    index.remove_pod("b")
+    assert index.match((1, 2, 3)) == {}
+
+
+def test_llmd_prefix_routes_repeats_to_the_same_pod_and_truncates_to_4096_tokens() -> None:
+    policy, view = started(LLMDScorer())
+    assert isinstance(policy, LLMDScorer) and policy.max_blocks == 8 and policy.index.capacity == 500_000 // 512
+    policy.tick(view, 0.0)
+    first = send(policy, view, req(0, tuple(range(20))), 0.01)[0]
+    assert all(send(policy, view, req(i, tuple(range(20))), 0.01 * i)[0] == first for i in range(1, 10))
+    assert set(policy.index.pods) == set(range(8))
+
+
+def test_llmd_tie_breaks_are_seeded() -> None:
+    picks = []
+    for _ in range(2):
+        policy, view = started(LLMDScorer(seed=7), ("a", "b", "c", "d"))
+        policy.tick(view, 0.0)
+        picks.append([send(policy, view, req(i, (1000 + i,)), 0.0)[0] for i in range(20)])
+    assert picks[0] == picks[1] and len(set(picks[0])) > 1
+
+
+def test_llmd_keeps_stale_metrics_and_drops_a_pod_when_readiness_fails_three_times() -> None:
+    policy, view = started(LLMDScorer(), ("a", "b", "c", "d"))
+    assert isinstance(policy, LLMDScorer)
+    view.live.update(a=EngineStats(2, 3, 0.5, 0, 0), b=EngineStats(1, 0, 0.1, 0, 0), c=EngineStats(2, 3, 0.5, 0, 0))
+    view.live["d"] = view.live["a"]
+    policy.tick(view, 0.0)
+    view.dead.add("b")
+    picks = run(policy, view, 30.0, every=0.25)
+    assert policy.metrics["b"] == EngineStats(1, 0, 0.1, 0, 0)  # a failed scrape keeps the last metrics
+    assert "b" not in policy.ready
+    assert any("b" in tried for t, tried in picks if t < 10.0)
+    assert all("b" not in tried for t, tried in picks if t >= 15.0)  # probes at 5, 10, 15 s failed
+    view.dead.clear()
+    policy.tick(view, 35.0)
+    assert "b" in policy.ready
