@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import heapq
+import importlib
 import json
 import logging
 import multiprocessing
@@ -114,6 +115,15 @@ def loop_ns(fn: Callable[[Any], object], keys: Sequence[Any], repeat: int = 5) -
     return best
 
 
+def route_path() -> str:
+    """Which path route()'s common case takes: the C extension's, or pure Python where it is not built."""
+    try:
+        importlib.import_module("prismlb.router._fastroute")
+    except ImportError:
+        return "pure Python (the C extension prismlb.router._fastroute is not built)"
+    return "C (prismlb.router._fastroute)"
+
+
 def lookup_section(quick: bool) -> None:
     nodes = cluster(100, seed=1, loads=True)
     router = Router.from_table(table(nodes))
@@ -129,6 +139,7 @@ def lookup_section(quick: bool) -> None:
     sessions = [Request(key=k, modality="text", session=f"user-{i % 5000}") for i, k in enumerate(int_keys)]
     same = sum(router.route(k).node_id == ring.get_node(k) for k in keys[:2000])
     print(f"\n## route() against uhashring ketama on the same {len(nodes)} nodes and weights\n")
+    print(f"route()'s common case runs in {route_path()}.\n")
     rounds = 1 if quick else 3
     times = per_call_ns({"idle": idle.route, "busy": router.route, "ketama": ring.get_node}, keys, rounds=rounds)
     times["int"] = per_call_ns({"int": router.route}, int_keys, rounds=1)["int"]

@@ -205,9 +205,15 @@ class Router:
         else "default"). Raises NoRouteError without a table or nodes, ShedError for a shed request class."""
         snapshot = self._snapshot
         if snapshot is not None:
-            # The common case inline: a bare key whose ring owner is available and under its load limit.
+            # The common case inline: a bare key whose ring owner is available and under its load limit. The C
+            # extension makes the same choice, walking the probe order too; None leaves it to the lines below.
             target = snapshot.plain.get(slice_name)
             if target is not None:
+                fast = target.group.fast
+                if fast is not None:
+                    endpoint = fast(request)
+                    if endpoint is not None:
+                        return endpoint
                 kind = request.__class__
                 if kind is str:
                     pos = crc32(request.encode())  # type: ignore[union-attr]

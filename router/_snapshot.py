@@ -13,6 +13,11 @@ from ._request import CORE_CLASS
 from ._ring import Ring
 from ._settings import Settings
 
+try:
+    from . import _fastroute as fastroute
+except ImportError:  # built without a C compiler: route() takes its pure-Python path alone
+    fastroute = None  # type: ignore[assignment]
+
 DEFAULT_SLICE_NAME = "default"
 
 
@@ -55,6 +60,10 @@ class Group:
     base_total: float  # the brain's load estimates, summed
     inflight: InFlight
     index: Mapping[str, int]  # label -> entry index
+    fast: Callable[[object], Endpoint | None] | None
+    """route()'s common case in C (`_fastroute.Table.route`): a bare key's endpoint, or None where the
+    pure-Python path must decide (a gated entry on the way, or not a str, bytes or int key); None without
+    the extension."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -106,6 +115,11 @@ def _group(
         )
         for label, node, weight in zip(ring.labels, ring.entries, ring.weights, strict=True)
     )
+    inflight = counter_for(name)
+    fast = None
+    if fastroute is not None:
+        args = (ring.points, ring.owners, ring.slots, ring.shift, entries, base_total, inflight, settings.balance)
+        fast = fastroute.Table(*args).route
     return Group(
         name=name,
         ring=ring,
@@ -113,8 +127,9 @@ def _group(
         shift=ring.shift,
         entries=entries,
         base_total=base_total,
-        inflight=counter_for(name),
+        inflight=inflight,
         index={label: i for i, label in enumerate(ring.labels)},
+        fast=fast,
     )
 
 

@@ -70,7 +70,7 @@ system_setup() {
 venv_setup() {
     [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
     local want
-    want=$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)
+    want=$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/router/_fastroute.c" | sha256sum | cut -d' ' -f1)
     if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
         say "installing the project into $VENV (pip, pinned versions)"
         "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[test]" 2> >(grep -v "is ignored: it is neither" >&2)
