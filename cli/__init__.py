@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from prismlb import agent, brain, router
+from prismlb.sim import _eval
 
 from . import _demo, _keys
 
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_parser(subparsers)
     _keys.add_parser(subparsers)
     _demo.add_parser(subparsers)
+    _eval.add_parser(subparsers)
     return parser
 
 

@@ -226,13 +226,21 @@ class Simulation:
             "kill": self._kill,
         }
         now = 0.0
-        while self._heap and remaining:
+        while remaining:
             now, _, kind, payload = heapq.heappop(self._heap)
             remaining -= handlers[kind](now, payload)
+            if kind == "vectors" and now > span and self._idle():
+                raise RuntimeError(f"{remaining} requests unaccounted for with every node idle (a replay bug)")
         for node in self.nodes.values():
             node.account(now, 0)
         self.policy.close()
         return self._result(now, time.perf_counter() - started)
+
+    def _idle(self) -> bool:
+        """No request queued or running anywhere, and none about to arrive or be retried."""
+        return all(not n.model.running and not n.model.waiting for n in self.nodes.values()) and not any(
+            kind == "arrive" for _, _, kind, _ in self._heap
+        )
 
     # --- events -------------------------------------------------------------------------------------------
 
@@ -257,8 +265,7 @@ class Simulation:
         node.arrivals += 1
         node.account(now, +1)
         node.jobs.add(job)
-        self._apply(node, now, node.model.advance(now) + node.model.submit(job, now))
-        return 0
+        return self._apply(node, now, node.model.advance(now) + node.model.submit(job, now))
 
     def _gateway_numa(self, request: SimRequest) -> int:
         """The NUMA node of the gateway process the request came through (requests spread over them by id)."""

@@ -28,6 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prismlb.wire import parse_signature
 
 from ._model import KV_BLOCK_TOKENS, PROFILES, EngineModel, Event, GpuClass, Job, Modality
+from ._spans import EngineSpans
 
 BLOCK_SIZE_TOKENS = KV_BLOCK_TOKENS
 CHARS_PER_TOKEN = 4
@@ -124,6 +125,7 @@ class EmulatedEngine:
         port: int = 0,
         kv_events_endpoint: str | None = None,
         time_scale: float = 1.0,
+        otlp_endpoint: str | None = None,
     ) -> None:
         if gpu_class not in PROFILES:
             raise ValueError(f"gpu_class must be one of {sorted(PROFILES)}, not {gpu_class!r}")
@@ -137,6 +139,12 @@ class EmulatedEngine:
         self._cond = threading.Condition()
         self._stopping = False
         self._kv_seq = 0
+        self.spans: EngineSpans | None = None
+        """OTLP spans of finished requests to `otlp_endpoint` (the local agent), see `_spans.py`."""
+        if otlp_endpoint is not None:
+            self.spans = EngineSpans(
+                otlp_endpoint, gpu_class=gpu_class, profile=self.profile, time_scale=time_scale, model=MODEL_NAME
+            )
         self._pub: zmq.Socket | None = None
         if kv_events_endpoint is not None:
             self._pub = zmq.Context.instance().socket(zmq.PUB)
@@ -176,6 +184,8 @@ class EmulatedEngine:
                 thread.join()
         if self._pub is not None:
             self._pub.close(linger=0)
+        if self.spans is not None:
+            self.spans.close()
 
     def now_s(self) -> float:
         """Emulated time: wall time divided by `time_scale`."""
@@ -366,6 +376,7 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
                 }
                 self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
                 self.close_connection = True
+                self._spans_done(seq, parts)
                 return
             for _ in engine.stream_tokens(seq):
                 pass
@@ -387,6 +398,18 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
                 },
                 {"X-Emulated-Slice": modality.value},
             )
+            self._spans_done(seq, parts)
+
+        def _spans_done(self, seq: _Stream, parts: dict[Modality, int]) -> None:
+            """The finished request's OTLP spans, when the engine exports them."""
+            if engine.spans is not None:
+                engine.spans.request_done(
+                    seq.job,
+                    signature=self.headers.get("X-Modality-Signature"),
+                    peer=self.client_address,
+                    local=self.connection.getsockname(),
+                    media=parts,
+                )
 
         def _json(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
             data = json.dumps(body).encode()

@@ -52,7 +52,9 @@ def policy_factories(block_tokens: int) -> dict[str, Callable[[], Policy]]:
     from ._prism import PrismPolicy
     from .policies import BASELINES
 
-    return {PRISM: lambda: PrismPolicy(block_tokens=block_tokens), **BASELINES}
+    from prismlb.router import Settings
+
+    return {PRISM: lambda: PrismPolicy(block_tokens=block_tokens, settings=Settings(slow_s=60.0)), **BASELINES}
 
 
 @dataclass(frozen=True, slots=True)
