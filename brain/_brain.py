@@ -44,6 +44,7 @@ from ._weights import Predictions, compute_weights
 
 _log = logging.getLogger("prism.brain")
 CHECKPOINT = "predictor.pt"
+PREDICTION_SMOOTHING_S = 30.0
 
 
 class Brain:
@@ -211,11 +212,17 @@ class Brain:
             self.predictor.observe(node_id, node_features(state.vector), observed_p99_ms(state.vector))
 
     def predict(self) -> None:
-        """One batched inference for every live node, with the predictor that did best on recent data."""
+        """One batched inference for every live node, with the predictor that did best on recent data,
+        averaged with the node's earlier predictions (time constant PREDICTION_SMOOTHING_S)."""
         predicted = self.predictor.predict(list(self.registry.nodes))
-        self.predictions = {
-            node_id: {s: p99 for s in Slice} for node_id, p99 in predicted.items() if p99 is not None
-        }
+        alpha = 1 - math.exp(-self.config.predict_period_s / PREDICTION_SMOOTHING_S)
+        smoothed: dict[str, dict[Slice, float]] = {}
+        for node_id, p99 in predicted.items():
+            if p99 is None:
+                continue
+            before = self.predictions.get(node_id)
+            smoothed[node_id] = {s: p99 if before is None else before[s] + alpha * (p99 - before[s]) for s in Slice}
+        self.predictions = smoothed
 
     def cycle(self, now: float) -> RoutingTable | None:
         """Expire silent nodes and build a new table if routing changed."""

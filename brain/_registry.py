@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from prismlb.wire import Health, NodeVector, Slice, health
 
 _log = logging.getLogger("prism.brain")
+
+ALARM_DERATE = 0.5
+QUALITY_SMOOTHING_S = 15.0
+"""Time constant of the exponential average of a node's quality: one window's noise cannot swing its weight."""
+
+
+def quality(h: Health) -> float:
+    """Health × 0.5 per alarming dimension: what a node's weight is made of besides its latency."""
+    return h.score * ALARM_DERATE ** len(h.alarms)
 
 EntryKey = tuple[Slice, int | None]
 """A node's table entry: its slice and, in topology-aware slices, its GPU index (None: the whole node)."""
@@ -19,6 +29,12 @@ class NodeState:
     last_seen: float
     health: Health
     weights: dict[EntryKey, float] = field(default_factory=dict)  # held by compute_weights (hysteresis)
+    quality: float = math.nan
+    """`quality(health)` averaged over the node's vectors with time constant QUALITY_SMOOTHING_S."""
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.quality):
+            self.quality = quality(self.health)
 
 
 class Registry:
@@ -42,6 +58,7 @@ class Registry:
             return False
         previous_alarms = state.health.alarms
         state.vector, state.last_seen, state.health = vector, now, h
+        state.quality += (quality(h) - state.quality) * (1 - math.exp(-vector.period_s / QUALITY_SMOOTHING_S))
         if h.alarms != previous_alarms:
             _log.info("node %s alarms: %s", vector.node_id, ", ".join(h.alarms) or "none")
         return True

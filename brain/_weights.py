@@ -2,12 +2,27 @@
 
 For a node in a slice's pool (`_slices`):
 
-    raw = health × 0.5^(alarming dimensions) × s(τ̂),   s(τ) = 1 / (1 + (τ/τ0)²)   (SPEC §3)
+    raw = quality / best quality in the pool × s(τ̂),   quality = health × 0.5^(alarming dimensions),
+    s(τ) = 1 / (1 + (τ/τ0)²)   (SPEC §3)
+
+Quality counts relative to the pool's healthiest member (all equal when none has any): weights set shares
+of one pool's traffic, and a condition every member shares (a trace with little prefix reuse puts every
+node past the KV-miss alarm) must not single out whichever node had a lucky window.
+
+quality is averaged over the node's vectors (`_registry.QUALITY_SMOOTHING_S`, 15 s) and τ̂ over the brain's
+predictions (`_brain.PREDICTION_SMOOTHING_S`, 30 s): one window's noise (a quiet second with no prefix-cache
+misses, a lucky P99) must not swing a weight, or every node in turn becomes the hot spot.
 
 τ̂ is the node's first-token (first-frame) P99 for the slice: the predictor's value when it has one, else the
 node's observed TTFT P99 for that slice, else its engine-wide TTFT P99. A node with none of these takes the
 median sensitivity of its pool's measured nodes (1.0 when none is measured), so a newcomer is treated as a
 typical member rather than as the fastest or slowest.
+
+The reference is τ0 while the pool's median τ̂ is within it, else that median: s = 1 / (1 + (τ̂ / max(τ0,
+median τ̂))²). With τ0 alone, a pool running past its tolerance (every node at several times τ0) would sit
+at the floor but for a node whose last window happened to be quiet, which would then take up to 20 times
+its neighbours' share and become the next hot spot (measured in the cluster replay, docs/eval.md); against
+the pool's median, a node at the median weighs 0.5 and one at twice the median 0.2, whatever the load.
 
 τ0 per slice, from the design article's first-token tolerances (calibrated on measured P95):
 
@@ -42,7 +57,6 @@ TAU0_MS: Mapping[Slice, float] = {Slice.LLM: 800.0, Slice.VLM: 1200.0, Slice.AV:
 WEIGHT_STEP = 0.05
 WEIGHT_FLOOR = 0.05
 HYSTERESIS = 0.075
-ALARM_DERATE = 0.5
 _MAX_MS = 1e12  # the wire's bound on table values
 
 Predictions = Mapping[str, Mapping[Slice, float]]
@@ -89,8 +103,8 @@ def _load(vector: NodeVector) -> float | None:
 def _sensitivities(
     states: Iterable[NodeState], predictions: Predictions, slice_: Slice, tau0_ms: float
 ) -> dict[str, float]:
-    """s(τ̂) per node of one pool, the unmeasured ones at the pool's median."""
-    measured: dict[str, float] = {}
+    """s(τ̂) per node of one pool against the pool's reference latency, the unmeasured ones at the pool's median."""
+    taus: dict[str, float] = {}
     unmeasured: list[str] = []
     for state in states:
         node_id = state.vector.node_id
@@ -99,7 +113,9 @@ def _sensitivities(
         if tau is None:
             unmeasured.append(node_id)
         else:
-            measured[node_id] = sensitivity(tau, tau0_ms)
+            taus[node_id] = tau
+    reference = max(tau0_ms, statistics.median(taus.values())) if taus else tau0_ms
+    measured = {node_id: sensitivity(tau, reference) for node_id, tau in taus.items()}
     typical = statistics.median(measured.values()) if measured else 1.0
     return measured | dict.fromkeys(unmeasured, typical)
 
@@ -120,10 +136,11 @@ def compute_weights(
     for slice_, members in pools(s.vector for s in states.values()).items():
         pool = [states[node_id] for node_id in sorted(members)]
         sens = _sensitivities(pool, predictions, slice_, tau0_ms[slice_])
+        best = max((state.quality for state in pool), default=0.0)
         entries: list[TableNode] = []
         for state in pool:
             vector = state.vector
-            raw = state.health.score * ALARM_DERATE ** len(state.health.alarms) * sens[vector.node_id]
+            raw = (state.quality / best if best > 0 else 1.0) * sens[vector.node_id]
             load = _load(vector)
             predicted = _predicted(predictions, vector.node_id, slice_)
             model_version = vector.labels.get("model_version", "")

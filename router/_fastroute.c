@@ -87,7 +87,7 @@ typedef struct {
     int shift;
     double base_total, balance;
     PyTypeObject *state_type; /* every state's exact type, whose slots are read below */
-    Py_ssize_t gated_at, inflight_at, value_at; /* offsets of the __slots__ state.gated, .inflight, counter.value */
+    Py_ssize_t gated_at, inflight_at, value_at; /* offsets of the __slots__ state.gated, .load, counter.value */
 } Table;
 
 /* The offset of a __slots__ attribute of `type`. */
@@ -250,7 +250,7 @@ static int fill_entries(Table *t) {
         if (i == 0) {
             t->state_type = (PyTypeObject *)Py_NewRef(Py_TYPE(e->state));
             if (slot_offset(t->state_type, "gated", &t->gated_at) < 0 ||
-                slot_offset(t->state_type, "inflight", &t->inflight_at) < 0)
+                slot_offset(t->state_type, "load", &t->inflight_at) < 0)
                 return -1;
         } else if (!Py_IS_TYPE(e->state, t->state_type)) {
             PyErr_Format(PyExc_TypeError, "every state must be a %s", t->state_type->tp_name);

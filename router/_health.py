@@ -77,6 +77,7 @@ class EndpointState:
         "gated",
         "inflight",
         "label",
+        "load",
         "opened_at",
         "outcomes",
         "settings",
@@ -89,6 +90,7 @@ class EndpointState:
         self.label = label
         self.settings = settings
         self.inflight = 0
+        self.load = 0  # what bounded load compares: requests in flight, or their prefill work (Settings.load)
         self.gated = False  # unavailable now, or recently: admits() decides
         self.fails = 0
         self.fails_since = 0.0
@@ -116,9 +118,10 @@ class EndpointState:
     def status(self, now: float) -> EndpointStatus:
         return EndpointStatus(self.inflight, self.admits(now), self.circuit(now), dict(self.outcomes))
 
-    def start(self, now: float) -> bool:
-        """Count a request in flight; True when it is a half-open circuit's trial."""
+    def start(self, now: float, units: int) -> bool:
+        """Count a request in flight, adding `units` to the load; True when it is a half-open circuit's trial."""
         self.inflight += 1
+        self.load += units
         circuit = self.circuit(now)
         if circuit is Circuit.HALF_OPEN:
             self.trials += 1

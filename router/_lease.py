@@ -28,12 +28,15 @@ class Lease:
         "_clock",
         "_counter",
         "_first",
+        "_held",
         "_lock",
         "_outcome",
         "_slow_s",
         "_started",
         "_state",
         "_trial",
+        "_units",
+        "_until_first",
         "endpoint",
         "headers",
         "label",
@@ -50,6 +53,9 @@ class Lease:
         lock: threading.Lock,
         slow_s: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        units: int = 1,
+        until_first_token: bool = False,
     ) -> None:
         self.endpoint = endpoint
         self.headers = headers
@@ -64,6 +70,9 @@ class Lease:
         self._first: float | None = None
         self._outcome: Outcome | None = None
         self._trial = False
+        self._units = units  # what the request adds to its endpoint's and group's load ...
+        self._until_first = until_first_token  # ... until its first token, else until it ends
+        self._held = 0
 
     @property
     def node_id(self) -> str:
@@ -79,14 +88,20 @@ class Lease:
             raise RuntimeError("the lease is already in flight")
         now = self._clock()
         with self._lock:
-            self._trial = self._state.start(now)
-            self._counter.value += 1
+            self._trial = self._state.start(now, self._units)
+            self._counter.value += self._units
+        self._held = self._units
         self._started = now
 
     def first_token(self) -> None:
         """Mark the arrival of the first token; later calls are ignored."""
         if self._first is None:
             self._first = self._clock()
+            if self._until_first and self._held:
+                with self._lock:
+                    self._state.load -= self._held
+                    self._counter.value -= self._held
+                self._held = 0
 
     def fail(self, outcome: Outcome = Outcome.ERROR) -> None:
         """Report this outcome when the lease ends, whatever else happens."""
@@ -105,7 +120,9 @@ class Lease:
         now = self._clock()
         with self._lock:
             self._state.end(outcome, self._trial, now)
-            self._counter.value -= 1
+            self._state.load -= self._held
+            self._counter.value -= self._held
+        self._held = 0
         return outcome
 
     def __enter__(self) -> Self:

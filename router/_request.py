@@ -32,6 +32,12 @@ class Request:
     session: str | None = None
     context_signature: str | None = None
     request_class: str = CORE_CLASS
+    cost: int = 1
+    """The request's prefill work (its prompt tokens) for a router that balances prefill (`Settings.load`)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cost, int) or self.cost < 1:
+            raise ValueError(f"cost must be a positive integer (prompt tokens), got {self.cost!r}")
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str], *, key: Key | None = None, slice: str | None = None) -> Request:

@@ -230,8 +230,8 @@ class Router:
                         index = group.ring.owner(pos)
                     state, safe, base_load, inv_share, endpoint = group.entries[index]
                     if not state.gated and (
-                        state.inflight < safe
-                        or (state.inflight + base_load) * inv_share
+                        state.load < safe
+                        or (state.load + base_load) * inv_share
                         < self.settings.balance * (group.base_total + group.inflight.value + 1)
                     ):
                         return endpoint
@@ -261,8 +261,18 @@ class Router:
         if context:
             headers[CONTEXT_HEADER] = context
         state, _, _, _, endpoint = group.entries[index]
+        prefill = self.settings.load == "prefill"
         return Lease(
-            endpoint, headers, moved_from, state, group.inflight, self._lock, self.settings.slow_s, self.clock
+            endpoint,
+            headers,
+            moved_from,
+            state,
+            group.inflight,
+            self._lock,
+            self.settings.slow_s,
+            self.clock,
+            units=request.cost if prefill else 1,
+            until_first_token=prefill,
         )
 
     def call(self, request: Request | Key, fn: Callable[[Lease], T], *, tries: int | None = None) -> T:
@@ -359,8 +369,8 @@ class Router:
         """Whether an entry is fully available and under its load limit (what route() checks inline)."""
         state, safe, base_load, inv_share, _ = group.entries[index]
         return not state.gated and (
-            state.inflight < safe
-            or (state.inflight + base_load) * inv_share
+            state.load < safe
+            or (state.load + base_load) * inv_share
             < self.settings.balance * (group.base_total + group.inflight.value + 1)
         )
 
@@ -408,7 +418,7 @@ class Router:
                 continue
             if not balance:
                 return index
-            load = (state.inflight + base_load) * inv_share
+            load = (state.load + base_load) * inv_share
             if load < limit:
                 return index
             if best is None or load < best_load:

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+LOAD_MODES = ("requests", "prefill")
+
 
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Every knob of a Router; the defaults are nginx's (passive health) and the design article's (breaker)."""
 
+    load: str = "requests"
+    """What bounded load balances. "requests": a request counts 1 while it is in flight, plus the brain's
+    load estimates (requests running and waiting). "prefill": a request counts its `Request.cost` (its prompt
+    tokens) from when it is sent until its first token: the prefill work this caller has queued on each
+    endpoint, which is what a new request's time to first token waits behind (the brain's estimates, which
+    count requests, are left out)."""
     balance: float = 1.25
     """Bounded-load factor c: an entry takes a request only while its load stays under c × its weighted share
     of the slice's load (Mirrokni et al.); 0 turns the bound off."""
@@ -36,6 +44,8 @@ class Settings:
     """Ring points of an entry of weight 1.0."""
 
     def __post_init__(self) -> None:
+        if self.load not in LOAD_MODES:
+            raise ValueError(f"load must be one of {', '.join(LOAD_MODES)}, got {self.load!r}")
         if not (self.balance == 0 or self.balance >= 1):
             raise ValueError(f"balance must be 0 (off) or at least 1, got {self.balance}")
         for name in ("max_fails", "open_after", "half_open_trials", "connect_tries", "max_sessions", "base_points"):

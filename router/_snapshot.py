@@ -102,14 +102,15 @@ def _group(
     counter_for: Callable[[str], InFlight],
 ) -> Group:
     total_weight = sum(ring.weights)
-    base_total = sum(node.load or 0.0 for node in ring.entries)
+    brain_load = settings.load == "requests"  # the brain's estimates count requests
+    base_total = sum(node.load or 0.0 for node in ring.entries) if brain_load else 0.0
     entries = tuple(
         (
             state_for(label),
-            settings.balance * (base_total + 1) * weight / total_weight - (node.load or 0.0)
+            settings.balance * (base_total + 1) * weight / total_weight - (node.load or 0.0 if brain_load else 0.0)
             if settings.balance
             else math.inf,
-            node.load or 0.0,
+            node.load or 0.0 if brain_load else 0.0,
             total_weight / weight,
             Endpoint(node.node_id, node.endpoint, node.gpu, node.model_version),
         )

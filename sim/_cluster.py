@@ -4,7 +4,8 @@ Per request of a workload, at its arrival: the policy chooses a node; a dead nod
 attempt fails at once and the caller tries again with that node excluded, up to `MAX_ATTEMPTS`); a live one
 queues it. Each node's engine model runs in simulated time; its first tokens and ends go back to the policy.
 Each live node's agent sends a node vector every `vector_period_s` (what `prism agent` would: engine gauges,
-KV hit ratio, arrival rate, TTFT quantiles per slice over the last `LATENCY_WINDOW_S`); the policy's `tick`
+arrival rate, and over the last `LATENCY_WINDOW_S` (the agent's engine period) the prefix-cache miss ratio and
+the TTFT quantiles per slice); the policy's `tick`
 runs every `tick_s`. A node killed mid-run loses its requests in flight (each tried again elsewhere) and stops
 answering and reporting.
 """
@@ -79,7 +80,8 @@ class _Node:
         self.wake_at = math.inf
         self.seq = 0
         self.arrivals = 0
-        self.window_queries = self.window_hits = 0
+        self.counters: deque[tuple[float, int, int]] = deque([(0.0, 0, 0)])  # (time, prefix queries, hits)
+        self.miss_ratio: float | None = None
         self.first_tokens: deque[tuple[float, str, float]] = deque()  # (time, slice, ttft s) for the agent
         self.busy_area = 0.0  # ∫ requests in flight dt, for load max/mean
         self.inflight = 0
@@ -110,14 +112,18 @@ class _Node:
             for key, v in by_slice.items()
         }
         m = self.model
-        queries = m.prefix_queries_tokens - self.window_queries
-        hits = m.prefix_hits_tokens - self.window_hits
-        self.window_queries, self.window_hits = m.prefix_queries_tokens, m.prefix_hits_tokens
+        self.counters.append((now, m.prefix_queries_tokens, m.prefix_hits_tokens))
+        while len(self.counters) > 2 and self.counters[1][0] <= now - LATENCY_WINDOW_S:
+            self.counters.popleft()
+        _, queries_before, hits_before = self.counters[0]
+        queries = m.prefix_queries_tokens - queries_before
+        if queries:  # as the agent's engine source: counter deltas over its period, the last value kept between
+            self.miss_ratio = 1.0 - (m.prefix_hits_tokens - hits_before) / queries
         metrics = NodeMetrics(
             cpu_util_ratio=0.05,
             gpu_util_ratio=1.0 if m.running else 0.0,
             kv_cache_usage_ratio=min(1.0, m.kv_usage),
-            kv_cache_miss_ratio=1.0 - hits / queries if queries else None,
+            kv_cache_miss_ratio=self.miss_ratio,
             requests_running=m.running,
             requests_waiting=len(m.waiting),
             requests_per_s=self.arrivals / period_s,

@@ -81,7 +81,12 @@ class PrismPolicy(Policy):
     def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
         self.now = now
         router = self.routers[request.id % len(self.routers)]
-        placed = Request(key=affinity_key(request, self.block_tokens), modality=request.signature, session=request.session)
+        placed = Request(
+            key=affinity_key(request, self.block_tokens),
+            modality=request.signature,
+            session=request.session,
+            cost=max(1, request.input_tokens),
+        )
         lease = router.request(placed, exclude=exclude)
         self._leases[request.id] = lease
         return lease.node_id

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
 import pytest
 
 from prismlb.brain import BrainConfig, Registry, TableBuilder, compute_weights, next_epoch, resolve_config
+from prismlb.brain._registry import QUALITY_SMOOTHING_S
 from prismlb.wire import ConfigError, NodeMetrics, NodeVector, Slice, health
 
 
@@ -68,15 +70,28 @@ def test_registry_ignores_replayed_vectors() -> None:
 def test_weight_hysteresis_ignores_small_changes() -> None:
     reg = Registry()
     key = (Slice.LLM, None)
+    reg.update(vec("ref", 1, cpu_util_ratio=0.0), now=0.0)  # the pool's healthiest
     reg.update(vec("a", 1, cpu_util_ratio=0.0), now=0.0)
     compute_weights(reg.nodes, {})
     assert reg.nodes["a"].weights[key] == 1.0
-    reg.update(vec("a", 2, cpu_util_ratio=0.1), now=1.0)
+    reg.update(vec("a", 2, 3600.0, cpu_util_ratio=0.1), now=1.0)  # an hour-long window replaces the average
     compute_weights(reg.nodes, {})
     assert reg.nodes["a"].weights[key] == 1.0
-    reg.update(vec("a", 3, cpu_util_ratio=0.9), now=2.0)
+    reg.update(vec("a", 3, 3600.0, cpu_util_ratio=0.9), now=2.0)
     compute_weights(reg.nodes, {})
     assert reg.nodes["a"].weights[key] == pytest.approx(0.5)
+
+
+def test_quality_is_smoothed_over_vectors() -> None:
+    reg = Registry()
+    reg.update(vec("a", 1, kv_cache_miss_ratio=0.36), now=0.0)  # score 0 and one alarm
+    assert reg.nodes["a"].quality == 0.0
+    reg.update(vec("a", 2, kv_cache_miss_ratio=0.0), now=1.0)  # one quiet second: quality 1.0 for that window
+    state = reg.nodes["a"]
+    assert state.quality == pytest.approx(1 - math.exp(-1 / QUALITY_SMOOTHING_S))
+    for seq in range(3, 3 + 60):
+        reg.update(vec("a", seq, kv_cache_miss_ratio=0.0), now=float(seq))
+    assert state.quality > 0.95
 
 
 def test_table_version_moves_only_on_change() -> None:

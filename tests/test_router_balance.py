@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prismlb.router import Lease, Ring, Router, Settings, position
+from prismlb.router import Lease, Request, Ring, Router, Settings, position
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
 WEIGHTS = st.sampled_from([0.05, 0.25, 0.5, 0.75, 1.0])
@@ -145,3 +146,43 @@ def test_the_brains_load_estimates_steer_new_requests() -> None:
         for n in idle
     ]
     assert Router.from_table(table(busy)).route("key").node_id != owner
+
+
+def test_prefill_load_counts_prompt_tokens_until_the_first_token() -> None:
+    nodes = [TableNode(node_id=f"n{i}", endpoint=f"n{i}:8000", weight=1.0, load=50.0) for i in range(4)]
+    router = Router.from_table(table(nodes), settings=Settings(load="prefill"))
+    key = 12345
+    home = router.route(key)
+    big = router.request(Request(key=key, cost=60_000))
+    big.begin()
+    assert big.node_id == home.node_id
+    assert router.route(key).node_id != home.node_id  # 60k tokens queued there: the key spills down its probe order
+    states = {label: s for label, s in router._states.items()}  # noqa: SLF001
+    assert states[big.label].load == 60_000 and states[big.label].inflight == 1
+    big.first_token()  # prefill done: its tokens no longer count, the request is still in flight
+    assert states[big.label].load == 0 and states[big.label].inflight == 1
+    assert router.route(key).node_id == home.node_id
+    big.end()
+    assert states[big.label].load == 0 and states[big.label].inflight == 0
+    assert all(group.inflight.value == 0 for group in (router._snapshot.slices["llm"].group,))  # type: ignore[union-attr]  # noqa: SLF001
+
+
+def test_prefill_load_ignores_the_brains_request_counts_and_ends_cleanly_without_a_first_token() -> None:
+    nodes = [TableNode(node_id=f"n{i}", endpoint=f"n{i}:8000", weight=1.0, load=1000.0 * i) for i in range(4)]
+    by_requests = Router.from_table(table(nodes))
+    by_prefill = Router.from_table(table(nodes), settings=Settings(load="prefill"))
+    keys = range(2000)
+    busiest = sum(by_requests.route(k).node_id == "n3" for k in keys)
+    assert busiest < 100  # counting requests, the brain's 3,000 on n3 keep keys away
+    assert sum(by_prefill.route(k).node_id == "n3" for k in keys) > 300  # its share of an idle prefill ring
+    lease = by_prefill.request(Request(key=1, cost=500))
+    with lease:
+        pass  # failed before any token: the cost is released at the end
+    assert all(s.load == 0 and s.inflight == 0 for s in by_prefill._states.values())  # noqa: SLF001
+
+
+def test_request_cost_and_load_mode_are_validated() -> None:
+    with pytest.raises(ValueError, match="cost"):
+        Request(key=1, cost=0)
+    with pytest.raises(ValueError, match="load must be one of"):
+        Settings(load="tokens")

@@ -102,8 +102,8 @@ def load(router: Router, rng: random.Random, most: int, slice_name: str | None =
     """Random requests in flight on each entry of a slice, and their sum in the group's counter."""
     g = group(router, slice_name)
     for state, *_ in g.entries:
-        state.inflight = rng.randrange(most + 1)
-    g.inflight.value = sum(state.inflight for state, *_ in g.entries)
+        state.load = rng.randrange(most + 1)
+    g.inflight.value = sum(state.load for state, *_ in g.entries)
 
 
 def assert_same(router: Router, inputs: Sequence[object], slice_name: str | None = None) -> int:
@@ -182,7 +182,7 @@ def test_loads_at_the_limit_and_ties_route_alike(count: int, balance: float, val
     for _ in range(50):
         most = rng.choice([2, 10])
         for state, *_ in g.entries:
-            state.inflight = rng.randrange(most)
+            state.load = rng.randrange(most)
         g.inflight.value = value  # states are shared by label across slices: the counter need not be their sum
         inputs = keys(rng, 100)
         assert assert_same(router, inputs) == len(inputs)
@@ -264,7 +264,7 @@ def test_other_inputs_take_the_python_path() -> None:
 
 
 @needs_c
-@pytest.mark.parametrize(("attribute", "value"), [("inflight", 2**53 + 1), ("inflight", True), ("gated", 0)])
+@pytest.mark.parametrize(("attribute", "value"), [("load", 2**53 + 1), ("load", True), ("gated", 0)])
 def test_unusual_state_values_are_left_to_python(attribute: str, value: object) -> None:
     router = Router.from_table(table(nodes(10, random.Random(13))), clock=lambda: NOW)
     for state, *_ in group(router).entries:

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from prismlb.brain import NodeState, Predictions, Registry, TableBuilder, compute_weights, numa_factor, sensitivity
 from prismlb.brain._topology import BASE_VIRTUAL_NODES, PCIE_DERATE, virtual_nodes
-from prismlb.brain._weights import ALARM_DERATE, TAU0_MS, WEIGHT_FLOOR, quantise
+from prismlb.brain._registry import ALARM_DERATE
+from prismlb.brain._weights import TAU0_MS, WEIGHT_FLOOR, quantise
 from prismlb.wire import (
     Experiment,
     ExperimentArm,
@@ -40,6 +41,7 @@ class Cluster:
         labels: dict[str, str] | None = None,
         latency: dict[str, float] | None = None,
         gpus: Sequence[GpuState] = (),
+        period_s: float = 1.0,
         **metrics: float,
     ) -> None:
         self.seq += 1
@@ -51,7 +53,7 @@ class Cluster:
             labels=labels or {},
             seq=self.seq,
             sample_time_unix_s=1000.0 + self.seq,
-            period_s=1.0,
+            period_s=period_s,
             metrics=NodeMetrics(**metrics),  # type: ignore[arg-type]
             latency={k: ModalityLatency(requests=10, ttft_p99_ms=v) for k, v in (latency or {}).items()},
             gpus=list(gpus),
@@ -97,6 +99,7 @@ def test_tau0_maps_the_articles_three_classes_onto_four_slices() -> None:
 def test_weight_is_health_times_sensitivity_per_slice() -> None:
     c = Cluster()
     c.report("a", {"gpu": "l40s", "nvlink": "yes"}, latency={"engine": 250.0}, cpu_util_ratio=0.45)  # health 0.75
+    c.report("ref", {"gpu": "l40s", "nvlink": "yes"}, latency={"engine": 250.0})  # the pool's healthiest: 1.0
     w = c.weights()
     assert weight_of(w, Slice.LLM, "a") == quantise(0.75 * sensitivity(250.0, 800.0)) == 0.7
     assert weight_of(w, Slice.VLM, "a") == quantise(0.75 * sensitivity(250.0, 1200.0)) == 0.7
@@ -140,6 +143,7 @@ def test_alarms_derate_the_weight() -> None:
     c = Cluster()
     c.report("calm", kv_cache_miss_ratio=0.18)  # at the threshold: score 0.5, no alarm
     c.report("alarmed", kv_cache_miss_ratio=0.185)  # just over: score ≈ 0.49, alarm
+    c.report("healthy")  # the pool's healthiest: quality 1.0
     assert c.nodes["alarmed"].health.alarms == ("kv_cache_miss_ratio",)
     w = c.weights()
     assert weight_of(w, Slice.LLM, "calm") == 0.5
@@ -157,6 +161,7 @@ def test_floor_keeps_a_live_eligible_node_in_its_pool() -> None:
         cpu_preproc_p95_ms=10_000.0,
         nvlink_util_ratio=1.0,
     )
+    c.report("well", latency={"engine": 100.0})
     w = c.weights()
     assert weight_of(w, Slice.LLM, "sick") == WEIGHT_FLOOR > 0.0
 
@@ -194,11 +199,12 @@ def test_small_oscillations_hold_the_weight_and_publish_nothing() -> None:
 
 def test_hold_moves_only_past_the_hysteresis_band() -> None:
     c = Cluster()
+    c.report("ref")  # the pool's healthiest: quality 1.0
     c.report("a", cpu_util_ratio=0.45)  # 0.75
     assert weight_of(c.weights(), Slice.LLM, "a") == 0.75
-    c.report("a", cpu_util_ratio=0.58)  # 0.678: within 0.075 of 0.75
+    c.report("a", cpu_util_ratio=0.58, period_s=3600.0)  # 0.678: within 0.075 of 0.75 (an hour replaces the average)
     assert weight_of(c.weights(), Slice.LLM, "a") == 0.75
-    c.report("a", cpu_util_ratio=0.60)  # 0.667: out of the band, snaps to its step
+    c.report("a", cpu_util_ratio=0.60, period_s=3600.0)  # 0.667: out of the band, snaps to its step
     assert weight_of(c.weights(), Slice.LLM, "a") == 0.65
 
 
@@ -293,3 +299,25 @@ def test_built_table_is_valid_on_the_wire() -> None:
     table = TableBuilder(epoch=9).build(c.weights({"a": {Slice.LLM: 123.0}}))
     assert table is not None
     assert decode(encode(table), (RoutingTable,), 1 << 20) == table
+
+
+def test_quality_is_relative_to_the_pools_healthiest() -> None:
+    c = Cluster()
+    for node in ("a", "b", "c"):
+        c.report(node, kv_cache_miss_ratio=0.3)  # every node past the alarm: none is singled out
+    assert {weight_of(c.weights(), Slice.LLM, n) for n in ("a", "b", "c")} == {1.0}
+    c.report("a", kv_cache_miss_ratio=0.9, period_s=3600.0)
+    assert weight_of(c.weights(), Slice.LLM, "a") == WEIGHT_FLOOR
+    for node in ("b", "c"):
+        c.report(node, kv_cache_miss_ratio=0.9, period_s=3600.0)  # quality 0 everywhere: all equal again
+    assert {weight_of(c.weights(), Slice.LLM, n) for n in ("a", "b", "c")} == {1.0}
+
+
+def test_pool_past_its_tolerance_is_weighed_against_its_median() -> None:
+    c = Cluster()
+    for node, p99 in (("a", 4000.0), ("b", 8000.0), ("c", 8000.0), ("d", 16000.0)):
+        c.report(node, latency={"engine": p99})
+    w = c.weights()
+    assert weight_of(w, Slice.LLM, "b") == 0.5  # at the median (8 s, past τ0 = 0.8 s): 0.5, not the floor
+    assert weight_of(w, Slice.LLM, "a") == quantise(sensitivity(4000.0, 8000.0)) == 0.8
+    assert weight_of(w, Slice.LLM, "d") == quantise(sensitivity(16000.0, 8000.0)) == 0.2
