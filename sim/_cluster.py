@@ -264,7 +264,14 @@ class Simulation:
         if node.info.numa_node != self._gateway_numa(request):
             self.cross_numa += 1
         profile = node.model.profile
-        job = Job(request.blocks, request.input_tokens, max(1, request.output_tokens), profile.media_s(request.media), now)
+        job = Job(
+            request.blocks,
+            request.input_tokens,
+            max(1, request.output_tokens),
+            profile.media_s(request.media),
+            now,
+            media_tokens=request.media_tokens,
+        )
         job.tag = _Attempt(request, name, parse_signature(request.signature)[0].value)
         if not node.model.fits(job):
             job.output_tokens = 1  # an engine truncates what cannot fit; the prompt itself always fits here

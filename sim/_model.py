@@ -78,6 +78,8 @@ class Job:
     arrival_s: float
     tag: object = None
     """The caller's handle (the simulator's request, the emulator's stream)."""
+    media_tokens: int = 0
+    """Prompt tokens from media parts, which the prefix blocks do not cover (never reused)."""
     admitted_s: float | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -216,7 +218,7 @@ class EngineModel:
         job.private_blocks = private
         self._private += private
         job.hit_blocks = hit
-        job.cached_tokens = min(job.prompt_tokens, hit * self.block_tokens)
+        job.cached_tokens = min(job.prompt_tokens - job.media_tokens, hit * self.block_tokens)
         job.admitted_s = now
         self.prefix_queries_tokens += job.prompt_tokens
         self.prefix_hits_tokens += job.cached_tokens

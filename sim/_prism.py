@@ -10,8 +10,6 @@ runs are deterministic). All of it runs on the simulation's clock.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from prismlb.brain import BrainConfig
@@ -50,7 +48,6 @@ class PrismPolicy(Policy):
 
         self.config = BrainConfig(admin_port=0, stale_periods=3.0)
         self.tick_s = self.config.cycle_s
-        logging.getLogger("prism").setLevel(logging.WARNING)
         torch.manual_seed(0)
         self.brain = Brain(self.config)
         self.now = 0.0
