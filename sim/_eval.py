@@ -182,7 +182,7 @@ def _run(args: argparse.Namespace) -> int:
     print()
     print(format_table(results))
     if not args.no_report:
-        command = "prism eval " + " ".join(_argv_echo(args))
+        command = " ".join(["prism eval", *_argv_echo(args)])
         paths = write_report(results, args.out, command=command)
         print(f"report: {', '.join(str(p) for p in paths if p.suffix == '.md')}")
     print(f"{len(results)} runs in {time.monotonic() - started:.0f} s")
