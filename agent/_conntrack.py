@@ -248,11 +248,14 @@ class ConnectionTracer:
         """Connections the kernel tracks now (entries in the `conns` map)."""
         return len(self._conns)
 
-    def stats(self, sock_id: int) -> tuple[int, int, int] | None:
-        """(bytes sent, bytes received, retransmits) of a live connection now, or None once it is closed."""
+    def stats(self, sock_id: int, local_port: int, remote_port: int) -> tuple[int, int, int] | None:
+        """(bytes sent, bytes received, retransmits) of a live connection now; None once it is closed, or when
+        its socket's address already belongs to a newer connection (other ports) whose close came first."""
         try:
             state = self._conns[self._conns.Key(sock_id)]
         except KeyError:
+            return None
+        if (state.lport, state.rport) != (local_port, remote_port):
             return None
         return (state.bytes_sent, state.bytes_received, state.retransmits)
 

@@ -31,7 +31,8 @@ CLIENT_REMOTE_ADDRESS = ("network.peer.address", "net.sock.peer.addr", "server.a
 CLIENT_REMOTE_PORT = ("network.peer.port", "net.sock.peer.port", "server.port", "net.peer.port")
 TRANSPORT = ("network.transport", "net.transport")
 
-Stats = Callable[[int], "tuple[int, int, int] | None"]
+Stats = Callable[[int, int, int], "tuple[int, int, int] | None"]
+"""(sock_id, local port, remote port) -> a live connection's (bytes sent, bytes received, retransmits), or None."""
 
 
 def normalise_address(text: str) -> str | None:
@@ -50,6 +51,10 @@ def _normalise(conn: Connection) -> None:
     conn.remote_addr = normalise_address(conn.remote_addr) or conn.remote_addr
 
 
+CLOSE_EVENT_WAIT_S = 0.2
+"""How long a span waits for the close event of a connection the kernel has just dropped, for its final counts."""
+
+
 class ConnectionIndex:
     """Recent connections, found by 4-tuple or by remote endpoint; bounded in count and age.
 
@@ -59,7 +64,7 @@ class ConnectionIndex:
     def __init__(self, retention_s: float = 300.0, max_connections: int = 200_000) -> None:
         self.retention_ns = int(retention_s * 1e9)
         self.max_connections = max_connections
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._live: dict[int, Connection] = {}
         self._by_remote: dict[tuple[str, int], list[Connection]] = {}
         self._order: deque[Connection] = deque()
@@ -68,6 +73,11 @@ class ConnectionIndex:
     def __len__(self) -> int:
         with self._lock:
             return len(self._order)
+
+    def wait_closed(self, conn: Connection, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for `conn`'s close event (the kernel dropped it, the event is on its way)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: conn.closed_unix_ns is not None, timeout_s)
 
     def established(self, conn: Connection) -> None:
         _normalise(conn)
@@ -94,6 +104,7 @@ class ConnectionIndex:
             conn.pid = conn.pid or final.pid
             conn.tid = conn.tid or final.tid
             conn.comm = conn.comm or final.comm
+            self._lock.notify_all()
             conn.process_start_unix_s = conn.process_start_unix_s or final.process_start_unix_s
 
     def _evict(self, now_ns: int) -> None:
@@ -278,11 +289,12 @@ class SpanJoiner:
         reused = first is not None and start > first
         if first is None or start < first:
             conn.first_span_unix_ns = start
-        sent, received, retransmits = conn.bytes_sent, conn.bytes_received, conn.retransmits
+        live = None
         if conn.closed_unix_ns is None and self._stats is not None:
-            live = self._stats(conn.sock_id)
-            if live is not None:
-                sent, received, retransmits = live
+            live = self._stats(conn.sock_id, conn.local_port, conn.remote_port)
+            if live is None:  # closed in the kernel, its close event (with the final counts) not read yet
+                self.index.wait_closed(conn, CLOSE_EVENT_WAIT_S)
+        sent, received, retransmits = live or (conn.bytes_sent, conn.bytes_received, conn.retransmits)
         extra: list[tuple[str, str | int | float | bool]] = [
             ("prism.net.join", how),
             ("prism.net.role", conn.role),

@@ -316,9 +316,11 @@ def test_stats_reads_a_live_connection() -> None:
                 assert len(peer.recv(1000)) == 123
                 client = seen.one("established", "client", _tuple(sock))
                 server = seen.one("established", "server", _reverse(_tuple(sock)))
-                assert tracer.stats(client.sock_id) == (123, 0, 0)
-                assert tracer.stats(server.sock_id) == (0, 123, 0)
-                assert tracer.stats(client.sock_id ^ 1) is None
+                ports = (client.local_port, client.remote_port)
+                assert tracer.stats(client.sock_id, *ports) == (123, 0, 0)
+                assert tracer.stats(server.sock_id, server.local_port, server.remote_port) == (0, 123, 0)
+                assert tracer.stats(client.sock_id ^ 1, *ports) is None
+                assert tracer.stats(client.sock_id, client.local_port, client.remote_port + 1) is None  # a newer connection
         assert seen.one("closed", "client", client.four_tuple).sock_id == client.sock_id
 
 

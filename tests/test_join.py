@@ -96,7 +96,7 @@ def test_client_span_joins_by_remote_pid_and_window() -> None:
     index = ConnectionIndex()
     index.established(conn(1, "client", ("10.0.0.1", 41000), ("10.0.0.2", 8000), 0, pid=7, handshake_us=850.0))
     index.established(conn(2, "client", ("10.0.0.1", 41001), ("10.0.0.2", 8000), 0.5, pid=8))
-    joiner = SpanJoiner(index, stats=lambda sock: (100, 200, 1) if sock == 1 else None)
+    joiner = SpanJoiner(index, stats=lambda sock, lport, rport: (100, 200, 1) if (sock, lport, rport) == (1, 41000, 8000) else None)
     s = span(3, 1, {"server.address": "10.0.0.2", "server.port": 8000})
     (s,) = enrich(joiner, [s], pid=7)
     a = attrs_of(s)
