@@ -28,6 +28,7 @@ from ._health import EndpointState, EndpointStatus, Outcome, classify
 from ._keys import GOLDEN as _GOLDEN
 from ._keys import position
 from ._lease import Lease
+from ._memory import PrefixMemory
 from ._metrics import RouterCollector
 from ._request import CONTEXT_HEADER, SESSION_HEADER, Key, Request, slice_of
 from ._sessions import SessionTable
@@ -97,6 +98,7 @@ class Router:
         self._states: dict[str, EndpointState] = {}
         self._counters: dict[str, InFlight] = {}
         self._sessions = SessionTable(self.settings.session_ttl_s, self.settings.max_sessions)
+        self._memory = PrefixMemory(self.settings.prefix_memory) if self.settings.prefix_memory else None
         self._has_table = threading.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._subscriber: TableSubscriber | None = None
@@ -254,7 +256,7 @@ class Router:
             request = Request(key=request, slice=slice_name)
         elif slice_name is not None:
             raise TypeError("name the slice in the Request, not as an argument")
-        group, index, moved_from, context = self._place(request, exclude)
+        group, index, moved_from, context = self._place(request, exclude, remember=True)
         headers: dict[str, str] = {}
         if request.session:
             headers[SESSION_HEADER] = request.session
@@ -326,8 +328,11 @@ class Router:
             raise NoRouteError(f"no nodes for slice {wanted.value!r} or 'default' in table {describe(snapshot.table)}")
         return target
 
-    def _place(self, request: Request, exclude: Collection[str]) -> tuple[Group, int, str | None, str | None]:
-        """(group, entry index, node the session moved from, context signature) for a request."""
+    def _place(
+        self, request: Request, exclude: Collection[str], *, remember: bool = False
+    ) -> tuple[Group, int, str | None, str | None]:
+        """(group, entry index, node the session moved from, context signature) for a request; `remember`: a
+        request being sent, which the prefix memory (if on) consults and records."""
         snapshot = self._snapshot
         if snapshot is None:
             raise NoRouteError("no routing table yet")
@@ -346,6 +351,9 @@ class Router:
             state = group.entries[index][0]
             if state.label in exclude or (state.gated and not state.admits(now)):
                 index = None
+        memory = self._memory if remember else None
+        if index is None and memory is not None and key is not None:
+            index = self._remembered(group, memory, key, request.cost, exclude, now)
         if index is None:
             pos = position(key) if key is not None else random.getrandbits(32)
             owner = group.ring.owner(pos)
@@ -363,7 +371,25 @@ class Router:
             context = context or session.context
         if request.session:
             self._sessions.put(request.session, label, endpoint.node_id, endpoint.model_version, context, now)
+        if memory is not None and key is not None:
+            memory.put(key, label, request.cost)
         return group, index, moved_from, context
+
+    def _remembered(
+        self, group: Group, memory: PrefixMemory, key: Key, cost: int, exclude: Collection[str], now: float
+    ) -> int | None:
+        """The entry `key` last went to, if available and under its bound once the request's expected cache hit
+        there (the smaller of its cost and the last one) is taken off that entry's queued work."""
+        last = memory.get(key)
+        index = None if last is None else group.index.get(last[0])
+        if index is None or last is None or last[0] in exclude:
+            return None
+        state, _, base_load, inv_share, _ = group.entries[index]
+        if state.gated and not state.admits(now):
+            return None
+        saved = min(cost, last[1])
+        limit = self.settings.balance * (group.base_total + group.inflight.value + 1)
+        return index if not self.settings.balance or (state.load + base_load - saved) * inv_share < limit else None
 
     def _fits(self, group: Group, index: int) -> bool:
         """Whether an entry is fully available and under its load limit (what route() checks inline)."""

@@ -17,6 +17,11 @@ class Settings:
     tokens) from when it is sent until its first token: the prefill work this caller has queued on each
     endpoint, which is what a new request's time to first token waits behind (the brain's estimates, which
     count requests, are left out)."""
+    prefix_memory: int = 0
+    """Affinity keys remembered with the entry this router last sent each to and its cost (0: off; needs
+    `load="prefill"`). A remembered key goes back to that entry while the entry's queued prefill work, less the
+    tokens the request should find cached there (the smaller of its cost and the last one), is under the
+    bound: a conversation follows its cache, also after the bound once moved it off its ring owner."""
     balance: float = 1.25
     """Bounded-load factor c: an entry takes a request only while its load stays under c × its weighted share
     of the slice's load (Mirrokni et al.); 0 turns the bound off."""
@@ -46,6 +51,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.load not in LOAD_MODES:
             raise ValueError(f"load must be one of {', '.join(LOAD_MODES)}, got {self.load!r}")
+        if self.prefix_memory < 0 or (self.prefix_memory and self.load != "prefill"):
+            raise ValueError(f"prefix_memory must be 0, or positive with load='prefill', got {self.prefix_memory}")
         if not (self.balance == 0 or self.balance >= 1):
             raise ValueError(f"balance must be 0 (off) or at least 1, got {self.balance}")
         for name in ("max_fails", "open_after", "half_open_trials", "connect_tries", "max_sessions", "base_points"):

@@ -186,3 +186,37 @@ def test_request_cost_and_load_mode_are_validated() -> None:
         Request(key=1, cost=0)
     with pytest.raises(ValueError, match="load must be one of"):
         Settings(load="tokens")
+
+
+def test_prefix_memory_keeps_a_key_where_its_cache_is() -> None:
+    nodes = [TableNode(node_id=f"n{i}", endpoint=f"n{i}:8000", weight=1.0) for i in range(4)]
+    plain = Router.from_table(table(nodes), settings=Settings(load="prefill", balance=1.05))
+    remembering = Router.from_table(table(nodes), settings=Settings(load="prefill", balance=1.05, prefix_memory=100))
+    key = 777
+    for router in (plain, remembering):
+        first = router.request(Request(key=key, cost=8_000))
+        first.begin()
+        first.first_token()
+        first.end()
+        busy = router.request(Request(key=key, cost=3_000))  # the owner now has 3k tokens queued, the others none
+        busy.begin()
+        turn = router.request(Request(key=key, cost=10_000))  # the next turn: ~8k of it cached on the owner
+        assert (turn.node_id == first.node_id) is (router is remembering)
+        busy.end()
+    assert len(remembering._memory or ()) == 1  # noqa: SLF001
+
+
+def test_prefix_memory_gives_way_when_the_saving_does_not_cover_the_queue() -> None:
+    nodes = [TableNode(node_id=f"n{i}", endpoint=f"n{i}:8000", weight=1.0) for i in range(4)]
+    router = Router.from_table(table(nodes), settings=Settings(load="prefill", balance=1.05, prefix_memory=100))
+    with router.request(Request(key=5, cost=1_000)) as first:
+        pass
+    queued = router.request(Request(key=6, cost=50_000), exclude=[n.node_id for n in nodes if n.node_id != first.node_id])
+    queued.begin()
+    assert queued.node_id == first.node_id
+    turn = router.request(Request(key=5, cost=2_000))  # saves 1k, but 50k are queued there
+    assert turn.node_id != first.node_id
+    excluded = router.request(Request(key=5, cost=2_000), exclude=[turn.node_id])
+    assert excluded.node_id != turn.node_id
+    with pytest.raises(ValueError, match="prefix_memory"):
+        Settings(prefix_memory=10)  # remembering costs needs load="prefill"
