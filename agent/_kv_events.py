@@ -30,7 +30,6 @@ from typing import Any, NamedTuple, Self, TypeGuard
 import msgspec
 import zmq
 
-
 from prismlb.wire import BLOOM_BITS, BLOOM_HASHES, CountingBloom, KvSummary, RejectCounter, block_key
 
 _log = logging.getLogger("prism.agent.kv_events")

@@ -19,8 +19,8 @@ from ._config import AgentConfig
 from ._ebpf import ConnectCounter
 from ._engine import EngineCollector
 from ._gpu import GpuCollector
-from ._kv_events import KvEventSubscriber
 from ._host import HostSampler
+from ._kv_events import KvEventSubscriber
 from ._node import Reading, Source
 from ._signals import SpanSignals
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from uhashring import HashRing  # type: ignore[import-untyped]
 
 from prismlb.router import Request, Ring, Router, Settings, prefix_key
 from prismlb.sim import traces_dir
@@ -38,7 +39,6 @@ from prismlb.wire import (
     TablePublisher,
     TableSubscriber,
 )
-from uhashring import HashRing  # type: ignore[import-untyped]
 
 MOONCAKE = traces_dir() / "mooncake/conversation_trace.jsonl"
 TRACE_BLOCK = 512  # tokens per Mooncake hash id

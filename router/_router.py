@@ -11,6 +11,8 @@ from typing import Self, TypeVar
 from zlib import crc32
 
 import zmq
+from prometheus_client import CollectorRegistry
+
 from prismlb.wire import (
     BrainAddress,
     ClientCurve,
@@ -21,7 +23,6 @@ from prismlb.wire import (
     RoutingTable,
     TableSubscriber,
 )
-from prometheus_client import CollectorRegistry
 
 from ._errors import ShedError
 from ._health import EndpointState, EndpointStatus, Outcome, classify

@@ -74,7 +74,9 @@ class _Node:
 
     def __init__(self, spec: NodeSpec, block_tokens: int, index: int) -> None:
         self.spec = spec
-        self.info = SimNode(spec.name, f"http://10.0.{index // 250}.{index % 250 + 1}:8000", spec.gpu_class, spec.numa_node)
+        self.info = SimNode(
+            spec.name, f"http://10.0.{index // 250}.{index % 250 + 1}:8000", spec.gpu_class, spec.numa_node
+        )
         self.model = EngineModel(PROFILES[spec.gpu_class], block_tokens)
         self.alive = True
         self.wake_at = math.inf
@@ -107,7 +109,10 @@ class _Node:
             by_slice.setdefault(ENGINE_LATENCY_KEY, []).append(ttft * 1000)
         latency = {
             key: ModalityLatency(
-                requests=len(v), ttft_p50_ms=percentile(v, 0.5), ttft_p95_ms=percentile(v, 0.95), ttft_p99_ms=percentile(v, 0.99)
+                requests=len(v),
+                ttft_p50_ms=percentile(v, 0.5),
+                ttft_p95_ms=percentile(v, 0.95),
+                ttft_p99_ms=percentile(v, 0.99),
             )
             for key, v in by_slice.items()
         }
@@ -370,7 +375,9 @@ class Simulation:
                 within = sum(t * 1000 <= TAU0_MS[Slice(s)] for s, _, t in self.ttft)
             else:
                 within = sum(v <= TAU0_MS[Slice(name)] for v in ms)
-            slices[name] = SliceStats(len(ms), percentile(ms, 0.5), percentile(ms, 0.99), within / len(ms) if ms else math.nan)
+            slices[name] = SliceStats(
+                len(ms), percentile(ms, 0.5), percentile(ms, 0.99), within / len(ms) if ms else math.nan
+            )
         queries = sum(n.model.prefix_queries_tokens for n in self.nodes.values())
         hits = sum(n.model.prefix_hits_tokens for n in self.nodes.values())
         areas = [n.busy_area for n in self.nodes.values()]

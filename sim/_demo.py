@@ -238,41 +238,68 @@ class Cluster:
     def start(self) -> None:
         self.brain = spawn(
             [
-                "-m", "prismlb.cli", "brain",
-                "--ingest", self.ingest,
-                "--updates", self.address.updates,
-                "--snapshot", self.address.snapshot,
-                "--metrics-port", str(self.brain_metrics_port),
-                "--admin-port", str(self.admin_port),
-                "--state-dir", str(self.logs / "brain-state"),
+                "-m",
+                "prismlb.cli",
+                "brain",
+                "--ingest",
+                self.ingest,
+                "--updates",
+                self.address.updates,
+                "--snapshot",
+                self.address.snapshot,
+                "--metrics-port",
+                str(self.brain_metrics_port),
+                "--admin-port",
+                str(self.admin_port),
+                "--state-dir",
+                str(self.logs / "brain-state"),
             ],
             self.logs / "brain.log",
         )
         for node in self.nodes:
             node.engine = spawn(
                 [
-                    "-m", "prismlb.sim._demo", "engine",
-                    "--gpu", node.gpu,
-                    "--port", str(node.engine_port),
-                    "--kv-events", f"tcp://127.0.0.1:{node.kv_port}",
-                    "--otlp", f"http://127.0.0.1:{node.otlp_port}",
-                    "--time-scale", repr(self.time_scale),
+                    "-m",
+                    "prismlb.sim._demo",
+                    "engine",
+                    "--gpu",
+                    node.gpu,
+                    "--port",
+                    str(node.engine_port),
+                    "--kv-events",
+                    f"tcp://127.0.0.1:{node.kv_port}",
+                    "--otlp",
+                    f"http://127.0.0.1:{node.otlp_port}",
+                    "--time-scale",
+                    repr(self.time_scale),
                 ],
                 self.logs / f"engine-{node.node_id}.log",
             )
         for node in self.nodes:
             args = [
-                "-m", "prismlb.cli", "agent",
-                "--node-id", node.node_id,
-                "--brain", self.ingest,
-                "--endpoint", node.url,
-                "--engine-url", f"{node.url}/metrics",
-                "--kv-events", f"tcp://127.0.0.1:{node.kv_port}",
-                "--otlp-grpc-port", str(node.otlp_port),
-                "--otlp-http-port", "0",
-                "--metrics-port", str(node.metrics_port),
-                "--period", str(AGENT_PERIOD_S),
-                "--trace-port", str(node.engine_port),
+                "-m",
+                "prismlb.cli",
+                "agent",
+                "--node-id",
+                node.node_id,
+                "--brain",
+                self.ingest,
+                "--endpoint",
+                node.url,
+                "--engine-url",
+                f"{node.url}/metrics",
+                "--kv-events",
+                f"tcp://127.0.0.1:{node.kv_port}",
+                "--otlp-grpc-port",
+                str(node.otlp_port),
+                "--otlp-http-port",
+                "0",
+                "--metrics-port",
+                str(node.metrics_port),
+                "--period",
+                str(AGENT_PERIOD_S),
+                "--trace-port",
+                str(node.engine_port),
             ]
             if not self.ebpf:
                 args.append("--no-ebpf")
@@ -677,7 +704,7 @@ class Demo:
         if self.live:
             width = shutil.get_terminal_size((120, 40)).columns
             lines = [*self.rows(), "", *self.events[-6:]]
-            frame = ("\x1b[%dF\x1b[J" % self._drawn if self._drawn else "") + "\n".join(l[:width] for l in lines)
+            frame = ("\x1b[%dF\x1b[J" % self._drawn if self._drawn else "") + "\n".join(line[:width] for line in lines)
             self.out.write(frame + "\n")
             self.out.flush()
             self._drawn = len(lines)
@@ -733,7 +760,9 @@ def summary(demo: Demo, wall_s: float, time_scale: float, load: float) -> list[s
     at_kill = [
         r
         for r in errors
-        if kill is not None and around is not None and r.end_s >= around[0]
+        if kill is not None
+        and around is not None
+        and r.end_s >= around[0]
         and (r.node == kill.victim or r.end_s <= around[1])
     ]
     other = [r for r in errors if r not in at_kill]

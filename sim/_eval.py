@@ -2,9 +2,10 @@
 
 Clusters (docs/sim.md): text traces run on eight A100-class nodes (the article's LLM pool); the multimodal mix
 runs on the article's pools sized to the mix's prefill work (images about 68%, audio and video about 32%):
-three H100s (NVLink, HBM3: the image pool) and five L40S (AV1, CUDA Graphs: the audio/video pool). Load is scaled so the offered prefill work (prompt tokens without any cache reuse,
-plus media encoders) is the named share of the cluster's prefill capacity. The kill runs take the 80% load
-and kill one node half-way through the trace.
+three H100s (NVLink, HBM3: the image pool) and five L40S (AV1, CUDA Graphs: the audio/video pool). Load is
+scaled so the offered prefill work (prompt tokens without any cache reuse, plus media encoders) is the named
+share of the cluster's prefill capacity. The kill runs take the 80% load and kill one node half-way through
+the trace.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -110,7 +111,9 @@ def cases(
     return out
 
 
-def run_all(todo: Sequence[Case], jobs: int = 1, progress: Callable[[RunResult], None] | None = None) -> list[RunResult]:
+def run_all(
+    todo: Sequence[Case], jobs: int = 1, progress: Callable[[RunResult], None] | None = None
+) -> list[RunResult]:
     """Every case, in `jobs` processes; results in the order of `todo`."""
     if jobs <= 1:
         results = []
@@ -149,7 +152,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--policies", default=None, help="comma-separated (default: prism and every baseline)")
     parser.add_argument("--levels", type=_levels, default=list(LEVELS.values()), help="e.g. 50%%,80%%,95%%")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--limit", type=int, default=None, help="requests per trace (default: the whole trace; mm: 6000)")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="requests per trace (default: the whole trace; mm: 6000)"
+    )
     parser.add_argument("--no-kill", action="store_true", help="skip the node-kill runs")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=Path("docs/results"), help="where the report goes")
@@ -167,7 +172,9 @@ def _run(args: argparse.Namespace) -> int:
     known = list(policy_factories(1))
     policies = known if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
     if set(policies) - set(known):
-        raise SystemExit(f"prism eval: unknown policies {sorted(set(policies) - set(known))}; known: {', '.join(known)}")
+        raise SystemExit(
+            f"prism eval: unknown policies {sorted(set(policies) - set(known))}; known: {', '.join(known)}"
+        )
     todo = cases(traces, policies, args.levels, seed=args.seed, limit=args.limit, kill=not args.no_kill)
     started = time.monotonic()
 

@@ -147,7 +147,9 @@ class EngineModel:
     def submit(self, job: Job, now: float) -> list[Event]:
         """Queue a job arriving at `now` (after `advance(now)`); ValueError when it can never fit the cache."""
         if not self.fits(job):
-            raise ValueError(f"prompt and output ({self._need(job)} blocks) exceed the KV cache ({self.capacity_blocks})")
+            raise ValueError(
+                f"prompt and output ({self._need(job)} blocks) exceed the KV cache ({self.capacity_blocks})"
+            )
         self.waiting.append(job)
         events: list[Event] = []
         if self.prefilling is None:

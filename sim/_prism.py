@@ -15,7 +15,8 @@ import torch
 from prismlb.brain import BrainConfig
 from prismlb.router import Lease, Outcome, Request, Router, Settings
 
-from ._types import ClusterView, Outcome as SimOutcome, Policy, SimRequest
+from ._types import ClusterView, Policy, SimRequest
+from ._types import Outcome as SimOutcome
 
 KEY_BLOCKS_TOKENS = 1024
 """The prefix key covers the prompt's first 1,024 tokens (the router's `PREFIX_TOKENS`)."""

@@ -27,11 +27,11 @@ from prismlb.wire import (
     BLOOM_CAPACITY,
     BLOOM_HASHES,
     CountingBloom,
+    KvSummary,
     block_key,
     bloom_contains,
     bloom_false_positive_rate,
     bloom_overlap,
-    KvSummary,
 )
 
 from .conftest import free_port

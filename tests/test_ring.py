@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from prismlb.router import Ring, position
 from prismlb.router._ring import bucket_index
 from prismlb.wire import CROSS_NUMA, SAME_NUMA, TableNode

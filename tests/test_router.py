@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Sequence
 import msgspec
 import pytest
 import zmq
+from prometheus_client import CollectorRegistry
+
 from prismlb.router import Endpoint, Lease, NoRouteError, Outcome, Request, Router, ShedError, add_parser
 from prismlb.wire import (
     BrainAddress,
@@ -27,7 +29,6 @@ from prismlb.wire import (
     TablePublisher,
     encode,
 )
-from prometheus_client import CollectorRegistry
 
 KEYS = [f"conversation-{i}" for i in range(200)]
 

@@ -8,6 +8,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from prismlb.router import Lease, Request, Ring, Router, Settings, position
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import msgspec
 import pytest
+
 from prismlb.router import Endpoint, Request, Router, Settings, position
 from prismlb.router._keys import GOLDEN
 from prismlb.router._snapshot import Group

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from prismlb.router import Circuit, Outcome, Request, Router, Settings
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 

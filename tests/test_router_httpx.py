@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+
 from prismlb.router import (
     BLOCK_SIZE,
     CONTEXT_HEADER,

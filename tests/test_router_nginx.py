@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from prismlb.router import render_nginx
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 

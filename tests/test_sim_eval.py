@@ -10,7 +10,9 @@ from prismlb.cli import main
 from prismlb.sim._eval import MM_CLUSTER, TEXT_CLUSTER, Case, capacity, cases, run_case
 
 
-def test_reduced_eval_writes_the_report_and_is_deterministic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_reduced_eval_writes_the_report_and_is_deterministic(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["eval", "--traces", "mooncake,mm", "--levels", "80%", "--limit", "300", "--jobs", "1"]
     assert main([*argv, "--out", str(tmp_path / "one")]) == 0
     printed = capsys.readouterr().out

@@ -76,7 +76,12 @@ def table_rows(text: str, heading: str) -> dict[str, list[str]]:
 
 def test_numbers_are_formatted_consistently() -> None:
     assert [format_ms(v) for v in (1234.4, 100.0, 99.96, 99.94, 7.25, float("nan"))] == [
-        "1234", "100", "100", "99.9", "7.2", "–"
+        "1234",
+        "100",
+        "100",
+        "99.9",
+        "7.2",
+        "–",
     ]
     assert format_pct(0.4567) == "45.7" and format_pct(1.0) == "100.0"
 

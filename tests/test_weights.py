@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prismlb.brain import NodeState, Predictions, Registry, TableBuilder, compute_weights, numa_factor, sensitivity
-from prismlb.brain._topology import BASE_VIRTUAL_NODES, PCIE_DERATE, virtual_nodes
 from prismlb.brain._registry import ALARM_DERATE
+from prismlb.brain._topology import BASE_VIRTUAL_NODES, PCIE_DERATE, virtual_nodes
 from prismlb.brain._weights import TAU0_MS, WEIGHT_FLOOR, quantise
 from prismlb.wire import (
     Experiment,

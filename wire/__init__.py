@@ -47,7 +47,7 @@ from ._messages import (
 from ._modality import DEFAULT_SLICE, ENGINE_LATENCY_KEY, MODALITY_HEADER, Slice, parse_signature
 from ._numa import CROSS_NUMA, SAME_NUMA, numa_factor
 from ._rejects import RejectCounter
-from ._service import MetricsServer, serve_metrics, sd_notify, setup_logging, stop_on_signals, watchdog_interval_s
+from ._service import MetricsServer, sd_notify, serve_metrics, setup_logging, stop_on_signals, watchdog_interval_s
 from ._transport import (
     BrainAddress,
     IdentityCheck,

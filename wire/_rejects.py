@@ -10,7 +10,6 @@ from prometheus_client import CollectorRegistry, Counter
 
 from ._exceptions import WireError
 
-
 _METRICS: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
 _METRICS_LOCK = threading.Lock()
 
