@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from prismlb.brain import TAU0_MS
 from prismlb.wire import ENGINE_LATENCY_KEY, ModalityLatency, NodeMetrics, NodeVector, Slice, parse_signature
@@ -256,7 +257,7 @@ class Simulation:
     # --- events -------------------------------------------------------------------------------------------
 
     def _arrive(self, now: float, payload: object) -> int:
-        request, exclude, attempts = payload  # type: ignore[misc]
+        request, exclude, attempts = cast(tuple[SimRequest, frozenset[str], int], payload)
         name = self.policy.choose(request, now, exclude)
         node = self.nodes[name]
         self.policy.dispatched(name, request, now)
@@ -298,7 +299,7 @@ class Simulation:
         return 0
 
     def _wake(self, now: float, payload: object) -> int:
-        node = self.nodes[payload]  # type: ignore[index]
+        node = self.nodes[cast(str, payload)]
         if not node.alive or now < node.wake_at:
             return 0
         node.wake_at = math.inf
@@ -344,13 +345,11 @@ class Simulation:
         return done
 
     def _kill(self, now: float, name: object) -> int:
-        node = self.nodes[name]  # type: ignore[index]
+        node = self.nodes[cast(str, name)]
         lost = self._apply(node, now, node.model.advance(now))
         node.alive = False
         self.killed_at = now
-        for job in sorted(node.jobs, key=lambda j: j.tag.request.id):  # type: ignore[union-attr]
-            attempt = job.tag
-            assert isinstance(attempt, _Attempt)
+        for attempt in sorted((cast(_Attempt, job.tag) for job in node.jobs), key=lambda a: a.request.id):
             node.account(now, -1)
             self.failed_attempts += 1
             self.policy.finished(node.spec.name, attempt.request, now, Outcome.CONNECT_ERROR)

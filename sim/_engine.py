@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -35,7 +35,12 @@ CHARS_PER_TOKEN = 4
 MODEL_NAME = "prism-emulated-8b"
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
-_PART_MODALITY: dict[str, Modality] = {"image_url": "image", "input_audio": "audio", "video": "video", "video_url": "video"}
+_PART_MODALITY: dict[str, Modality] = {
+    "image_url": "image",
+    "input_audio": "audio",
+    "video": "video",
+    "video_url": "video",
+}
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 
@@ -191,7 +196,7 @@ class EmulatedEngine:
         """Emulated time: wall time divided by `time_scale`."""
         return time.monotonic() / self.time_scale
 
-    def submit(self, text: str, parts: dict[Modality, int], max_tokens: int) -> _Stream:
+    def submit(self, text: str, parts: Mapping[str, int], max_tokens: int) -> _Stream:
         """Queue a request; raises ValueError when its prompt can never fit the KV cache."""
         tokens = prompt_tokens(text)
         job = Job(tuple(block_hashes(tokens)), len(tokens), max_tokens, self.profile.media_s(parts), 0.0)
@@ -274,12 +279,12 @@ class EmulatedEngine:
         stream.out.get()
 
 
-def _content(messages: Any) -> tuple[str, dict[Modality, int]]:
+def _content(messages: Any) -> tuple[str, Mapping[str, int]]:
     """The prompt text of OpenAI chat messages and the count of media parts by modality."""
     if not isinstance(messages, list):
         raise ValueError("messages must be a list")
     texts: list[str] = []
-    parts: dict[Modality, int] = {}
+    parts: dict[str, int] = {}
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
@@ -400,7 +405,7 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
             )
             self._spans_done(seq, parts)
 
-        def _spans_done(self, seq: _Stream, parts: dict[Modality, int]) -> None:
+        def _spans_done(self, seq: _Stream, parts: Mapping[str, int]) -> None:
             """The finished request's OTLP spans, when the engine exports them."""
             if engine.spans is not None:
                 engine.spans.request_done(

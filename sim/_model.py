@@ -42,7 +42,8 @@ class GpuProfile:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     decode_batch_slope: float
-    encoder_s: Mapping[Modality, float]
+    encoder_s: Mapping[str, float]
+    """Seconds per media part by modality ("image", "audio", "video")."""
     kv_blocks: int
     """KV-cache capacity in 16-token blocks."""
     max_batch: int
@@ -54,7 +55,7 @@ class GpuProfile:
     def media_s(self, media: Mapping[str, int]) -> float:
         """Encoder seconds for media parts counted by modality; ValueError for an unknown modality."""
         try:
-            return sum(self.encoder_s[m] * n for m, n in media.items())  # type: ignore[index]
+            return sum((self.encoder_s[m] * n for m, n in media.items()), 0.0)
         except KeyError as exc:
             raise ValueError(f"unknown media modality {exc.args[0]!r}") from None
 
