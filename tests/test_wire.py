@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 
 import msgspec
@@ -355,3 +356,40 @@ def test_vector_with_gpus_latency_and_kv_round_trips() -> None:
     bad = msgspec.msgpack.encode({**msgspec.to_builtins(v, builtin_types=(bytes,)), "latency": {"llm": {"requests": 1, "ttft_p99_ms": -1.0}}})
     with pytest.raises(InvalidFieldError):
         decode([b"prism.node", b"1", bad], (NodeVector,), MAX_VECTOR_BYTES)
+
+
+def test_subscribers_on_one_context_share_one_thread_and_release_the_context() -> None:
+    ctx = zmq.Context()
+    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG))
+    publisher.publish(table(1, 1))
+    got: dict[int, list[tuple[int, int]]] = {i: [] for i in range(5)}
+    def loops() -> int:
+        return sum(t.name == "prism-table-subscribers" for t in threading.enumerate())
+
+    loops_before = loops()
+    subscribers = [
+        TableSubscriber(ctx, [address], lambda t, i=i: got[i].append(t.order) is None, RejectCounter("r", LOG))
+        for i in range(5)
+    ]
+    for s in subscribers:
+        s.start()
+    assert loops() == loops_before + 1  # one loop thread for all five
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and not all(got.values()):
+        publisher.serve_snapshots()
+        time.sleep(0.01)
+    subscribers[0].stop()  # one leaves; the others go on receiving
+    publisher.publish(table(1, 2))
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and not all(got[i][-1:] == [(1, 2)] for i in range(1, 5)):
+        time.sleep(0.01)
+    assert got[0] == [(1, 1)] and all(got[i] == [(1, 1), (1, 2)] for i in range(1, 5))
+    for s in subscribers[1:]:
+        s.stop()
+    publisher.close()
+    ended = threading.Thread(target=ctx.term, daemon=True)  # the loop closed its sockets: term() returns
+    ended.start()
+    ended.join(timeout=5)
+    assert not ended.is_alive()
+    assert loops() == loops_before

@@ -4,6 +4,7 @@ pattern (PUB for every table and a heartbeat, ROUTER for snapshots to late joine
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from ._messages import Heartbeat, NodeVector, RoutingTable, SnapshotRequest
 from ._rejects import RejectCounter
 
 _log = logging.getLogger("prism.wire")
+_LOOP_IDLE_S = 0.5  # the subscriber loop wakes at least this often
 _FRAME_SLACK = 1024
 
 
@@ -217,12 +219,121 @@ class TablePublisher:
         self.snapshot_socket.close()
 
 
+class _SubscriberLoop:
+    """One thread per ZeroMQ context serving every TableSubscriber made on it.
+
+    A process that embeds several routers on one context (or many subscribers, as the propagation benchmark
+    does) then wakes one thread per table instead of one per subscriber: the threads would otherwise queue for
+    the interpreter lock and the CPUs one after another. The thread owns the subscribers' sockets, creates them
+    when a subscriber starts, closes them when it stops, and ends (closing its own sockets) with its last
+    subscriber, so the context can be terminated once every subscriber has stopped.
+    """
+
+    _registry: dict[int, _SubscriberLoop] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self._ctx = ctx
+        self._requests: list[tuple[bool, TableSubscriber, threading.Event]] = []
+        self._requests_lock = threading.Lock()
+        address = f"inproc://prism-table-subscribers-{id(self)}"
+        self._wake_in = ctx.socket(zmq.PAIR)
+        self._wake_in.bind(address)
+        self._wake_out = ctx.socket(zmq.PAIR)
+        self._wake_out.connect(address)
+        self._wake_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="prism-table-subscribers", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def submit(cls, ctx: zmq.Context, subscriber: TableSubscriber, add: bool) -> threading.Event:
+        """Ask the context's loop (started if needed) to add or remove `subscriber`; set when done."""
+        done = threading.Event()
+        with cls._registry_lock:
+            loop = cls._registry.get(id(ctx))
+            if loop is None:
+                if not add:
+                    done.set()
+                    return done
+                loop = cls._registry[id(ctx)] = _SubscriberLoop(ctx)
+            with loop._requests_lock:
+                loop._requests.append((add, subscriber, done))
+            with loop._wake_lock:
+                loop._wake_out.send(b"", flags=zmq.NOBLOCK)
+        return done
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_in, zmq.POLLIN)
+        owners: dict[zmq.Socket, TableSubscriber] = {}
+        subscribers: list[TableSubscriber] = []
+        while True:
+            now = time.monotonic()
+            due = min((s.due() for s in subscribers), default=math.inf)
+            timeout = max(0.0, min(due - now, _LOOP_IDLE_S)) * 1000
+            ready = [sock for sock, _ in poller.poll(timeout=timeout)]
+            if self._wake_in in ready:
+                while self._wake_in.poll(0):
+                    self._wake_in.recv()
+                if not self._apply_requests(poller, owners, subscribers):
+                    return
+            now = time.monotonic()
+            for subscriber in subscribers:
+                try:
+                    subscriber.tick(now)
+                except Exception:  # one subscriber's failure must not stop the others
+                    _log.exception("asking for a routing-table snapshot failed; asking again later")
+            for sock in ready:
+                owner = owners.get(sock)
+                if owner is not None:
+                    try:
+                        owner.readable(sock)
+                    except Exception:  # one subscriber's failure must not stop the others
+                        _log.exception("receiving routing tables failed; the subscriber goes on")
+
+    def _apply_requests(
+        self, poller: zmq.Poller, owners: dict[zmq.Socket, TableSubscriber], subscribers: list[TableSubscriber]
+    ) -> bool:
+        """Open or close subscribers as asked; False (everything closed) when the last one has gone."""
+        with self._requests_lock:
+            requests, self._requests = self._requests, []
+        finished: list[threading.Event] = []
+        for add, subscriber, done in requests:
+            if add:
+                for sock in subscriber.open():
+                    owners[sock] = subscriber
+                    poller.register(sock, zmq.POLLIN)
+                subscribers.append(subscriber)
+                done.set()
+            else:
+                if subscriber in subscribers:
+                    subscribers.remove(subscriber)
+                    for sock in [k for k, v in owners.items() if v is subscriber]:
+                        poller.unregister(sock)
+                        del owners[sock]
+                    subscriber.close()
+                finished.append(done)
+        if not subscribers:
+            with self._registry_lock, self._requests_lock:
+                if not self._requests:  # nobody is waiting to join: end, closing everything of ours
+                    del self._registry[id(self._ctx)]
+                    self._wake_in.close(linger=0)
+                    self._wake_out.close(linger=0)
+                    for done in finished:
+                        done.set()
+                    return False
+        for done in finished:
+            done.set()
+        return True
+
+
 class TableSubscriber:
     """Router side of the clone pattern: subscribes to every brain, asks each for a snapshot at start until it
     answers (and all again whenever a heartbeat shows a newer table than ours), and hands each newer table
     to `on_table`.
     Tables are ordered by (epoch, version), so with two brains the router follows the highest; a table
-    counts as received only when `on_table` returns True."""
+    counts as received only when `on_table` returns True. Its sockets live on its context's `_SubscriberLoop`
+    thread, which also calls `on_table`."""
 
     def __init__(
         self,
@@ -242,56 +353,73 @@ class TableSubscriber:
         self._rejects = rejects
         self._curve = curve
         self._retry_s = snapshot_retry_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="prism-table-subscriber", daemon=True)
+        self._started = False
+        self._sockets: list[zmq.Socket] = []
+        self._dealers: list[zmq.Socket] = []
+        self._unanswered: set[zmq.Socket] = set()  # brains asked for a snapshot that have not answered yet
+        self._next_request = 0.0
         self.current_order: tuple[int, int] = (-1, -1)
         self.last_heard_monotonic: float | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        if self._started:
+            raise RuntimeError("the subscriber is already started")
+        self._started = True
+        _SubscriberLoop.submit(self._ctx, self, add=True).wait()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        if self._started:
+            self._started = False
+            _SubscriberLoop.submit(self._ctx, self, add=False).wait(timeout=5)
+
+    # --- on the loop's thread -----------------------------------------------------------------------------
 
     def _make(self, kind: int, max_bytes: int) -> zmq.Socket:
         return _socket(self._ctx, kind, hwm=1000, max_bytes=max_bytes, curve=self._curve)
 
-    def _run(self) -> None:
+    def open(self) -> list[zmq.Socket]:
+        """Create and connect the sockets; the ones to poll."""
         sub = self._make(zmq.SUB, MAX_TABLE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, b"prism.")
-        dealers = []
+        self._dealers = []
         for _ in self._brains:
             dealer = self._make(zmq.DEALER, MAX_TABLE_BYTES)
             dealer.sndhwm = 1
             dealer.setsockopt(zmq.IMMEDIATE, 1)
-            dealers.append(dealer)
-        for brain, dealer in zip(self._brains, dealers, strict=True):
+            self._dealers.append(dealer)
+        for brain, dealer in zip(self._brains, self._dealers, strict=True):
             sub.connect(brain.updates)
             dealer.connect(brain.snapshot)
-        poller = zmq.Poller()
-        for sock in (sub, *dealers):
-            poller.register(sock, zmq.POLLIN)
-        unanswered = set(dealers)  # brains asked for a snapshot that have not answered yet
-        next_request = 0.0
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                if unanswered and now >= next_request:
-                    for dealer in unanswered:
-                        try:
-                            dealer.send_multipart(encode(SnapshotRequest()), flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            pass
-                    next_request = now + self._retry_s
-                for sock, _ in poller.poll(timeout=50):
-                    unanswered.discard(sock)
-                    if self._receive(sock):
-                        unanswered = set(dealers)
-        finally:
-            sub.close()
-            for dealer in dealers:
-                dealer.close()
+        self._sockets = [sub, *self._dealers]
+        self._unanswered = set(self._dealers)
+        self._next_request = 0.0
+        return self._sockets
+
+    def due(self) -> float:
+        """When `tick` next has something to do (inf: nothing until a message comes)."""
+        return self._next_request if self._unanswered else math.inf
+
+    def tick(self, now: float) -> None:
+        """Ask the brains that have not answered for a snapshot, every `snapshot_retry_s`."""
+        if not self._unanswered or now < self._next_request:
+            return
+        for dealer in self._unanswered:
+            try:
+                dealer.send_multipart(encode(SnapshotRequest()), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        self._next_request = now + self._retry_s
+
+    def readable(self, sock: zmq.Socket) -> None:
+        self._unanswered.discard(sock)
+        if self._receive(sock):
+            self._unanswered = set(self._dealers)
+            self._next_request = 0.0
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._sockets, self._dealers, self._unanswered = [], [], set()
 
     def _receive(self, sock: zmq.Socket) -> bool:
         """Handle every waiting message on `sock`; True when a heartbeat shows we are behind."""
