@@ -11,6 +11,7 @@ import zmq
 
 from prismlb.cli import main as prism
 from prismlb.wire import (
+    AuthorizedKeys,
     BrainAddress,
     ClientCurve,
     ConfigError,
@@ -75,6 +76,32 @@ def test_vectors_from_unauthorised_keys_are_refused(ctx: zmq.Context, keys: Path
     assert {v.node_id for v in got} == {"good"}
     for closable in (receiver, evil, plain, good):
         closable.close()
+    auth.stop()
+
+
+def test_an_agent_refused_before_its_key_is_filed_gets_in_afterwards(ctx: zmq.Context, keys: Path, endpoint: str) -> None:
+    server = ServerCurve(keys / "brain.key_secret", keys / "authorized")
+    authorized = AuthorizedKeys(keys / "authorized")
+    auth = start_authenticator(ctx, server, authorized)
+    receiver = VectorReceiver(ctx, endpoint, RejectCounter("brain", LOG), curve=server)
+    public, _ = generate_keypair(keys, "late")
+    late = VectorSender(ctx, endpoint, curve=ClientCurve(keys / "late.key_secret", keys / "brain.key"), retry_s=0.2)
+    got: list[NodeVector] = []
+
+    def run(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            late.send(vector("late"))
+            receiver.socket.poll(50)
+            got.extend(receiver.drain())
+
+    run(1.0)
+    assert not got and late.refused >= 1  # refused, and counted
+    (keys / "authorized" / "late.key").write_bytes(public.read_bytes())
+    run(4.0)
+    assert {v.node_id for v in got} == {"late"}  # started over with a new socket once its key was filed
+    late.close()
+    receiver.close()
     auth.stop()
 
 

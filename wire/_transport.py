@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import zmq
+import zmq.utils.monitor
 
 from ._codec import MAX_TABLE_BYTES, MAX_VECTOR_BYTES, decode, encode
 from ._curve import ClientCurve, ServerCurve
@@ -68,17 +69,65 @@ def _attach(sock: zmq.Socket, endpoint: str, *, bind: bool) -> zmq.Socket:
 
 
 class VectorSender:
-    """Agent side: a PUSH socket with a bounded queue; a full queue drops the vector and counts it."""
+    """Agent side: a PUSH socket with a bounded queue; a full queue drops the vector and counts it.
+
+    With CURVE, a brain that refuses this agent's key ends the connection for good (libzmq does not retry a
+    failed authentication). The sender watches for that and starts over with a new socket `retry_s` later,
+    doubling up to `RETRY_MAX_S` while refusals go on, so an agent started before its key was filed gets in
+    once it is. Refusals are counted (`refused`) and logged, once per run of them.
+    """
+
+    RETRY_MAX_S = 30.0
 
     def __init__(
-        self, ctx: zmq.Context, endpoint: str, *, curve: ClientCurve | None = None, hwm: int = 64
+        self, ctx: zmq.Context, endpoint: str, *, curve: ClientCurve | None = None, hwm: int = 64, retry_s: float = 1.0
     ) -> None:
-        sock = _socket(ctx, zmq.PUSH, hwm=hwm, max_bytes=MAX_VECTOR_BYTES, curve=curve)
-        self._sock = _attach(sock, endpoint, bind=False)
+        self._ctx, self._endpoint, self._curve, self._hwm = ctx, endpoint, curve, hwm
+        self._retry_s = self._first_retry_s = retry_s
+        self._retry_at: float | None = None
+        self._monitor: zmq.Socket | None = None
         self.sent = 0
         self.dropped = 0
+        self.refused = 0
+        self._sock = self._open()
+
+    def _open(self) -> zmq.Socket:
+        sock = _socket(self._ctx, zmq.PUSH, hwm=self._hwm, max_bytes=MAX_VECTOR_BYTES, curve=self._curve)
+        if self._curve is not None:
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        return _attach(sock, self._endpoint, bind=False)
+
+    def _watch(self) -> None:
+        """Notice refusals and successful handshakes; after a refusal, start over once `retry_s` has passed."""
+        monitor = self._monitor
+        if monitor is None:
+            return
+        now = time.monotonic()
+        if self._retry_at is not None:
+            if now >= self._retry_at:
+                self._close_socket()
+                self._retry_at = None
+                self._sock = self._open()
+            return
+        while monitor.poll(0):
+            event = zmq.utils.monitor.parse_monitor_message(monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._retry_s = self._first_retry_s
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._retry_at is None:
+                self.refused += 1
+                if self._retry_s == self._first_retry_s:
+                    _log.error(
+                        "the brain at %s refused this agent's CURVE key; retrying every %g s up to %g s "
+                        "(file the agent's public key in the brain's authorised folder)",
+                        self._endpoint,
+                        self._retry_s,
+                        self.RETRY_MAX_S,
+                    )
+                self._retry_at = now + self._retry_s
+                self._retry_s = min(self.RETRY_MAX_S, 2 * self._retry_s)
 
     def send(self, vector: NodeVector) -> bool:
+        self._watch()
         try:
             self._sock.send_multipart(encode(vector), flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -87,8 +136,15 @@ class VectorSender:
         self.sent += 1
         return True
 
+    def _close_socket(self, linger: int | None = 0) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+        self._sock.close(linger=linger)
+
     def close(self) -> None:
-        self._sock.close()
+        self._close_socket(linger=None)
 
     def __enter__(self) -> VectorSender:
         return self
