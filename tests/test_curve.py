@@ -79,7 +79,7 @@ def test_vectors_from_unauthorised_keys_are_refused(ctx: zmq.Context, keys: Path
     auth.stop()
 
 
-def test_an_agent_refused_before_its_key_is_filed_gets_in_afterwards(ctx: zmq.Context, keys: Path, endpoint: str) -> None:
+def test_an_agent_refused_before_its_key_is_filed_gets_in_later(ctx: zmq.Context, keys: Path, endpoint: str) -> None:
     server = ServerCurve(keys / "brain.key_secret", keys / "authorized")
     authorized = AuthorizedKeys(keys / "authorized")
     auth = start_authenticator(ctx, server, authorized)
