@@ -10,7 +10,7 @@ from collections.abc import Callable
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
-from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from prismlb.otel._conventions import (
     ATTR_GPU,
@@ -58,6 +58,7 @@ class SpanSignals:
         self._load_window_s = load_window_s
         self._ttft: dict[str, Window] = {}
         self._e2e: dict[str, Window] = {}
+        self._errors: dict[str, Window] = {}
         self._preprocessing = Window(preprocessing_window_s)
         self._fragmentation: dict[int, tuple[float, float]] = {}
         self._lock = threading.Lock()
@@ -78,6 +79,8 @@ class SpanSignals:
                     if span.name == REQUEST_SPAN:
                         key = _slice(span)
                         self._windows(self._e2e, key).add(duration_ms, now)
+                        if span.status.code == Status.STATUS_CODE_ERROR:
+                            self._windows(self._errors, key).add(1.0, now)
                         ttft = _attr(span.attributes, ATTR_TTFT_MS)
                         if isinstance(ttft, (int, float)):
                             self._windows(self._ttft, key).add(float(ttft), now)
@@ -125,6 +128,7 @@ class SpanSignals:
                 continue
             out[key] = ModalityLatency(
                 requests=count,
+                errors=min(count, len(self._windows(self._errors, key).values(now))),
                 ttft_p50_ms=ttft_q[0] if ttft_q else None,
                 ttft_p95_ms=ttft_q[1] if ttft_q else None,
                 ttft_p99_ms=ttft_q[2] if ttft_q else None,

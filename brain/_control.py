@@ -28,7 +28,7 @@ class Control:
 
     def step(self, now_s: float, nodes: Mapping[str, NodeState], experiments: list[Experiment]) -> None:
         arms_by_slice = {e.slice: {arm.model_version for arm in e.arms} for e in experiments}
-        weighted = requests = 0.0
+        weighted = requests = errors = 0.0
         qps = 0.0
         seen_qps = False
         for state in nodes.values():
@@ -46,9 +46,10 @@ class Control:
                 self.drift.observe(Group(key, arm), p99, now_s, float(latency.requests), dimensions)
                 weighted += p99 * latency.requests
                 requests += latency.requests
+                errors += min(latency.errors, latency.requests)
         self.drift.check(now_s)
         p99_ms = weighted / requests if requests else None
-        self.guardian.check(now_s, p99_ms, None, qps if seen_qps else None)
+        self.guardian.check(now_s, p99_ms, errors / requests if requests else None, qps if seen_qps else None)
 
     @staticmethod
     def _log_drift(event: DriftEvent) -> None:

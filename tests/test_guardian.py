@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from prismlb.brain._control import Control
+from prismlb.brain._drift import DriftDetector
 from prismlb.brain._guardian import Guardian, GuardianConfig, GuardianState
+from prismlb.brain._registry import NodeState
 from prismlb.brain._scale_hook import CommandHook, HookError, ScaleEvent, WebhookHook, parse_hook
-from prismlb.wire import ConfigError
+from prismlb.wire import ConfigError, ModalityLatency, NodeMetrics, NodeVector, health
 
 N, D, S, R = GuardianState.NORMAL, GuardianState.DEGRADE, GuardianState.SCALE_UP, GuardianState.RECOVER
 OK = {"p99_ms": 300.0, "error_ratio": 0.001, "qps": 100.0}
@@ -320,3 +323,22 @@ def test_parse_hook_and_config_validation() -> None:
     ):
         with pytest.raises(ConfigError):
             GuardianConfig(**bad)
+
+
+def test_the_control_step_feeds_the_guardian_the_cluster_error_ratio() -> None:
+    guardian = Guardian(GuardianConfig(), CollectorRegistry())
+    control = Control(DriftDetector(), guardian)
+
+    def state(node: str, requests: int, errors: int) -> NodeState:
+        latency = {"llm": ModalityLatency(requests=requests, errors=errors, ttft_p99_ms=100.0)}
+        metrics = NodeMetrics(requests_per_s=1.0)
+        vector = NodeVector(
+            node_id=node, host=node, endpoint="e", seq=1, sample_time_unix_s=1.0, period_s=1.0, metrics=metrics, latency=latency
+        )
+        return NodeState(vector, 0.0, health(metrics))
+
+    control.step(1.0, {"a": state("a", 1000, 0), "b": state("b", 1000, 2)}, [])
+    assert guardian.state is GuardianState.NORMAL  # 0.1% errors, P99 100 ms: compliant
+    control.step(2.0, {"a": state("a", 1000, 0), "b": state("b", 1000, 30)}, [])
+    assert guardian.state is not GuardianState.NORMAL  # 1.5% errors > 0.5%
+    assert any("error rate" in t.reason for t in guardian.transitions)

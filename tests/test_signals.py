@@ -7,7 +7,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Gauge, Metric, NumberDataPoint, ResourceMetrics, ScopeMetrics
-from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
 from prismlb.agent._signals import SpanSignals
 from prismlb.agent._windows import Window, percentile
@@ -110,3 +110,18 @@ def test_fragmentation_takes_the_worst_fresh_gpu() -> None:
     assert signals.fragmentation_ratio(max_age_s=1) == pytest.approx(0.1)
     clock.now += 10
     assert signals.fragmentation_ratio(max_age_s=6) is None
+
+
+def test_request_spans_with_error_status_are_counted_per_slice() -> None:
+    clock = Clock()
+    signals = SpanSignals(load_window_s=10.0, clock=clock)
+    failed = [span("prism.request", 20.0, {"prism.slice": "av"}) for _ in range(3)]
+    for s in failed:
+        s.status.code = Status.STATUS_CODE_ERROR
+    ok = [span("prism.request", 20.0, {"prism.slice": "av"}) for _ in range(7)]
+    signals.on_traces(traces(*failed, *ok, span("prism.request", 20.0)))
+    latency = signals.latency()
+    assert (latency["av"].requests, latency["av"].errors) == (10, 3)
+    assert (latency["llm"].requests, latency["llm"].errors) == (1, 0)
+    clock.now += 11
+    assert signals.latency() == {}

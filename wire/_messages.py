@@ -73,6 +73,8 @@ class ModalityLatency(_FiniteMessage, kw_only=True):
     """Observed latency of one modality slice's requests over the agent's window."""
 
     requests: Count
+    errors: Count = 0
+    """Of those requests, the ones that ended in an error (request span status ERROR)."""
     ttft_p50_ms: NonNegative | None = None
     ttft_p95_ms: NonNegative | None = None
     ttft_p99_ms: NonNegative | None = None
