@@ -13,21 +13,19 @@ from __future__ import annotations
 import torch
 
 from prismlb.brain import BrainConfig
-from prismlb.router import Lease, Outcome, Request, Router, Settings
+from prismlb.router import PREFIX_TOKENS, Lease, Outcome, Request, Router, Settings
 
 from ._types import ClusterView, Policy, SimRequest
 from ._types import Outcome as SimOutcome
 
-KEY_BLOCKS_TOKENS = 1024
-"""The prefix key covers the prompt's first 1,024 tokens (the router's `PREFIX_TOKENS`)."""
 
 
 def affinity_key(request: SimRequest, block_tokens: int) -> int:
-    """The chained id of the last prefix block within the key's window, as `prefix_key` computes it from
-    token ids; a request without blocks gets its own id (no affinity)."""
+    """The chained id of the last prefix block within the router's `PREFIX_TOKENS`, as `prefix_key` computes
+    it from token ids; a request without blocks gets its own id (no affinity)."""
     if not request.blocks:
         return request.id
-    depth = max(1, KEY_BLOCKS_TOKENS // block_tokens)
+    depth = max(1, PREFIX_TOKENS // block_tokens)
     return request.blocks[min(depth, len(request.blocks)) - 1]
 
 
