@@ -142,6 +142,16 @@ def _levels(text: str) -> list[float]:
     return levels
 
 
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 10:
+        raise argparse.ArgumentTypeError(f"a replay needs at least 10 requests, not {value}")
+    return value
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval",
