@@ -161,9 +161,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--traces", default=",".join(WORKLOADS), help="comma-separated (default: all)")
     parser.add_argument("--policies", default=None, help="comma-separated (default: prism and every baseline)")
     parser.add_argument("--levels", type=_levels, default=list(LEVELS.values()), help="e.g. 50%%,80%%,95%%")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="seed of the multimodal sample (default 1)")
     parser.add_argument(
-        "--limit", type=int, default=None, help="requests per trace (default: the whole trace; mm: 6000)"
+        "--limit", type=_limit, default=None, help="requests per trace, at least 10 (default: whole trace; mm: 6000)"
     )
     parser.add_argument("--no-kill", action="store_true", help="skip the node-kill runs")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
