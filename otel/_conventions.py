@@ -12,7 +12,7 @@ ATTR_SLICE: Final = "prism.slice"
 ATTR_STAGE: Final = "prism.stage"
 ATTR_TTFT_MS: Final = "prism.ttft_ms"
 
-STAGES: Final = ("image_decode", "audio_features", "video_decode", "tokenize", "prefill", "decode")
+STAGES: Final = ("queue", "image_decode", "audio_features", "video_decode", "tokenize", "encode", "prefill", "decode")
 CPU_PREPROCESSING_STAGES: Final = frozenset({"image_decode", "audio_features", "video_decode", "tokenize"})
 
 # Metrics (gauges, one point per GPU, attribute ATTR_GPU = device index)

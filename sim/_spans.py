@@ -11,8 +11,8 @@ For each finished request, once it is done, with the model's times as explicit t
         └── prism.stage.decode         INTERNAL  first token → last token
 
 Names and attributes come from `prismlb.otel._conventions`, so the agent reads them as the worker library's.
-`queue` and `encode` are not among the library's STAGES (a server sees neither from outside its scheduler);
-the agent forwards them and, as they are not CPU preprocessing, leaves them out of that dimension.
+`queue` and `encode` are GPU-side stages of the library's STAGES; the agent forwards them and, as they are not
+CPU preprocessing, leaves them out of that dimension.
 
 Times are the emulator's model time: the spans start at the request's arrival on the wall clock and last what
 the model says (`time_scale` 1: the wall clock), as the engine's `/metrics` histograms do.

@@ -336,7 +336,16 @@ def test_stage_names_and_context_are_checked(received: tuple[OtlpReceiver, Recei
                 telemetry.stage("detokenize")
             with pytest.raises(ValueError, match="non-negative"):
                 request.set_usage(output_tokens=-1)
-    assert set(STAGES) == {"image_decode", "audio_features", "video_decode", "tokenize", "prefill", "decode"}
+    assert set(STAGES) == {
+        "queue",
+        "image_decode",
+        "audio_features",
+        "video_decode",
+        "tokenize",
+        "encode",
+        "prefill",
+        "decode",
+    }
 
 
 def test_standard_environment_picks_endpoint_and_protocol(
