@@ -389,17 +389,18 @@ class Router:
         if state.gated and not state.admits(now):
             return None
         saved = min(cost, last[1])
-        limit = self.settings.balance * (group.base_total + group.inflight.value + 1)
-        return index if not self.settings.balance or (state.load + base_load - saved) * inv_share < limit else None
+        if self.settings.balance and (state.load + base_load - saved) * inv_share >= self._limit(group):
+            return None
+        return index
+
+    def _limit(self, group: Group) -> float:
+        """The bounded-load limit on an entry's load per unit of weight share (route() inlines it)."""
+        return self.settings.balance * (group.base_total + group.inflight.value + 1)
 
     def _fits(self, group: Group, index: int) -> bool:
         """Whether an entry is fully available and under its load limit (what route() checks inline)."""
         state, safe, base_load, inv_share, _ = group.entries[index]
-        return not state.gated and (
-            state.load < safe
-            or (state.load + base_load) * inv_share
-            < self.settings.balance * (group.base_total + group.inflight.value + 1)
-        )
+        return not state.gated and (state.load < safe or (state.load + base_load) * inv_share < self._limit(group))
 
     def _choose(
         self, snapshot: Snapshot, target: SliceRoute, group: Group, pos: int, exclude: Collection[str], now: float
@@ -426,7 +427,7 @@ class Router:
         """The first entry in the probe order from point `start` that is available and under its load limit;
         when every available entry is at its limit, the least loaded for its weight; None when none is available."""
         balance = self.settings.balance
-        limit = balance * (group.base_total + group.inflight.value + 1)
+        limit = self._limit(group)
         entries = group.entries
         owners = group.ring.owners
         points = len(owners)
