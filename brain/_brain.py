@@ -105,7 +105,9 @@ class Brain:
             publisher = TablePublisher(ctx, cfg.updates, cfg.snapshot, self.rejects, curve=cfg.curve)
             metrics = serve_metrics(cfg.metrics_port, self.metrics, cfg.metrics_addr)
             if cfg.admin_port:
-                admin = AdminServer(Backend(self), self.admin_queue, port=cfg.admin_port)
+                admin = AdminServer(
+                    Backend(self), self.admin_queue, cfg.admin_access, cfg.admin_addr, cfg.admin_port, self.metrics
+                )
                 admin.start()
             _log.info(
                 "brain epoch %d up: ingest %s, tables %s, snapshots %s, CURVE %s",

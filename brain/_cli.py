@@ -27,6 +27,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", help="Prometheus /metrics port, 0 = off (env PRISM_BRAIN_METRICS_PORT)")
     p.add_argument("--metrics-addr", help="address for /metrics (127.0.0.1)")
     p.add_argument("--admin-port", help="admin API port for prism ctl / top, 0 = off (env PRISM_BRAIN_ADMIN_PORT; 9470)")
+    p.add_argument(
+        "--admin-addr", help="admin API address; non-loopback needs a token (env PRISM_BRAIN_ADMIN_ADDR; 127.0.0.1)"
+    )
+    p.add_argument(
+        "--admin-token-file",
+        help="file (mode 600) with the admin bearer token every request then needs (env PRISM_BRAIN_ADMIN_TOKEN_FILE)",
+    )
+    p.add_argument("--admin-public-reads", action="store_true", help="with a token file: GET requests need no token")
+    p.add_argument(
+        "--admin-insecure", action="store_true", help="without a token file: allow drain/experiment changes on loopback"
+    )
+    p.add_argument(
+        "--admin-allowed-hosts",
+        help="extra Host names the admin API answers, comma-separated (env PRISM_BRAIN_ADMIN_ALLOWED_HOSTS)",
+    )
     p.add_argument("--scale-hook", help="command or http(s):// webhook run on scale-up (env PRISM_SCALE_HOOK)")
     p.add_argument("--train-budget-s", help="CPU seconds of predictor training per 5 s (0.5; 0 = no training)")
     p.add_argument("--log-level", default="INFO")

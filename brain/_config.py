@@ -9,6 +9,8 @@ from pathlib import Path
 
 from prismlb.wire import ConfigError, ServerCurve
 
+from ._admin import AdminAccess, admin_access
+
 ENV = {
     "ingest": "PRISM_BRAIN_INGEST",
     "updates": "PRISM_BRAIN_UPDATES",
@@ -18,6 +20,9 @@ ENV = {
     "curve_secret": "PRISM_CURVE_SECRET",
     "curve_clients": "PRISM_CURVE_CLIENTS",
     "admin_port": "PRISM_BRAIN_ADMIN_PORT",
+    "admin_addr": "PRISM_BRAIN_ADMIN_ADDR",
+    "admin_token_file": "PRISM_BRAIN_ADMIN_TOKEN_FILE",
+    "admin_allowed_hosts": "PRISM_BRAIN_ADMIN_ALLOWED_HOSTS",
     "scale_hook": "PRISM_SCALE_HOOK",
 }
 
@@ -35,6 +40,8 @@ class BrainConfig:
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"
     admin_port: int = 9470
+    admin_addr: str = "127.0.0.1"
+    admin_access: AdminAccess = AdminAccess()  # token (if any), public reads, insecure, allowed Host names
     scale_hook: str | None = None  # a command or an http(s):// webhook called on SCALE_UP
     predict_period_s: float = 1.0
     control_period_s: float = 5.0
@@ -91,6 +98,14 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Brai
         metrics_port=port,
         metrics_addr=_pick(args, environ, "metrics_addr") or defaults.metrics_addr,
         admin_port=admin_port,
+        admin_addr=(admin_addr := _pick(args, environ, "admin_addr") or defaults.admin_addr),
+        admin_access=admin_access(
+            admin_addr,
+            _pick(args, environ, "admin_token_file"),
+            bool(getattr(args, "admin_public_reads", False)),
+            bool(getattr(args, "admin_insecure", False)),
+            _pick(args, environ, "admin_allowed_hosts"),
+        ),
         scale_hook=_pick(args, environ, "scale_hook"),
         train_budget_s=_number("train budget", _pick(args, environ, "train_budget_s") or "0.5", minimum=0),
     )

@@ -10,9 +10,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 DEFAULT_ADMIN = "http://127.0.0.1:9470"
+TOKEN_ENV = "PRISM_BRAIN_ADMIN_TOKEN_FILE"  # the brain's variable too, so one setting serves both
 SLICES = ("llm", "vlm", "av", "rag")
 
 
@@ -20,11 +22,20 @@ class CtlError(Exception):
     """The admin API could not be reached or refused the request."""
 
 
-def call(admin: str, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float = 5.0) -> Any:
+def call(
+    admin: str,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    timeout_s: float = 5.0,
+    token: str | None = None,
+) -> Any:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(admin.rstrip("/") + path, data=data, method=method)
     if data is not None:
         request.add_header("Content-Type", "application/json")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
@@ -33,13 +44,15 @@ def call(admin: str, method: str, path: str, body: dict[str, Any] | None = None,
             message = json.loads(exc.read()).get("error", exc.reason)
         except (ValueError, AttributeError):
             message = exc.reason
-        raise CtlError(f"{method} {path}: {exc.code} {message}") from None
+        hint = f" (give the brain's token with --token-file or {TOKEN_ENV})" if exc.code == 401 and not token else ""
+        raise CtlError(f"{method} {path}: {exc.code} {message}{hint}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise CtlError(f"cannot reach the brain's admin API at {admin}: {getattr(exc, 'reason', exc)}") from None
 
 
 def _admin_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin", help=f"the brain's admin URL (env PRISM_BRAIN_ADMIN; {DEFAULT_ADMIN})")
+    p.add_argument("--token-file", help=f"file with the brain's admin token (env {TOKEN_ENV}; none)")
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -74,6 +87,21 @@ def _admin(args: argparse.Namespace) -> str:
     return str(args.admin or os.environ.get("PRISM_BRAIN_ADMIN") or DEFAULT_ADMIN)
 
 
+def _token(args: argparse.Namespace) -> str | None:
+    """The token from --token-file or the brain's own variable; the brain checks the file's mode, not us, since
+    an operator reading a copy they own is fine."""
+    path = args.token_file or os.environ.get(TOKEN_ENV)
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text(encoding="ascii", errors="replace").strip()
+    except OSError as exc:
+        raise CtlError(f"cannot read the admin token file {path}: {exc.strerror}") from None
+    if not token:
+        raise CtlError(f"the admin token file {path} is empty")
+    return token
+
+
 def _arms(items: list[str]) -> dict[str, float]:
     arms: dict[str, float] = {}
     for item in items:
@@ -90,18 +118,19 @@ def _arms(items: list[str]) -> dict[str, float]:
 def _ctl(args: argparse.Namespace) -> int:
     admin = _admin(args)
     try:
+        token = _token(args)
         command = args.ctl_command
         if command in ("status", "table", "events", "experiments"):
-            result = call(admin, "GET", f"/v1/{command}")
+            result = call(admin, "GET", f"/v1/{command}", token=token)
         elif command in ("drain", "undrain"):
-            result = call(admin, "POST", f"/v1/nodes/{args.node_id}/{command}")
+            result = call(admin, "POST", f"/v1/nodes/{args.node_id}/{command}", token=token)
         elif args.action == "rm":
-            result = call(admin, "DELETE", f"/v1/experiments/{args.name}")
+            result = call(admin, "DELETE", f"/v1/experiments/{args.name}", token=token)
         else:
             if not args.slice or not args.arm:
                 raise CtlError("experiment set needs --slice and at least one --arm VERSION=FRACTION")
             body = {"slice": args.slice, "arms": _arms(args.arm)}
-            result = call(admin, "PUT", f"/v1/experiments/{args.name}", body)
+            result = call(admin, "PUT", f"/v1/experiments/{args.name}", body, token=token)
     except CtlError as exc:
         print(f"prism ctl: {exc}", file=sys.stderr)
         return 1
@@ -139,9 +168,14 @@ def render(status: dict[str, Any]) -> str:
 def _top(args: argparse.Namespace) -> int:
     admin = _admin(args)
     try:
+        token = _token(args)
+    except CtlError as exc:
+        print(f"prism top: {exc}", file=sys.stderr)
+        return 1
+    try:
         while True:
             try:
-                frame = render(call(admin, "GET", "/v1/status"))
+                frame = render(call(admin, "GET", "/v1/status", token=token))
             except CtlError as exc:
                 if args.once:
                     print(f"prism top: {exc}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -13,6 +14,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from prismlb.brain import Brain, BrainConfig
+from prismlb.brain._admin import AdminAccess, load_token
 from prismlb.brain._ctl import call, render
 from prismlb.cli import main as prism
 from prismlb.router import Router
@@ -116,7 +118,10 @@ def test_restart_keeps_history_and_a_higher_table_order(ctx: zmq.Context, tmp_pa
 
 
 def test_admin_drain_experiments_and_cli(ctx: zmq.Context, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = config(tmp_path)
+    token_file = tmp_path / "admin.token"
+    token_file.write_text("brain-service-test-token\n")
+    token_file.chmod(0o600)
+    cfg = dataclasses.replace(config(tmp_path), admin_access=AdminAccess(token=load_token(token_file)))
     running = Running(cfg)
     stop_feed = threading.Event()
     feeder = feed(ctx, cfg, {"a": "v1", "b": "v2"}, stop_feed)
@@ -124,17 +129,20 @@ def test_admin_drain_experiments_and_cli(ctx: zmq.Context, tmp_path: Path, capsy
     try:
         with Router.connect(BrainAddress(cfg.updates, cfg.snapshot)) as router:
             wait_for(lambda: llm_nodes(router.table) == {"a", "b"})
-            status = call(admin, "GET", "/v1/status")
+            status = call(admin, "GET", "/v1/status", token="brain-service-test-token")
             assert {n["node_id"] for n in status["nodes"]} == {"a", "b"}
             assert "a" in render(status) and "LLM" in render(status)
 
-            assert prism(["ctl", "--admin", admin, "drain", "b"]) == 0
+            assert prism(["ctl", "--admin", admin, "drain", "b"]) == 1, "no token: refused"
+            assert "b" not in running.brain.drained
+            ctl = ["ctl", "--admin", admin, "--token-file", str(token_file)]
+            assert prism([*ctl, "drain", "b"]) == 0
             wait_for(lambda: llm_nodes(router.table) == {"a"})
-            assert prism(["ctl", "--admin", admin, "undrain", "b"]) == 0
+            assert prism([*ctl, "undrain", "b"]) == 0
             wait_for(lambda: llm_nodes(router.table) == {"a", "b"})
 
             before = router.table
-            assert prism(["ctl", "--admin", admin, "experiment", "set", "canary", "--slice", "llm", "--arm", "v1=0.9", "--arm", "v2=0"]) == 0
+            assert prism([*ctl, "experiment", "set", "canary", "--slice", "llm", "--arm", "v1=0.9", "--arm", "v2=0"]) == 0
             wait_for(lambda: router.table is not None and bool(router.table.experiments))
             table = router.table
             assert table is not None and before is not None and table.order > before.order
@@ -143,10 +151,10 @@ def test_admin_drain_experiments_and_cli(ctx: zmq.Context, tmp_path: Path, capsy
             assert {a.model_version: a.fraction for a in experiment.arms}["v2"] >= 0.001, "fractions clamp to 0.001"
 
             capsys.readouterr()
-            assert prism(["ctl", "--admin", admin, "table"]) == 0
+            assert prism([*ctl, "table"]) == 0
             assert json.loads(capsys.readouterr().out)["experiments"][0]["name"] == "canary"
-            assert prism(["ctl", "--admin", admin, "drain", "nope"]) == 1
-            assert prism(["top", "--admin", admin, "--once"]) == 0
+            assert prism([*ctl, "drain", "nope"]) == 1
+            assert prism(["top", "--admin", admin, "--token-file", str(token_file), "--once"]) == 0
     finally:
         stop_feed.set()
         feeder.join()
