@@ -12,7 +12,6 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from prismlb.wire import (
-    AuthorizedKeys,
     NodeVector,
     RejectCounter,
     RoutingTable,
@@ -21,7 +20,6 @@ from prismlb.wire import (
     VectorReceiver,
     sd_notify,
     serve_metrics,
-    start_authenticator,
     watchdog_interval_s,
 )
 
@@ -35,7 +33,7 @@ from ._exporter import PredictorCollector, RegistryCollector
 from ._features import node_features, observed_p99_ms
 from ._guardian import Guardian, GuardianConfig
 from ._history import History
-from ._identity import IdentityPolicy
+from ._identity import start_curve
 from ._predictor import Predictor
 from ._registry import Registry
 from ._scale_hook import parse_hook
@@ -95,14 +93,12 @@ class Brain:
     def run(self, stop: threading.Event) -> None:
         cfg = self.config
         ctx = zmq.Context()
-        keys = AuthorizedKeys(cfg.curve.authorized_dir) if cfg.curve is not None else None
-        auth = start_authenticator(ctx, cfg.curve, keys) if cfg.curve is not None else None
+        auth, identity = start_curve(ctx, cfg, self.metrics)  # CURVE off: warns of a plaintext bind beyond this host
         metrics = admin = None
         trainer = threading.Thread(target=self._train, args=(stop,), name="prism-predictor-train", daemon=True)
         try:
-            identity = IdentityPolicy(keys) if keys is not None else None
             receiver = VectorReceiver(ctx, cfg.ingest, self.rejects, curve=cfg.curve, identity=identity)
-            publisher = TablePublisher(ctx, cfg.updates, cfg.snapshot, self.rejects, curve=cfg.curve)
+            publisher = TablePublisher(ctx, cfg.updates, cfg.snapshot, self.rejects, curve=cfg.curve_routers)
             metrics = serve_metrics(cfg.metrics_port, self.metrics, cfg.metrics_addr)
             if cfg.admin_port:
                 admin = AdminServer(

@@ -23,7 +23,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--heartbeat-s", help="seconds between heartbeats (1)")
     p.add_argument("--state-dir", help="folder for the persisted epoch (env PRISM_BRAIN_STATE_DIR)")
     p.add_argument("--curve-secret", help="brain's CURVE secret key file (env PRISM_CURVE_SECRET)")
-    p.add_argument("--curve-clients", help="folder of authorised client public keys (env PRISM_CURVE_CLIENTS)")
+    p.add_argument("--curve-clients", help="folder of authorised agent public keys (env PRISM_CURVE_CLIENTS)")
+    p.add_argument(
+        "--curve-routers", help="folder of authorised router public keys, needed with CURVE (env PRISM_CURVE_ROUTERS)"
+    )
+    p.add_argument(
+        "--allow-plaintext",
+        action="store_true",
+        default=None,
+        help="CURVE off on a non-loopback bind without the warning (env PRISM_BRAIN_ALLOW_PLAINTEXT=1)",
+    )
     p.add_argument("--metrics-port", help="Prometheus /metrics port, 0 = off (env PRISM_BRAIN_METRICS_PORT)")
     p.add_argument("--metrics-addr", help="address for /metrics (127.0.0.1)")
     p.add_argument("--admin-port", help="admin API port for prism ctl / top, 0 = off (env PRISM_BRAIN_ADMIN_PORT; 9470)")

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from prismlb.wire import ConfigError, ServerCurve
+from prismlb.wire import AGENTS_DOMAIN, ROUTERS_DOMAIN, ConfigError, ServerCurve
 
 from ._admin import AdminAccess, admin_access
 
@@ -19,6 +19,8 @@ ENV = {
     "metrics_port": "PRISM_BRAIN_METRICS_PORT",
     "curve_secret": "PRISM_CURVE_SECRET",
     "curve_clients": "PRISM_CURVE_CLIENTS",
+    "curve_routers": "PRISM_CURVE_ROUTERS",
+    "allow_plaintext": "PRISM_BRAIN_ALLOW_PLAINTEXT",
     "admin_port": "PRISM_BRAIN_ADMIN_PORT",
     "admin_addr": "PRISM_BRAIN_ADMIN_ADDR",
     "admin_token_file": "PRISM_BRAIN_ADMIN_TOKEN_FILE",
@@ -37,6 +39,11 @@ class BrainConfig:
     cycle_s: float = 0.2
     state_dir: Path | None = None
     curve: ServerCurve | None = None
+    """Ingest CURVE: agents' keys, ZAP domain `AGENTS_DOMAIN`; set together with `curve_routers`."""
+    curve_routers: ServerCurve | None = None
+    """Tables and snapshots CURVE: routers' keys, ZAP domain `ROUTERS_DOMAIN`."""
+    allow_plaintext: bool = False
+    """CURVE off on a bind beyond this host without the start-up warning: the operator trusts the network."""
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"
     admin_port: int = 9470
@@ -76,8 +83,14 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Brai
     defaults = BrainConfig()
     secret = _pick(args, environ, "curve_secret")
     clients = _pick(args, environ, "curve_clients")
-    if (secret is None) != (clients is None):
-        raise ConfigError("CURVE needs both --curve-secret and --curve-clients (or neither)")
+    routers = _pick(args, environ, "curve_routers")
+    if len({secret is None, clients is None, routers is None}) != 1:
+        raise ConfigError(
+            "CURVE needs all of --curve-secret, --curve-clients (agents' keys) and --curve-routers (routers' keys), "
+            "or none of them"
+        )
+    if clients and routers and Path(clients).resolve() == Path(routers).resolve():
+        raise ConfigError(f"--curve-clients and --curve-routers must be different folders, both are {clients}")
     state_dir = _pick(args, environ, "state_dir")
     metrics_port = _pick(args, environ, "metrics_port")
     port = int(_number("metrics port", metrics_port, minimum=0)) if metrics_port is not None else 0
@@ -94,7 +107,9 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Brai
         stale_periods=_number("stale periods", _pick(args, environ, "stale_periods") or "3", minimum=1),
         heartbeat_s=_number("heartbeat", _pick(args, environ, "heartbeat_s") or "1", minimum=0.05),
         state_dir=Path(state_dir) if state_dir else None,
-        curve=ServerCurve(Path(secret), Path(clients)) if secret and clients else None,
+        curve=ServerCurve(Path(secret), Path(clients), AGENTS_DOMAIN) if secret and clients else None,
+        curve_routers=ServerCurve(Path(secret), Path(routers), ROUTERS_DOMAIN) if secret and routers else None,
+        allow_plaintext=_flag("allow plaintext", _pick(args, environ, "allow_plaintext")),
         metrics_port=port,
         metrics_addr=_pick(args, environ, "metrics_addr") or defaults.metrics_addr,
         admin_port=admin_port,
@@ -109,3 +124,10 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Brai
         scale_hook=_pick(args, environ, "scale_hook"),
         train_budget_s=_number("train budget", _pick(args, environ, "train_budget_s") or "0.5", minimum=0),
     )
+
+def _flag(name: str, value: str | None) -> bool:
+    if value is None or value.lower() in ("", "0", "false", "no"):
+        return False
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    raise ConfigError(f"{name} must be 1 or 0, got {value!r}")

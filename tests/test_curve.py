@@ -8,13 +8,17 @@ from pathlib import Path
 
 import pytest
 import zmq
+from prometheus_client import CollectorRegistry
 
 from prismlb.cli import main as prism
 from prismlb.wire import (
+    AGENTS_DOMAIN,
+    ROUTERS_DOMAIN,
     AuthorizedKeys,
     BrainAddress,
     ClientCurve,
     ConfigError,
+    CurveRefusals,
     NodeMetrics,
     NodeVector,
     RejectCounter,
@@ -41,6 +45,15 @@ def vector(node_id: str) -> NodeVector:
     )
 
 
+def table() -> RoutingTable:
+    return RoutingTable(
+        epoch=1,
+        version=1,
+        issued_unix_s=time.time(),
+        slices=[SliceTable(name="default", nodes=[TableNode(node_id="a", endpoint="http://a", weight=1.0)])],
+    )
+
+
 @pytest.fixture
 def keys(tmp_path: Path) -> Path:
     authorized = tmp_path / "authorized"
@@ -50,6 +63,20 @@ def keys(tmp_path: Path) -> Path:
     authorized.mkdir()
     (authorized / "good.key").write_bytes(public.read_bytes())
     return tmp_path
+
+
+def roles(keys: Path) -> tuple[ServerCurve, ServerCurve]:
+    """The brain's two roles: `good` filed as an agent (in `authorized`), `router` in the routers' folder."""
+    public, _ = generate_keypair(keys, "router")
+    (keys / "routers").mkdir()
+    (keys / "routers" / "router.key").write_bytes(public.read_bytes())
+    secret = keys / "brain.key_secret"
+    agents = ServerCurve(secret, keys / "authorized", AGENTS_DOMAIN)
+    return agents, ServerCurve(secret, keys / "routers", ROUTERS_DOMAIN)
+
+
+def refused(registry: CollectorRegistry, domain: str) -> float | None:
+    return registry.get_sample_value("prism_brain_curve_refused_total", {"domain": domain})
 
 
 def test_prism_keys_writes_a_private_secret(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -81,8 +108,7 @@ def test_vectors_from_unauthorised_keys_are_refused(ctx: zmq.Context, keys: Path
 
 def test_an_agent_refused_before_its_key_is_filed_gets_in_later(ctx: zmq.Context, keys: Path, endpoint: str) -> None:
     server = ServerCurve(keys / "brain.key_secret", keys / "authorized")
-    authorized = AuthorizedKeys(keys / "authorized")
-    auth = start_authenticator(ctx, server, authorized)
+    auth = start_authenticator(ctx, server, keys={server.domain: AuthorizedKeys(keys / "authorized")})
     receiver = VectorReceiver(ctx, endpoint, RejectCounter("brain", LOG), curve=server)
     public, _ = generate_keypair(keys, "late")
     late = VectorSender(ctx, endpoint, curve=ClientCurve(keys / "late.key_secret", keys / "brain.key"), retry_s=0.2)
@@ -110,14 +136,7 @@ def test_tables_reach_only_authorised_routers(ctx: zmq.Context, keys: Path) -> N
     auth = start_authenticator(ctx, server)
     address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG), curve=server)
-    publisher.publish(
-        RoutingTable(
-            epoch=1,
-            version=1,
-            issued_unix_s=time.time(),
-            slices=[SliceTable(name="default", nodes=[TableNode(node_id="a", endpoint="http://a", weight=1.0)])],
-        )
-    )
+    publisher.publish(table())
     got: dict[str, list[RoutingTable]] = {"good": [], "evil": []}
     subscribers = [
         TableSubscriber(
@@ -153,3 +172,95 @@ def test_missing_key_files_are_a_config_error(tmp_path: Path, ctx: zmq.Context) 
     with pytest.raises(ConfigError):
         start_authenticator(ctx, ServerCurve(tmp_path / "x.key_secret", tmp_path / "missing"))
     sock.close()
+
+
+def test_prism_keys_says_where_a_roles_key_belongs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert prism(["keys", "r1", "--dir", str(tmp_path), "--role", "router"]) == 0
+    assert "--curve-routers" in capsys.readouterr().out
+    assert prism(["keys", "node-a", "--dir", str(tmp_path), "--role", "agent"]) == 0
+    out = capsys.readouterr().out
+    assert "--curve-clients" in out and "node-a.endpoints" in out
+
+
+def test_a_router_key_cannot_push_vectors(
+    ctx: zmq.Context, keys: Path, endpoint: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    agents, routers = roles(keys)
+    registry = CollectorRegistry()
+    auth = start_authenticator(ctx, agents, routers, refusals=CurveRefusals(registry))
+    receiver = VectorReceiver(ctx, endpoint, RejectCounter("brain", LOG), curve=agents)
+    router = VectorSender(ctx, endpoint, curve=ClientCurve(keys / "router.key_secret", keys / "brain.key"), retry_s=0.1)
+    good = VectorSender(ctx, endpoint, curve=ClientCurve(keys / "good.key_secret", keys / "brain.key"))
+    got: list[NodeVector] = []
+    with caplog.at_level(logging.WARNING, logger="prism.curve"):
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            router.send(vector("router"))
+            good.send(vector("good"))
+            receiver.socket.poll(50)
+            got.extend(receiver.drain())
+    for closable in (receiver, router, good):
+        closable.close()
+    auth.stop()
+    assert {v.node_id for v in got} == {"good"}
+    assert router.refused >= 2  # refused at the handshake, again on every retry ...
+    assert (refused(registry, AGENTS_DOMAIN) or 0) >= router.refused  # ... each counted in the agents' domain
+    assert refused(registry, ROUTERS_DOMAIN) == 0
+    logged = [r.getMessage() for r in caplog.records if "handshake refused" in r.getMessage()]
+    assert len(logged) == 1, logged  # logged once for the run of refusals, not per attempt
+    assert AGENTS_DOMAIN in logged[0] and f"router.key in {keys / 'routers'}" in logged[0]
+
+
+def test_an_agent_key_cannot_subscribe_to_tables(ctx: zmq.Context, keys: Path) -> None:
+    agents, routers = roles(keys)
+    registry = CollectorRegistry()
+    auth = start_authenticator(ctx, agents, routers, refusals=CurveRefusals(registry))
+    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG), curve=routers)
+    publisher.publish(table())
+    got: dict[str, list[RoutingTable]] = {"good": [], "router": []}
+    subscribers = [
+        TableSubscriber(
+            ctx,
+            [address],
+            lambda t, name=name: got[name].append(t) is None,
+            RejectCounter("router", LOG),
+            curve=ClientCurve(keys / f"{name}.key_secret", keys / "brain.key"),
+        )
+        for name in ("good", "router")
+    ]
+    for s in subscribers:
+        s.start()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        publisher.serve_snapshots()
+        publisher.heartbeat()
+        time.sleep(0.02)
+    for s in subscribers:
+        s.stop()
+    publisher.close()
+    auth.stop()
+    assert [t.order for t in got["router"]] == [(1, 1)]
+    assert got["good"] == []  # the agent's key is refused on the table and snapshot sockets
+    assert (refused(registry, ROUTERS_DOMAIN) or 0) >= 2  # its SUB and its DEALER
+    assert refused(registry, AGENTS_DOMAIN) == 0
+
+
+def test_refusals_are_logged_once_per_run_of_a_key(caplog: pytest.LogCaptureFixture) -> None:
+    refusals = CurveRefusals()
+    with caplog.at_level(logging.WARNING, logger="prism.curve"):
+        for _ in range(3):
+            refusals.refused(AGENTS_DOMAIN, "k1", "is filed nowhere")
+        refusals.refused(ROUTERS_DOMAIN, "k1", "is filed nowhere")  # another domain: another run
+        refusals.admitted(AGENTS_DOMAIN, "k1")
+        refusals.refused(AGENTS_DOMAIN, "k1", "is filed nowhere")  # a new run after an admission
+    assert len([r for r in caplog.records if "handshake refused" in r.getMessage()]) == 3
+    assert refusals.counts() == {AGENTS_DOMAIN: 4, ROUTERS_DOMAIN: 1}
+
+
+def test_each_role_needs_its_own_domain(ctx: zmq.Context, keys: Path) -> None:
+    agents, routers = roles(keys)
+    with pytest.raises(ConfigError):
+        start_authenticator(ctx, agents, ServerCurve(routers.secret_file, routers.authorized_dir, AGENTS_DOMAIN))
+    with pytest.raises(ConfigError):
+        start_authenticator(ctx)

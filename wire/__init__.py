@@ -12,9 +12,21 @@ from ._bloom import (
     bloom_overlap,
 )
 from ._codec import KINDS, MAX_TABLE_BYTES, MAX_VECTOR_BYTES, decode, encode
-from ._curve import AuthorizedKeys, ClientCurve, ServerCurve, generate_keypair, start_authenticator
+from ._curve import (
+    AGENTS_DOMAIN,
+    ROUTERS_DOMAIN,
+    AuthorizedKeys,
+    ClientCurve,
+    CurveRefusals,
+    EndpointRule,
+    ServerCurve,
+    generate_keypair,
+    normal_host,
+    start_authenticator,
+)
 from ._exceptions import (
     ConfigError,
+    EndpointNotAllowedError,
     FrameCountError,
     InvalidFieldError,
     MalformedError,
@@ -58,6 +70,7 @@ from ._transport import (
 )
 
 __all__ = [
+    "AGENTS_DOMAIN",
     "BLOOM_BITS",
     "BLOOM_CAPACITY",
     "BLOOM_HASHES",
@@ -69,6 +82,7 @@ __all__ = [
     "MAX_TABLE_BYTES",
     "MAX_VECTOR_BYTES",
     "MODALITY_HEADER",
+    "ROUTERS_DOMAIN",
     "SAME_NUMA",
     "SCHEMA_VERSION",
     "AuthorizedKeys",
@@ -76,7 +90,10 @@ __all__ = [
     "ClientCurve",
     "ConfigError",
     "CountingBloom",
+    "CurveRefusals",
     "Dimension",
+    "EndpointNotAllowedError",
+    "EndpointRule",
     "Experiment",
     "ExperimentArm",
     "FrameCountError",
@@ -120,6 +137,7 @@ __all__ = [
     "encode",
     "generate_keypair",
     "health",
+    "normal_host",
     "numa_factor",
     "parse_signature",
     "sd_notify",

@@ -59,5 +59,11 @@ class UnknownKeyError(WireError):
     kind = "unknown_key"
 
 
+class EndpointNotAllowedError(WireError):
+    """A node vector advertises an endpoint host its sender's key is not registered for."""
+
+    kind = "endpoint_not_allowed"
+
+
 class NoRouteError(PrismError):
     """The router has no table yet, or no node in the requested slice."""

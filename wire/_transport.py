@@ -154,18 +154,19 @@ class VectorSender:
 
 
 class IdentityCheck(Protocol):
-    """Decides whether a vector may come from the peer the authenticator named (ZAP `User-Id`)."""
+    """Decides whether a vector may come from the peer the authenticator named (ZAP `User-Id`), connected
+    from `peer_address` (the connection's `Peer-Address`, e.g. to bind the vector's endpoint to it)."""
 
-    def check(self, vector: NodeVector, user_id: str | None) -> None:
+    def check(self, vector: NodeVector, user_id: str | None, peer_address: str | None) -> None:
         """Raise a `WireError` when `vector` may not come from `user_id` (None: the peer has none)."""
 
 
-def _user_id(frame: zmq.Frame) -> str | None:
+def _property(frame: zmq.Frame, name: str) -> str | None:
     try:
-        user_id = frame.get("User-Id")
+        value = frame.get(name)
     except zmq.ZMQError:
         return None
-    return user_id if isinstance(user_id, str) else None
+    return value if isinstance(value, str) else None
 
 
 class VectorReceiver:
@@ -193,16 +194,17 @@ class VectorReceiver:
         for _ in range(limit):
             try:
                 if self._identity is None:
-                    frames, user_id = self.socket.recv_multipart(flags=zmq.NOBLOCK), None
+                    frames, user_id, peer = self.socket.recv_multipart(flags=zmq.NOBLOCK), None, None
                 else:  # only frames received without copying carry the authenticator's User-Id
                     parts = self.socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    frames, user_id = [part.bytes for part in parts], _user_id(parts[0])
+                    frames, user_id = [part.bytes for part in parts], _property(parts[0], "User-Id")
+                    peer = _property(parts[0], "Peer-Address")
             except zmq.Again:
                 break
             try:
                 vector = decode(frames, (NodeVector,), MAX_VECTOR_BYTES)
                 if self._identity is not None:
-                    self._identity.check(vector, user_id)
+                    self._identity.check(vector, user_id, peer)
             except WireError as exc:
                 self._rejects.record(exc)
                 continue
