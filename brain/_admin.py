@@ -406,7 +406,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._refuse(method, path, AdminError(HTTPStatus.BAD_REQUEST, str(exc)))
 
     def _refuse(self, method: str, path: str, exc: AdminError) -> None:
-        self.admin.rejects.count(exc.kind, f"{method} {path} from {self.client_address[0]}: {exc}")
+        self.admin.rejects.count(exc.kind, f"{method} {path!r} from {self.client_address[0]}: {exc}")
         self._reply(exc.status, {"error": str(exc)}, exc.headers)
 
     def _body(self) -> dict[str, Any] | None:
@@ -450,6 +450,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise AdminError(HTTPStatus.BAD_REQUEST, "body shorter than its Content-Length", "short_body")
             data += chunk
             self.admin.body_bytes.inc(len(chunk))
+        self.connection.settimeout(self.admin.timeout_s)  # the reply gets the full timeout, not what is left
         return bytes(data)
 
     def _reply(self, status: HTTPStatus, payload: object, headers: dict[str, str] | None = None) -> None:
