@@ -6,6 +6,20 @@ Bad input is answered (gRPC INVALID_ARGUMENT; HTTP 400, 404, 405, 411, 413 or 41
 body), counted by kind in `prism_rejected_messages_total{receiver="otlp_grpc"|"otlp_http"}`, logged once per
 kind, and never stops the server. Spans with trace or span ids of the wrong length are removed and reported
 back as a partial success.
+
+What many clients at once can take is bounded, so that a flood costs the agent refusals, not its memory:
+- `PRISM_OTLP_MAX_CONNECTIONS` (64) open HTTP connections, one thread each; the next is answered 503 and
+  closed at once (`too_many_connections`).
+- `PRISM_OTLP_READ_TIMEOUT_S` (10): each HTTP request, from its first byte to its last, must arrive within it,
+  however slowly it trickles, or the connection is closed (`read_timeout`); a connection idle that long
+  between requests is closed too (uncounted: clients expect that of keep-alive).
+- `PRISM_OTLP_MAX_GRPC_RPCS` (8) gRPC exports at once, each on its own thread; more are answered
+  RESOURCE_EXHAUSTED (`too_many_rpcs`) by spare threads, so without waiting for an export to end.
+- `PRISM_OTLP_MAX_INFLIGHT_BYTES` (64 MiB) of request bodies held at once, both protocols together: an HTTP
+  body is reserved from its Content-Length before it is read (and grown by what it inflates to), a gRPC one
+  once gRPC has read it (one per thread: at most `MAX_GRPC_RPCS` + 2 at once); one that does not
+  fit is answered 503 or RESOURCE_EXHAUSTED (`over_budget`). It must be at least the message limit.
+Clients retry these answers with backoff. Open connections and bytes held are on /metrics.
 """
 
 from __future__ import annotations
@@ -16,8 +30,10 @@ import json
 import logging
 import os
 import socket
+import math
 import socketserver
 import threading
+import time
 import zlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +58,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from prismlb.wire import ConfigError, RejectCounter, WireError
 
@@ -52,11 +68,17 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_GRPC_PORT = 4317
 DEFAULT_HTTP_PORT = 4318
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
-DEFAULT_GRPC_WORKERS = 8
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
+DEFAULT_READ_TIMEOUT_S = 10.0
+DEFAULT_MAX_GRPC_RPCS = 8
 EPHEMERAL_PORT = -1
 """Port argument: bind a free port chosen by the kernel (tests); read it back from `grpc_port`/`http_port`."""
 
-_POLL_S = 0.1  # how soon the HTTP server notices shutdown
+_POLL_S = 0.1  # how soon the HTTP server notices shutdown and a request past its read deadline
+_REFUSAL_THREADS = 2  # gRPC threads beyond the admitted exports, so a refusal never waits for an export to end
+_GRPC_BACKLOG = 4  # gRPC itself refuses, uncounted, beyond this many calls a thread: refusals piling up in a flood
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 1\r\nContent-Length: 0\r\n\r\n"
 _DRAIN_LIMIT = 1 << 20  # an oversized HTTP body up to this size is read and discarded to keep the connection
 _BAD_IDS = "spans rejected: a trace id must be 16 bytes and a span id 8 bytes"
 _ID_FIELDS = frozenset({"traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id"})
@@ -68,9 +90,11 @@ _RPC_CODE = {  # google.rpc.Code for each HTTP status the receiver answers with
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     HTTPStatus.UNSUPPORTED_MEDIA_TYPE: grpc.StatusCode.INVALID_ARGUMENT,
     HTTPStatus.INTERNAL_SERVER_ERROR: grpc.StatusCode.INTERNAL,
+    HTTPStatus.SERVICE_UNAVAILABLE: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 _Req = TypeVar("_Req", ExportTraceServiceRequest, ExportMetricsServiceRequest)
+_Number = TypeVar("_Number", int, float)
 
 TracesCallback = Callable[[ExportTraceServiceRequest], None]
 MetricsCallback = Callable[[ExportMetricsServiceRequest], None]
@@ -216,17 +240,132 @@ def _port(value: int | None, env: str, default: int, environ: Mapping[str, str])
     return port
 
 
+def _positive(value: _Number | None, env: str, default: _Number, environ: Mapping[str, str]) -> _Number:
+    """The limit from the argument, else from `env`, else `default`, of `default`'s type; ConfigError unless
+    a positive number."""
+    source = "argument" if value is not None else env
+    raw = value if value is not None else environ.get(env) or default
+    try:
+        limit = type(default)(raw)
+    except ValueError:
+        raise ConfigError(f"{source}: {raw!r} is not {'an integer' if isinstance(default, int) else 'a number'}") from None
+    if not (math.isfinite(limit) and limit > 0):
+        raise ConfigError(f"{source}: must be positive, got {raw!r}")
+    return limit
+
+
+class _Budget:
+    """Bytes of request bodies held at once, shared by the HTTP and gRPC servers."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bool:
+        """Reserve `size` bytes; False, reserving nothing, when they would exceed the limit."""
+        with self._lock:
+            if self._held + size > self.limit:
+                return False
+            self._held += size
+            return True
+
+    def give(self, size: int) -> None:
+        """Return `size` reserved bytes."""
+        with self._lock:
+            self._held -= size
+
+    @property
+    def held(self) -> int:
+        with self._lock:
+            return self._held
+
+
+@dataclass
+class _Slot:
+    """One admitted HTTP connection: when the request being read must be complete (None while none is being
+    read), and whether it was closed for missing that deadline."""
+
+    deadline: float | None
+    timed_out: bool = False
+
+
 class _HttpServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with at most `max_connections` connections (threads) and a read deadline per request,
+    enforced by the accepting thread between its polls."""
+
     def __init__(self, host: str, port: int, receiver: OtlpReceiver) -> None:
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.receiver = receiver
-        self.connections: set[socket.socket] = set()
+        self.connections: dict[socket.socket, _Slot] = {}
         self.connections_lock = threading.Lock()
         super().__init__((host, port), _HttpHandler)
 
     def server_bind(self) -> None:
         socketserver.TCPServer.server_bind(self)  # HTTPServer's would look the host's name up in DNS
         self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve the connection on its own thread if a slot is free; else answer 503 and close it now."""
+        receiver = self.receiver
+        with self.connections_lock:
+            admitted = len(self.connections) < receiver.max_connections
+            if admitted:
+                self.connections[request] = _Slot(None)
+        if not admitted:
+            receiver.rejects["http"].count(
+                "too_many_connections",
+                f"connection from {client_address[0]} refused: {receiver.max_connections} already open",
+            )
+            _refuse(request)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread to serve it: the caller closes it, the slot is freed here
+            self._release(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release(request)
+
+    def _release(self, request: socket.socket) -> None:
+        with self.connections_lock:
+            self.connections.pop(request, None)
+
+    def arm(self, request: socket.socket, armed: bool) -> None:
+        """Start (True) the read deadline of a request that began to arrive, or stop it (False) once read."""
+        deadline = time.monotonic() + self.receiver.read_timeout_s if armed else None
+        with self.connections_lock:
+            slot = self.connections.get(request)
+            if slot is not None:
+                slot.deadline = deadline
+
+    def timed_out(self, request: socket.socket) -> bool:
+        with self.connections_lock:
+            slot = self.connections.get(request)
+            return slot is not None and slot.timed_out
+
+    def service_actions(self) -> None:
+        """Close the connections whose request is past its read deadline (called between polls)."""
+        now = time.monotonic()
+        with self.connections_lock:
+            expired = [
+                conn
+                for conn, slot in self.connections.items()
+                if slot.deadline is not None and slot.deadline <= now and not slot.timed_out
+            ]
+            for conn in expired:
+                self.connections[conn].timed_out = True
+        for conn in expired:
+            self.receiver.rejects["http"].count(
+                "read_timeout", f"a request was not complete within {self.receiver.read_timeout_s:g} s"
+            )
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def close_connections(self) -> None:
         """End every open keep-alive connection, so no request arrives after shutdown."""
@@ -239,26 +378,44 @@ class _HttpServer(ThreadingHTTPServer):
         _log.debug("OTLP/HTTP connection from %s failed", client_address, exc_info=True)
 
 
+def _refuse(conn: socket.socket) -> None:
+    """Answer 503 on a connection that is not served, without ever blocking the accepting thread."""
+    conn.setblocking(False)
+    with contextlib.suppress(OSError):
+        conn.recv(1 << 16)  # what has arrived: closing with it unread would reset the connection before the 503
+    with contextlib.suppress(OSError):
+        conn.send(_BUSY)
+
+
 class _HttpHandler(BaseHTTPRequestHandler):
+    """One connection's requests."""
+
     protocol_version = "HTTP/1.1"
-    timeout = 30
     server: _HttpServer
 
-    def setup(self) -> None:
-        super().setup()
-        with self.server.connections_lock:
-            self.server.connections.add(self.connection)
-
-    def finish(self) -> None:
-        with self.server.connections_lock:
-            self.server.connections.discard(self.connection)
-        super().finish()
+    def handle_one_request(self) -> None:
+        """Wait up to the read timeout for the next request to start (an idle keep-alive connection is then
+        closed, as any client expects, and not counted), then give the whole request as long to arrive. No
+        socket timeout while it does: the server's deadline bounds every read, and answers are small enough
+        for the socket's buffer."""
+        self.connection.settimeout(self.server.receiver.read_timeout_s)
+        try:
+            started = self.rfile.peek(1)
+        except OSError:  # idle for the whole timeout (TimeoutError), or reset
+            started = b""
+        if not started:
+            self.close_connection = True
+            return
+        self.connection.settimeout(None)
+        self.server.arm(self.connection, True)
+        super().handle_one_request()
 
     def do_POST(self) -> None:
         receiver = self.server.receiver
         media_type = self._media_type()
         is_json = media_type == "application/json"
         body_read = False
+        held = 0
         try:
             signal = receiver._signals.get(urlsplit(self.path).path)
             if signal is None:
@@ -269,12 +426,23 @@ class _HttpHandler(BaseHTTPRequestHandler):
                     HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
                     f"Content-Type {media_type!r}: use application/x-protobuf or application/json",
                 )
-            body = self._body(receiver.max_message_bytes)
+            held = self._reserve(receiver.max_message_bytes)
+            body = self._body(held)
             body_read = True
+            self.server.arm(self.connection, False)
             encoding = self.headers.get("Content-Encoding", "").strip().lower()
-            request = _parse(_decompress(body, encoding, receiver.max_message_bytes), is_json, signal.request_type)
+            data = _decompress(body, encoding, receiver.max_message_bytes)
+            if len(data) > len(body):
+                if not receiver.budget.take(len(data) - len(body)):
+                    raise receiver.over_budget(len(data))
+                held += len(data) - len(body)
+            del body
+            request = _parse(data, is_json, signal.request_type)
             response = receiver._accept(signal, request, "http")
         except _Rejected as exc:
+            if self.server.timed_out(self.connection):  # counted, and the connection shut, by the deadline
+                self.close_connection = True
+                return
             receiver.rejects["http"].record(exc)
             self.close_connection = self.close_connection or not body_read
             self._reply(exc.status, _status(exc.status, str(exc)), is_json)
@@ -285,6 +453,8 @@ class _HttpHandler(BaseHTTPRequestHandler):
                 HTTPStatus.INTERNAL_SERVER_ERROR, _status(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error"), is_json
             )
             return
+        finally:
+            receiver.budget.give(held)
         self._reply(HTTPStatus.OK, response, is_json)
 
     def _not_post(self) -> None:
@@ -302,8 +472,8 @@ class _HttpHandler(BaseHTTPRequestHandler):
     def _media_type(self) -> str:
         return self.headers.get("Content-Type", "").partition(";")[0].strip().lower()
 
-    def _body(self, limit: int) -> bytes:
-        """The request body as sent, at most `limit` bytes."""
+    def _reserve(self, limit: int) -> int:
+        """The body's Content-Length (at most `limit`), reserved from the receiver's budget."""
         raw = self.headers.get("Content-Length")
         if raw is None:
             self.close_connection = True
@@ -318,6 +488,13 @@ class _HttpHandler(BaseHTTPRequestHandler):
             else:
                 self.close_connection = True
             raise _Rejected("oversized", HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes over {limit}")
+        if not self.server.receiver.budget.take(length):
+            self.close_connection = True  # the body is left unread
+            raise self.server.receiver.over_budget(length)
+        return length
+
+    def _body(self, length: int) -> bytes:
+        """The request body, `length` bytes as its Content-Length says."""
         try:
             body = self.rfile.read(length)
         except OSError:
@@ -368,7 +545,10 @@ class OtlpReceiver:
         grpc_port: int | None = None,
         http_port: int | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        grpc_workers: int = DEFAULT_GRPC_WORKERS,
+        max_connections: int | None = None,
+        max_inflight_bytes: int | None = None,
+        read_timeout_s: float | None = None,
+        max_grpc_rpcs: int | None = None,
         registry: CollectorRegistry | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> None:
@@ -376,11 +556,29 @@ class OtlpReceiver:
         self.host = host if host is not None else env.get("PRISM_OTLP_HOST") or DEFAULT_HOST
         grpc_wanted = _port(grpc_port, "PRISM_OTLP_GRPC_PORT", DEFAULT_GRPC_PORT, env)
         http_wanted = _port(http_port, "PRISM_OTLP_HTTP_PORT", DEFAULT_HTTP_PORT, env)
-        if max_message_bytes <= 0 or grpc_workers <= 0:
-            raise ConfigError("OTLP receiver: max_message_bytes and grpc_workers must be positive")
+        if max_message_bytes <= 0:
+            raise ConfigError("OTLP receiver: max_message_bytes must be positive")
         self.max_message_bytes = max_message_bytes
+        self.max_connections = _positive(max_connections, "PRISM_OTLP_MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS, env)
+        self.read_timeout_s = _positive(read_timeout_s, "PRISM_OTLP_READ_TIMEOUT_S", DEFAULT_READ_TIMEOUT_S, env)
+        self.max_grpc_rpcs = _positive(max_grpc_rpcs, "PRISM_OTLP_MAX_GRPC_RPCS", DEFAULT_MAX_GRPC_RPCS, env)
+        inflight = _positive(max_inflight_bytes, "PRISM_OTLP_MAX_INFLIGHT_BYTES", DEFAULT_MAX_INFLIGHT_BYTES, env)
+        if inflight < max_message_bytes:
+            raise ConfigError(
+                f"OTLP receiver: max_inflight_bytes ({inflight}) must be at least max_message_bytes"
+                f" ({max_message_bytes}), or the largest messages could never be taken"
+            )
+        self.budget = _Budget(inflight)
         registry = registry if registry is not None else CollectorRegistry()
         self.rejects = {protocol: RejectCounter(f"otlp_{protocol}", _log, registry) for protocol in ("grpc", "http")}
+        Gauge(
+            "prism_agent_otlp_inflight_bytes", "OTLP request bytes held now (both protocols)", registry=registry
+        ).set_function(lambda: self.budget.held)
+        Gauge(
+            "prism_agent_otlp_http_connections", "Open OTLP/HTTP connections", registry=registry
+        ).set_function(self._http_connections)
+        self._rpcs_lock = threading.Lock()
+        self._rpcs = 0
         self._requests_metric = Counter(
             "prism_agent_otlp_requests",
             "OTLP export requests accepted, by protocol and signal.",
@@ -424,7 +622,7 @@ class OtlpReceiver:
         self.http_port: int | None = None
         try:
             if grpc_wanted:
-                self._grpc, self.grpc_port = self._bind_grpc(max(grpc_wanted, 0), grpc_workers)
+                self._grpc, self.grpc_port = self._bind_grpc(max(grpc_wanted, 0))
             if http_wanted:
                 self._http = self._bind_http(max(http_wanted, 0))
                 self.http_port = int(self._http.server_address[1])
@@ -437,15 +635,32 @@ class OtlpReceiver:
         """(host, port) of every protocol served."""
         return [(self.host, port) for port in (self.grpc_port, self.http_port) if port is not None]
 
-    def _bind_grpc(self, port: int, workers: int) -> tuple[grpc.Server, int]:
+    def over_budget(self, size: int) -> _Rejected:
+        """The refusal of a body of `size` bytes that does not fit in what is left of the in-flight budget."""
+        return _Rejected(
+            "over_budget",
+            HTTPStatus.SERVICE_UNAVAILABLE,
+            f"body of {size} bytes does not fit: {self.budget.held} of {self.budget.limit} bytes in flight",
+        )
+
+    def _http_connections(self) -> int:
+        http = self._http
+        if http is None:
+            return 0
+        with http.connections_lock:
+            return len(http.connections)
+
+    def _bind_grpc(self, port: int) -> tuple[grpc.Server, int]:
         server = grpc.server(
-            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prism-otlp-grpc"),
+            ThreadPoolExecutor(
+                max_workers=self.max_grpc_rpcs + _REFUSAL_THREADS, thread_name_prefix="prism-otlp-grpc"
+            ),
             handlers=[self._grpc_handler(signal) for signal in self._signals.values()],
             options=[
                 ("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.so_reuseport", 0),  # a second agent must fail to bind, not split the traffic
             ],
-            maximum_concurrent_rpcs=workers * 4,
+            maximum_concurrent_rpcs=(self.max_grpc_rpcs + _REFUSAL_THREADS) * _GRPC_BACKLOG,
         )
         target = f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
         try:
@@ -467,21 +682,51 @@ class OtlpReceiver:
 
     def _grpc_handler(self, signal: _Signal[Any]) -> grpc.GenericRpcHandler:
         def export(body: bytes, context: grpc.ServicerContext) -> Message:
+            if not self._admit_rpc():
+                self.rejects["grpc"].count(
+                    "too_many_rpcs", f"gRPC export refused: {self.max_grpc_rpcs} already in progress"
+                )
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_grpc_rpcs} exports in progress")
             try:
-                request = _parse(body, False, signal.request_type)
-            except _Rejected as exc:
-                self.rejects["grpc"].record(exc)
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            try:
-                return self._accept(signal, request, "grpc")
-            except Exception:  # a fault in the agent's own callback, not in the input
-                _log.exception("OTLP/gRPC %s export failed inside the agent", signal.name)
-                context.abort(grpc.StatusCode.INTERNAL, "internal error")
+                if not self.budget.take(len(body)):
+                    exc = self.over_budget(len(body))
+                    self.rejects["grpc"].record(exc)
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                try:
+                    return self._export(signal, body, context)
+                finally:
+                    self.budget.give(len(body))
+            finally:
+                self._end_rpc()
 
         handler = grpc.unary_unary_rpc_method_handler(
             export, response_serializer=signal.response_type.SerializeToString
         )
         return grpc.method_handlers_generic_handler(signal.service, {"Export": handler})
+
+    def _export(self, signal: _Signal[Any], body: bytes, context: grpc.ServicerContext) -> Message:
+        try:
+            request = _parse(body, False, signal.request_type)
+        except _Rejected as exc:
+            self.rejects["grpc"].record(exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            return self._accept(signal, request, "grpc")
+        except Exception:  # a fault in the agent's own callback, not in the input
+            _log.exception("OTLP/gRPC %s export failed inside the agent", signal.name)
+            context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+    def _admit_rpc(self) -> bool:
+        """Take one of the `max_grpc_rpcs` slots; False when all are taken."""
+        with self._rpcs_lock:
+            if self._rpcs >= self.max_grpc_rpcs:
+                return False
+            self._rpcs += 1
+            return True
+
+    def _end_rpc(self) -> None:
+        with self._rpcs_lock:
+            self._rpcs -= 1
 
     def _accept(self, signal: _Signal[_Req], request: _Req, protocol: str) -> Message:
         """Screen, count and deliver one parsed request; the response to send back."""
