@@ -23,6 +23,7 @@ from prismlb.wire import (
     watchdog_interval_s,
 )
 
+from ._bounds import InvalidValues
 from ._config import AgentConfig
 from ._ebpf import ConnectCounter, probe_ebpf
 from ._node import NodeSampler, NodeState, metric_values
@@ -49,6 +50,7 @@ class Agent:
             "prism_agent_ebpf_up", "1 while the eBPF program is attached.", registry=self.registry
         )
         self.registry.register(_StateCollector(self))
+        self.invalid = InvalidValues(self.registry)
         self.started_unix_s = time.time()
         self.state: NodeState | None = None
         self.sampler: NodeSampler | None = None
@@ -67,7 +69,7 @@ class Agent:
         ctx = zmq.Context()
         trace_path: TracePath | None = None
         try:
-            signals = SpanSignals()
+            signals = SpanSignals(invalid=self.invalid)
             trace_path = TracePath(config, counter.tracer if counter is not None else None, signals, self.registry)
             trace_path.start()
             self.trace_path = trace_path

@@ -7,6 +7,8 @@ buckets are summed, ratio gauges averaged (each engine has its own KV pool). SGL
 scheduler's view once per TP or PP rank (`--enable-metrics-for-all-schedulers`); series that differ only in
 `tp_rank`/`pp_rank` are one series, read from the lowest rank. A series whose counter or bucket went down was
 restarted: its change is skipped for that window. A metric the engine does not publish is None, never 0.
+A value outside its bound (`_bounds.py`: 2e12 running requests, a usage of -3, NaN, a TTFT of 1e200 ms) is
+dropped and counted in `invalid`, and the other fields of the sample are kept.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prismlb.wire import ModalityLatency, RejectCounter
 
+from ._bounds import LATENCY_MS, RATIO, REQUESTS, Bound, InvalidValues
+
 _log = logging.getLogger("prism.agent.engine")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -33,6 +37,7 @@ _QUANTILES = (0.50, 0.95, 0.99)
 
 _Labels = frozenset[tuple[str, str]]
 _Series = dict[_Labels, float]
+_RawQuantiles = tuple[float, float, float, float]  # requests, p50, p95, p99 in ms, before their bounds
 _REPLICA_LABELS = ("tp_rank", "pp_rank")
 
 
@@ -131,13 +136,14 @@ class _ScrapeError(Exception):
 class EngineCollector:
     """Scrapes one engine's `/metrics` per `sample()`; `kind` is "vllm" or "sglang" once detected, else None."""
 
-    def __init__(self, url: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 2.0, invalid: InvalidValues | None = None) -> None:
         if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
             raise ValueError(f"engine metrics URL must be http:// or https://, not {url!r}")
         self.url = url
         self.timeout_s = timeout_s
         self.kind: str | None = None
         self.failures = RejectCounter(f"engine scrape of {url} failed", _log)
+        self.invalid = invalid if invalid is not None else InvalidValues()
         self._previous: dict[str, _Series] | None = None
 
     def sample(self) -> EngineSample:
@@ -149,7 +155,7 @@ class EngineCollector:
             self.failures.count(exc.kind, exc)
             return EngineSample()
         previous, self._previous = self._previous, samples
-        return _read(names, samples, previous)
+        return _read(names, samples, previous, self.invalid)
 
     def _fetch(self) -> str:
         request = urllib.request.Request(self.url, headers={"Accept": "text/plain"})
@@ -189,14 +195,13 @@ class EngineCollector:
 
 
 def _parse(text: str) -> dict[str, _Series]:
-    """Prometheus text exposition → sample name → value by label set; replicas collapsed, non-finite dropped."""
+    """Prometheus text exposition → sample name → value by label set; replicas collapsed. Non-finite values are
+    kept, so that the bounds count a NaN in a metric the agent reads (and ignore one in any other)."""
     samples: dict[str, _Series] = {}
     ranks: dict[tuple[str, _Labels], tuple[int, ...]] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if not math.isfinite(sample.value):
-                    continue
                 labels = frozenset((k, v) for k, v in sample.labels.items() if k not in _REPLICA_LABELS)
                 rank = tuple(_rank(sample.labels.get(label, "0")) for label in _REPLICA_LABELS)
                 if ranks.get((sample.name, labels), rank) < rank:
@@ -239,23 +244,37 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
     return start + (end - start) * (rank / count)
 
 
-def _read(names: _EngineNames, samples: dict[str, _Series], previous: dict[str, _Series] | None) -> EngineSample:
-    usage = _mean(samples.get(names.kv_usage))
-    running = _sum(samples.get(names.running))
-    waiting = _sum(samples.get(names.waiting))
+def _read(
+    names: _EngineNames, samples: dict[str, _Series], previous: dict[str, _Series] | None, invalid: InvalidValues
+) -> EngineSample:
+    def fit(field: str, value: float | None, bound: Bound) -> float | None:
+        return None if value is None else invalid.check("engine", field, value, bound)
+
+    def latency(field: str, raw: _RawQuantiles | None) -> LatencyQuantiles | None:
+        """The quantiles, or None (counted once) when the count or any quantile is outside its bound."""
+        if raw is None:
+            return None
+        requests, p50, p95, p99 = raw
+        if REQUESTS.fit(requests) is None or any(LATENCY_MS.fit(v) is None for v in (p50, p95, p99)):
+            invalid.count("engine", field, raw)
+            return None
+        return LatencyQuantiles(requests=round(requests), p50_ms=p50, p95_ms=p95, p99_ms=p99)
+
+    running = fit("requests_running", _sum(samples.get(names.running)), REQUESTS)
+    waiting = fit("requests_waiting", _sum(samples.get(names.waiting)), REQUESTS)
     miss: float | None = None
     ttft = e2e = queue = None
     if previous is not None:
-        miss = _miss_ratio(samples, previous, names.cache_queries, names.cache_hits)
-        ttft = _quantiles(samples, previous, names.ttft)
-        e2e = _quantiles(samples, previous, names.e2e)
-        queue = _quantiles(samples, previous, names.queue)
+        miss = fit("kv_cache_miss_ratio", _miss_ratio(samples, previous, names.cache_queries, names.cache_hits), RATIO)
+        ttft = latency("ttft_ms", _quantiles(samples, previous, names.ttft))
+        e2e = latency("e2e_ms", _quantiles(samples, previous, names.e2e))
+        queue = latency("queue_ms", _quantiles(samples, previous, names.queue))
     return EngineSample(
         kind=names.kind,
-        kv_cache_usage_ratio=None if usage is None else min(1.0, max(0.0, usage)),
+        kv_cache_usage_ratio=fit("kv_cache_usage_ratio", _mean(samples.get(names.kv_usage)), RATIO),
         kv_cache_miss_ratio=miss,
-        requests_running=None if running is None else max(0, round(running)),
-        requests_waiting=None if waiting is None else max(0, round(waiting)),
+        requests_running=None if running is None else round(running),
+        requests_waiting=None if waiting is None else round(waiting),
         ttft=ttft,
         e2e=e2e,
         queue=queue,
@@ -273,7 +292,9 @@ def _sum(series: _Series | None) -> float | None:
 def _miss_ratio(
     samples: dict[str, _Series], previous: dict[str, _Series], queries_name: str, hits_name: str
 ) -> float | None:
-    """1 - Δhits / Δqueries over the series present in both scrapes that did not restart; None if no queries."""
+    """1 - Δhits / Δqueries over the series present in both scrapes that did not restart; None if no queries.
+
+    Not clamped: more hits than queries, or a NaN counter, gives a value the ratio's bound drops and counts."""
     queries, hits = samples.get(queries_name, {}), samples.get(hits_name, {})
     queries_before, hits_before = previous.get(queries_name, {}), previous.get(hits_name, {})
     queried = hit = 0.0
@@ -285,11 +306,11 @@ def _miss_ratio(
         hit += h1 - h0
     if queried <= 0:
         return None
-    return min(1.0, max(0.0, 1.0 - hit / queried))
+    return 1.0 - hit / queried
 
 
-def _quantiles(samples: dict[str, _Series], previous: dict[str, _Series], name: str) -> LatencyQuantiles | None:
-    """p50/p95/p99 in ms of the observations the histogram gained since the previous scrape."""
+def _quantiles(samples: dict[str, _Series], previous: dict[str, _Series], name: str) -> _RawQuantiles | None:
+    """Observations the histogram gained since the previous scrape, and their p50/p95/p99 in ms."""
     now, before = _bucket_series(samples.get(f"{name}_bucket")), _bucket_series(previous.get(f"{name}_bucket"))
     gained: dict[float, float] = {}
     for labels, buckets in now.items():
@@ -305,9 +326,7 @@ def _quantiles(samples: dict[str, _Series], previous: dict[str, _Series], name: 
     p50, p95, p99 = (histogram_quantile(q, merged) for q in _QUANTILES)
     if p50 is None or p95 is None or p99 is None:
         return None
-    return LatencyQuantiles(
-        requests=round(merged[-1][1]), p50_ms=1000.0 * p50, p95_ms=1000.0 * p95, p99_ms=1000.0 * p99
-    )
+    return merged[-1][1], 1000.0 * p50, 1000.0 * p95, 1000.0 * p99
 
 
 def _bucket_series(series: _Series | None) -> dict[_Labels, dict[float, float]]:

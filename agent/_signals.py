@@ -24,6 +24,7 @@ from prismlb.otel._conventions import (
 )
 from prismlb.wire import DEFAULT_SLICE, ModalityLatency, Slice
 
+from ._bounds import LATENCY_MS, RATIO, InvalidValues
 from ._windows import Window
 
 QUANTILES = (0.5, 0.95, 0.99)
@@ -46,15 +47,19 @@ class SpanSignals:
     """Windows fed by spans and metrics as they arrive; read by the sampler at each dimension's period.
 
     `clock` gives monotonic seconds (injectable for tests); windows: latency and load `load_window_s`,
-    CPU preprocessing `preprocessing_window_s` (10 s, SPEC §3)."""
+    CPU preprocessing `preprocessing_window_s` (10 s, SPEC §3). A latency or ratio outside its bound (a
+    negative TTFT, a span ending before it started, a fragmentation of 7) is dropped and counted in `invalid`;
+    the rest of the span or metric is still used."""
 
     def __init__(
         self,
         load_window_s: float = 10.0,
         preprocessing_window_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        invalid: InvalidValues | None = None,
     ) -> None:
         self._clock = clock
+        self.invalid = invalid if invalid is not None else InvalidValues()
         self._load_window_s = load_window_s
         self._ttft: dict[str, Window] = {}
         self._e2e: dict[str, Window] = {}
@@ -75,18 +80,31 @@ class SpanSignals:
         for resource_spans in request.resource_spans:
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    duration_ms = max(0, span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
                     if span.name == REQUEST_SPAN:
                         key = _slice(span)
-                        self._windows(self._e2e, key).add(duration_ms, now)
+                        e2e_ms = self._duration_ms(span, "prism.request.duration_ms")
+                        if e2e_ms is not None:
+                            self._windows(self._e2e, key).add(e2e_ms, now)
                         if span.status.code == Status.STATUS_CODE_ERROR:
                             self._windows(self._errors, key).add(1.0, now)
                         ttft = _attr(span.attributes, ATTR_TTFT_MS)
-                        if isinstance(ttft, (int, float)):
-                            self._windows(self._ttft, key).add(float(ttft), now)
+                        if isinstance(ttft, str):
+                            self.invalid.count("span", ATTR_TTFT_MS, ttft)
+                        elif ttft is not None:
+                            ttft_ms = self.invalid.check("span", ATTR_TTFT_MS, float(ttft), LATENCY_MS)
+                            if ttft_ms is not None:
+                                self._windows(self._ttft, key).add(ttft_ms, now)
                     elif span.name.startswith(STAGE_SPAN_PREFIX):
                         if _attr(span.attributes, ATTR_STAGE) in CPU_PREPROCESSING_STAGES:
-                            self._preprocessing.add(duration_ms, now)
+                            stage_ms = self._duration_ms(span, "prism.stage.duration_ms")
+                            if stage_ms is not None:
+                                self._preprocessing.add(stage_ms, now)
+
+    def _duration_ms(self, span: Span, field: str) -> float | None:
+        """The span's duration in ms; None (counted under `field`) when it ends before it starts or is absurd."""
+        return self.invalid.check(
+            "span", field, (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6, LATENCY_MS
+        )
 
     def on_metrics(self, request: ExportMetricsServiceRequest) -> None:
         now = self._clock()
@@ -97,8 +115,11 @@ class SpanSignals:
                         continue
                     for point in metric.gauge.data_points:
                         gpu = _attr(point.attributes, ATTR_GPU)
-                        value = point.as_double if point.WhichOneof("value") == "as_double" else float(point.as_int)
-                        if isinstance(gpu, int) and 0.0 <= value <= 1.0:
+                        if not isinstance(gpu, int):
+                            continue
+                        raw = point.as_double if point.WhichOneof("value") == "as_double" else float(point.as_int)
+                        value = self.invalid.check("otlp_metric", METRIC_FRAGMENTATION, raw, RATIO)
+                        if value is not None:
                             with self._lock:
                                 self._fragmentation[gpu] = (now, value)
 

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from prismlb.wire import ENGINE_LATENCY_KEY
 
+from ._bounds import InvalidValues
 from ._config import AgentConfig
 from ._ebpf import ConnectCounter
 from ._engine import EngineCollector
@@ -99,7 +100,8 @@ class _CollectorCounts(Collector):
 def node_sources(
     config: AgentConfig, counter: ConnectCounter | None, signals: SpanSignals, registry: CollectorRegistry
 ) -> Iterator[list[Source]]:
-    """The sources this agent can read, opened for the block and closed after it."""
+    """The sources this agent can read, opened for the block and closed after it; the engine's out-of-range
+    values are counted with the spans' in `signals.invalid`."""
     period = config.period_s
     host = HostSampler()
     sources = [
@@ -132,7 +134,7 @@ def node_sources(
             sources.append(Source("gpu", NVLINK_PERIOD_S, lambda: _gpu(gpus)))
         engine = kv = None
         if config.engine_url is not None:
-            engine = EngineCollector(config.engine_url)
+            engine = EngineCollector(config.engine_url, invalid=signals.invalid)
             sources.append(Source("engine", KV_MISS_PERIOD_S, lambda: _engine(engine)))
         if config.kv_events is not None:
             kv = stack.enter_context(KvEventSubscriber(config.kv_events, config.kv_replay))
