@@ -79,7 +79,7 @@ _POLL_S = 0.1  # how soon the HTTP server notices shutdown and a request past it
 _REFUSAL_THREADS = 2  # gRPC threads beyond the admitted exports, so a refusal never waits for an export to end
 _GRPC_BACKLOG = 4  # gRPC itself refuses, uncounted, beyond this many calls a thread: refusals piling up in a flood
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 1\r\nContent-Length: 0\r\n\r\n"
-_DRAIN_LIMIT = 1 << 20  # an oversized HTTP body up to this size is read and discarded to keep the connection
+_DRAIN_LIMIT = 1 << 20  # a refused HTTP body up to this size (over the limit) is read and discarded, not reset
 _BAD_IDS = "spans rejected: a trace id must be 16 bytes and a span id 8 bytes"
 _ID_FIELDS = frozenset({"traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id"})
 _RPC_CODE = {  # google.rpc.Code for each HTTP status the receiver answers with
@@ -294,6 +294,8 @@ class _HttpServer(ThreadingHTTPServer):
     """ThreadingHTTPServer with at most `max_connections` connections (threads) and a read deadline per request,
     enforced by the accepting thread between its polls."""
 
+    request_queue_size = 128  # a burst of connects waits in the kernel for the accepting thread, not in SYN retries
+
     def __init__(self, host: str, port: int, receiver: OtlpReceiver) -> None:
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.receiver = receiver
@@ -489,7 +491,10 @@ class _HttpHandler(BaseHTTPRequestHandler):
                 self.close_connection = True
             raise _Rejected("oversized", HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes over {limit}")
         if not self.server.receiver.budget.take(length):
-            self.close_connection = True  # the body is left unread
+            if length <= _DRAIN_LIMIT:  # read and dropped, so the client gets the 503, not a reset mid-send
+                self._discard(length)
+            else:
+                self.close_connection = True
             raise self.server.receiver.over_budget(length)
         return length
 
@@ -520,6 +525,8 @@ class _HttpHandler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json" if is_json else "application/x-protobuf")
         self.send_header("Content-Length", str(len(body)))
+        if status == HTTPStatus.SERVICE_UNAVAILABLE:
+            self.send_header("Retry-After", "1")  # OTLP clients wait this long before they retry
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
