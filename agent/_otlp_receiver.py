@@ -248,7 +248,8 @@ def _positive(value: _Number | None, env: str, default: _Number, environ: Mappin
     try:
         limit = type(default)(raw)
     except ValueError:
-        raise ConfigError(f"{source}: {raw!r} is not {'an integer' if isinstance(default, int) else 'a number'}") from None
+        expected = "an integer" if isinstance(default, int) else "a number"
+        raise ConfigError(f"{source}: {raw!r} is not {expected}") from None
     if not (math.isfinite(limit) and limit > 0):
         raise ConfigError(f"{source}: must be positive, got {raw!r}")
     return limit

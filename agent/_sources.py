@@ -15,7 +15,6 @@ from prometheus_client.registry import Collector
 
 from prismlb.wire import ENGINE_LATENCY_KEY
 
-from ._bounds import InvalidValues
 from ._config import AgentConfig
 from ._ebpf import ConnectCounter
 from ._engine import EngineCollector

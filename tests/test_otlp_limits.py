@@ -67,7 +67,7 @@ def big_request(size: int) -> ExportTraceServiceRequest:
 
 
 def test_connections_over_the_limit_are_refused_counted_and_threads_stay_bounded(
-    serve: Callable[..., OtlpReceiver],
+    serve: Callable[..., OtlpReceiver],  # noqa: F811
 ) -> None:
     registry = CollectorRegistry()
     receiver = serve(Sink(), grpc_port=0, max_connections=4, read_timeout_s=60.0, registry=registry)
@@ -97,7 +97,9 @@ def test_connections_over_the_limit_are_refused_counted_and_threads_stay_bounded
     assert post(port, request_of(1).SerializeToString())[0] == 200
 
 
-def test_requests_trickling_in_are_cut_at_the_read_timeout_and_counted(serve: Callable[..., OtlpReceiver]) -> None:
+def test_requests_trickling_in_are_cut_at_the_read_timeout_and_counted(
+    serve: Callable[..., OtlpReceiver],  # noqa: F811
+) -> None:
     receiver = serve(Sink(), grpc_port=0, read_timeout_s=0.5)
     port = receiver.http_port
     assert port is not None
@@ -115,7 +117,9 @@ def test_requests_trickling_in_are_cut_at_the_read_timeout_and_counted(serve: Ca
     assert post(port, body)[0] == 200
 
 
-def test_bodies_beyond_the_in_flight_budget_are_refused_on_both_protocols(serve: Callable[..., OtlpReceiver]) -> None:
+def test_bodies_beyond_the_in_flight_budget_are_refused_on_both_protocols(
+    serve: Callable[..., OtlpReceiver],  # noqa: F811
+) -> None:
     registry = CollectorRegistry()
     sink = Sink()
     receiver = serve(sink, max_message_bytes=MIB, max_inflight_bytes=MIB, registry=registry)
@@ -154,7 +158,9 @@ def test_bodies_beyond_the_in_flight_budget_are_refused_on_both_protocols(serve:
     assert receiver.spans_received == 3
 
 
-def test_grpc_exports_beyond_the_limit_are_refused_and_counted(serve: Callable[..., OtlpReceiver]) -> None:
+def test_grpc_exports_beyond_the_limit_are_refused_and_counted(
+    serve: Callable[..., OtlpReceiver],  # noqa: F811
+) -> None:
     release = threading.Event()
     entered = threading.Semaphore(0)
 
