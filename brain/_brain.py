@@ -37,6 +37,7 @@ from ._identity import start_curve
 from ._predictor import Predictor
 from ._registry import Registry
 from ._scale_hook import parse_hook
+from ._shards import ShardedReceiver
 from ._tables import TableBuilder, next_epoch
 from ._weights import Predictions, compute_weights
 
@@ -66,6 +67,15 @@ class Brain:
         self.admin_queue = AdminQueue()
         self._next_cycle = self._next_predict = self._next_control = -math.inf
         self._vectors = Counter("prism_brain_vectors", "Node vectors accepted", registry=self.metrics)
+        self._lost = Counter(
+            "prism_brain_vectors_lost", "Node vectors missing from an agent's sequence numbers", registry=self.metrics
+        )
+        self._receiver: VectorReceiver | ShardedReceiver | None = None
+        Gauge(
+            "prism_brain_ingest_backlog",
+            "Consecutive ingest drains that stopped at their limit with vectors still waiting (0: keeping up)",
+            registry=self.metrics,
+        ).set_function(lambda: self._receiver.backlog if self._receiver is not None else 0)
         self._published = Counter("prism_brain_tables_published", "Routing tables published", registry=self.metrics)
         Gauge("prism_brain_nodes", "Live nodes", registry=self.metrics).set_function(lambda: len(self.registry.nodes))
         Gauge("prism_brain_table_version", "Version of the current table", registry=self.metrics).set_function(
@@ -97,7 +107,12 @@ class Brain:
         metrics = admin = None
         trainer = threading.Thread(target=self._train, args=(stop,), name="prism-predictor-train", daemon=True)
         try:
-            receiver = VectorReceiver(ctx, cfg.ingest, self.rejects, curve=cfg.curve, identity=identity)
+            receiver: VectorReceiver | ShardedReceiver
+            if cfg.ingest_workers:
+                receiver = ShardedReceiver(ctx, cfg.ingest, self.rejects, cfg.ingest_workers)
+            else:
+                receiver = VectorReceiver(ctx, cfg.ingest, self.rejects, curve=cfg.curve, identity=identity)
+            self._receiver = receiver
             publisher = TablePublisher(ctx, cfg.updates, cfg.snapshot, self.rejects, curve=cfg.curve_routers)
             metrics = serve_metrics(cfg.metrics_port, self.metrics, cfg.metrics_addr)
             if cfg.admin_port:
@@ -131,6 +146,9 @@ class Brain:
             self.control.guardian.close()
             self.history.close()
             self._save_checkpoint()
+            if self._receiver is not None:
+                self._receiver.close()
+                self._receiver = None
             ctx.destroy(linger=0)
             _log.info("brain stopped at table version %d", self.tables.version)
 
@@ -197,11 +215,33 @@ class Brain:
         return table
 
     def ingest(self, vectors: list[NodeVector], now: float) -> None:
-        """Registry and history for every accepted vector."""
+        """Registry for every vector, then history and the counters once per batch (at 20,000 vectors/s the
+        per-vector lock, clock call and counter increment were a tenth of the brain's ingest time).
+
+        A gap in an agent's `seq` is counted as lost vectors (after a restart, a new `started_unix_s`, the
+        sequence starts again at 0): they were dropped on the way, by the agent's full queue or the network,
+        where the brain cannot see them. Vectors lost while the brain itself was down are not counted."""
+        nodes = self.registry.nodes
+        accepted: list[NodeVector] = []
+        lost = 0
         for vector in vectors:
-            if self.registry.update(vector, now):
-                self._vectors.inc()
-                self.history.append(vector)
+            before = nodes.get(vector.node_id)
+            previous = before.vector if before is not None else None
+            if not self.registry.update(vector, now):
+                continue
+            accepted.append(vector)
+            if previous is None:
+                continue
+            if vector.started_unix_s == previous.started_unix_s:
+                lost += max(0, vector.seq - previous.seq - 1)
+            else:  # the agent restarted, and its sequence with it
+                lost += vector.seq
+        if not accepted:
+            return
+        self._vectors.inc(len(accepted))
+        if lost:
+            self._lost.inc(lost)
+        self.history.extend(accepted)
 
     def observe_window(self) -> None:
         """One predictor time step per node per control period (5 s), from its latest vector: the agent's

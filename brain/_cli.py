@@ -53,6 +53,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--scale-hook", help="command or http(s):// webhook run on scale-up (env PRISM_SCALE_HOOK)")
     p.add_argument("--train-budget-s", help="CPU seconds of predictor training per 5 s (0.5; 0 = no training)")
+    p.add_argument(
+        "--ingest-workers", help="processes decoding node vectors for the brain, for large fleets (0; not with CURVE)"
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_run)
 

@@ -55,6 +55,9 @@ class BrainConfig:
     train_budget_s: float = 0.5  # CPU seconds of training ...
     train_interval_s: float = 5.0  # ... per this many seconds: 10% of one core
 
+    ingest_workers: int = 0
+    """Processes that decode and validate node vectors for the brain (0: the brain's own thread does); for
+    fleets beyond what one interpreter decodes in time. Not with CURVE (see `_shards`)."""
 
 def _pick(args: argparse.Namespace, environ: Mapping[str, str], name: str) -> str | None:
     value = getattr(args, name, None)
@@ -123,7 +126,19 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Brai
         ),
         scale_hook=_pick(args, environ, "scale_hook"),
         train_budget_s=_number("train budget", _pick(args, environ, "train_budget_s") or "0.5", minimum=0),
+        ingest_workers=_ingest_workers(_pick(args, environ, "ingest_workers"), curve=secret is not None),
     )
+
+
+def _ingest_workers(value: str | None, *, curve: bool) -> int:
+    if value is None:
+        return 0
+    workers = _number("ingest workers", value, minimum=0)
+    if workers != int(workers) or workers > 64:
+        raise ConfigError(f"ingest workers must be a whole number from 0 to 64, got {value!r}")
+    if workers and curve:
+        raise ConfigError("--ingest-workers cannot be used with CURVE: the workers could not check node identities")
+    return int(workers)
 
 def _flag(name: str, value: str | None) -> bool:
     if value is None or value.lower() in ("", "0", "false", "no"):

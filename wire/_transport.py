@@ -171,7 +171,19 @@ def _property(frame: zmq.Frame, name: str) -> str | None:
 
 class VectorReceiver:
     """Brain side: a bound PULL socket; malformed vectors, and with `identity` vectors it refuses, are
-    counted by `rejects` and skipped."""
+    counted by `rejects` and skipped.
+
+    The socket takes frames up to OVERSIZE_COUNTED times the vector limit, so that a vector over the limit
+    reaches `decode` and is counted as `oversized` instead of libzmq silently cutting the sender's connection
+    (it still does so beyond that multiple). `backlog` counts consecutive `drain` calls that stopped at their
+    limit: 0 while the brain keeps up, growing while vectors wait in the socket's queue.
+    """
+
+    OVERSIZE_COUNTED = 4
+    DRAIN_LIMIT = 2_000
+    """Messages per `drain` by default: at 50-100 µs a realistic vector, the brain's loop still gets to its
+    table cycle (0.2 s) while overloaded; what waits longer is dropped by the senders' full queues and counted
+    by the brain as sequence gaps."""
 
     def __init__(
         self,
@@ -183,32 +195,37 @@ class VectorReceiver:
         identity: IdentityCheck | None = None,
         hwm: int = 10_000,
     ) -> None:
-        sock = _socket(ctx, zmq.PULL, hwm=hwm, max_bytes=MAX_VECTOR_BYTES, curve=curve)
+        sock = _socket(ctx, zmq.PULL, hwm=hwm, max_bytes=self.OVERSIZE_COUNTED * MAX_VECTOR_BYTES, curve=curve)
         self.socket = _attach(sock, endpoint, bind=True)
         self._rejects = rejects
         self._identity = identity
+        self.backlog = 0
 
-    def drain(self, limit: int = 10_000) -> list[NodeVector]:
-        """Every vector waiting now, up to `limit`; never blocks."""
+    def drain(self, limit: int = DRAIN_LIMIT) -> list[NodeVector]:
+        """Every vector waiting now, up to `limit` messages; never blocks."""
         out: list[NodeVector] = []
+        recv, identity = self.socket.recv_multipart, self._identity
         for _ in range(limit):
             try:
-                if self._identity is None:
-                    frames, user_id, peer = self.socket.recv_multipart(flags=zmq.NOBLOCK), None, None
+                if identity is None:
+                    frames, user_id, peer_address = recv(flags=zmq.NOBLOCK), None, None
                 else:  # only frames received without copying carry the authenticator's User-Id
-                    parts = self.socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    frames, user_id = [part.bytes for part in parts], _property(parts[0], "User-Id")
-                    peer = _property(parts[0], "Peer-Address")
+                    parts = recv(flags=zmq.NOBLOCK, copy=False)
+                    frames = [part.bytes for part in parts]
+                    user_id, peer_address = _property(parts[0], "User-Id"), _property(parts[0], "Peer-Address")
             except zmq.Again:
+                self.backlog = 0
                 break
             try:
                 vector = decode(frames, (NodeVector,), MAX_VECTOR_BYTES)
-                if self._identity is not None:
-                    self._identity.check(vector, user_id, peer)
+                if identity is not None:
+                    identity.check(vector, user_id, peer_address)
             except WireError as exc:
                 self._rejects.record(exc)
                 continue
             out.append(vector)
+        else:
+            self.backlog += 1
         return out
 
     def close(self) -> None:
