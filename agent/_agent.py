@@ -24,7 +24,7 @@ from prismlb.wire import (
 )
 
 from ._bounds import InvalidValues
-from ._config import AgentConfig
+from ._config import AgentConfig, brain_endpoints
 from ._ebpf import ConnectCounter, probe_ebpf
 from ._node import NodeSampler, NodeState, metric_values
 from ._signals import SpanSignals
@@ -74,7 +74,7 @@ class Agent:
             trace_path.start()
             self.trace_path = trace_path
             with node_sources(config, counter, signals, self.registry) as sources:
-                sender = VectorSender(ctx, config.brain, curve=config.curve)
+                sender = _FanOut([VectorSender(ctx, b, curve=config.curve) for b in brain_endpoints(config.brain)])
                 sampler = NodeSampler(sources)
                 self.sampler = sampler
                 try:
@@ -105,7 +105,7 @@ class Agent:
             self._ebpf_up.set(1)
         return counter
 
-    def _loop(self, stop: threading.Event, sender: VectorSender, sampler: NodeSampler) -> None:
+    def _loop(self, stop: threading.Event, sender: _FanOut, sampler: NodeSampler) -> None:
         period = self.config.period_s
         watchdog = watchdog_interval_s()
         if watchdog is not None and watchdog < period:
@@ -129,7 +129,7 @@ class Agent:
             if behind > 0:  # missed slots (suspend, stall): skip them, keep the schedule's phase
                 next_due += math.ceil(behind / period) * period
 
-    def _report(self, sender: VectorSender, sampler: NodeSampler) -> None:
+    def _report(self, sender: _FanOut, sampler: NodeSampler) -> None:
         state = sampler.tick(time.monotonic())
         self.state = state
         config = self.config
@@ -160,6 +160,30 @@ class Agent:
             if not self._dropping:
                 _log.warning("queue to the brain is full (brain down or slow): dropping vectors")
                 self._dropping = True
+
+
+class _FanOut:
+    """Every vector to every brain of a highly available group; one brain's full queue costs that brain the
+    vector (counted as dropped), never the others."""
+
+    def __init__(self, senders: list[VectorSender]) -> None:
+        self.senders = senders
+
+    def send(self, vector: NodeVector) -> bool:
+        """True when every brain's queue took the vector."""
+        return all([sender.send(vector) for sender in self.senders])
+
+    @property
+    def sent(self) -> int:
+        return sum(sender.sent for sender in self.senders)
+
+    @property
+    def dropped(self) -> int:
+        return sum(sender.dropped for sender in self.senders)
+
+    def close(self) -> None:
+        for sender in self.senders:
+            sender.close()
 
 
 class _StateCollector(Collector):

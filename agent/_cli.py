@@ -31,7 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--endpoint", help="inference server URL this node serves (PRISM_ENDPOINT; default: http://HOSTNAME:8000)"
     )
-    parser.add_argument("--brain", help=f"brain ingest endpoint (PRISM_BRAIN_INGEST; default: {DEFAULT_BRAIN})")
+    parser.add_argument(
+        "--brain",
+        help=f"brain ingest endpoint; several, comma-separated, for an HA group (PRISM_BRAIN_INGEST; {DEFAULT_BRAIN})",
+    )
     parser.add_argument("--zone", help="zone (PRISM_ZONE; default: none)")
     parser.add_argument(
         "--label", action="append", metavar="KEY=VALUE", help="a label, repeatable (PRISM_LABELS=k=v,k=v)"

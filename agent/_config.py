@@ -41,6 +41,8 @@ class AgentConfig:
     host: str = field(default_factory=socket.gethostname)
     endpoint: str = field(default_factory=_default_endpoint)
     brain: str = DEFAULT_BRAIN
+    """The brain's ingest endpoint; several, comma-separated, for brains run as a highly available group
+    (every brain gets every vector, so any of them can lead)."""
     zone: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     period_s: float = DEFAULT_PERIOD_S
@@ -196,6 +198,11 @@ def _check_endpoint(endpoint: str, source: str) -> None:
         raise ConfigError(f"{source}: inference endpoint {endpoint!r} must look like http://HOST:PORT")
 
 
+def brain_endpoints(brain: str) -> list[str]:
+    """The ingest endpoints in a `brain` setting (comma-separated), each once, in order."""
+    return list(dict.fromkeys(part.strip() for part in brain.split(",") if part.strip())) or [brain]
+
+
 def _check_zmq(brain: str, source: str, what: str = "brain ingest endpoint") -> None:
     scheme, sep, rest = brain.partition("://")
     host, colon, port = rest.rpartition(":")
@@ -241,7 +248,8 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Agen
 
     brain, brain_source = src.pick("brain", "--brain", "PRISM_BRAIN_INGEST")
     brain = brain if brain is not None else DEFAULT_BRAIN
-    _check_zmq(brain, brain_source or "default brain")
+    for endpoint_ in brain_endpoints(brain):
+        _check_zmq(endpoint_, brain_source or "default brain")
 
     zone, zone_source = src.pick("zone", "--zone", "PRISM_ZONE")
     zone = zone if zone is not None else ""

@@ -10,8 +10,10 @@ the real receiver and `Brain.ingest` (decode and validation, registry with healt
 brain's loop.
 
 Rows, same run and same senders:
-  before   the path per vector as it was: `registry.update`, `Counter.inc` and `History.append` per vector;
-  batched  `Brain.ingest` (one history append, counter and clock reading per drained batch);
+  before   the path per vector as it was: `registry.update`, `Counter.inc` and `History.append` per vector,
+           the garbage collector's default thresholds;
+  batched  `Brain.ingest` (one history append, counter and clock reading per drained batch), and the
+           collector tuned as the brain's service tunes it (`tune_gc_for_ingest`);
   sharded  `--ingest-workers N`: a ZeroMQ proxy fans the PULL out to N worker processes that decode and
            validate; the brain builds the vectors from their batches without validating again.
 Measured over `--seconds` after a warm-up period: vectors/s accepted, CPU seconds per 1,000 accepted vectors of
@@ -22,6 +24,7 @@ the brain's process (with the proxy thread) and of the workers, what the brain's
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import multiprocessing
 import os
@@ -37,13 +40,14 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from prismlb.brain import BrainConfig
-from prismlb.brain._shards import ShardedReceiver
+from prismlb.brain._shards import ShardedReceiver, tune_gc_for_ingest
 from prismlb.wire import GpuState, ModalityLatency, NodeMetrics, NodeVector, VectorReceiver, encode
 
 if TYPE_CHECKING:
     from prismlb.brain import Brain
 
 WARMUP_S = 2.0  # every node has joined and the queues have settled before the measured window
+DEFAULT_GC = gc.get_threshold()
 SEQ_BASE = 1 << 16  # from here msgpack writes `seq` as 4 bytes, so a sender can patch it in place
 
 
@@ -210,7 +214,13 @@ def run(nodes: int, path: str, seconds: float, senders: int, workers: int) -> Re
         receiver = VectorReceiver(ctx, "tcp://127.0.0.1:0", brain.rejects)
         endpoint = receiver.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         pids = []
-    ingest = per_vector_ingest(brain) if path == "before" else brain.ingest
+    if path == "before":
+        ingest = per_vector_ingest(brain)
+        gc.unfreeze()
+        gc.set_threshold(*DEFAULT_GC)
+    else:
+        ingest = brain.ingest
+        tune_gc_for_ingest()  # as the brain's service does
     spawn = multiprocessing.get_context("spawn")
     ready: Queue = spawn.Queue()
     plans: list[Queue] = [spawn.Queue() for _ in range(senders)]

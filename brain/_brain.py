@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -16,8 +18,10 @@ from prismlb.wire import (
     RejectCounter,
     RoutingTable,
     Slice,
+    TableNode,
     TablePublisher,
     VectorReceiver,
+    WireError,
     sd_notify,
     serve_metrics,
     watchdog_interval_s,
@@ -33,11 +37,12 @@ from ._exporter import PredictorCollector, RegistryCollector
 from ._features import node_features, observed_p99_ms
 from ._guardian import Guardian, GuardianConfig
 from ._history import History
+from ._holddown import KnownNodes, StartupHold
 from ._identity import start_curve
 from ._predictor import Predictor
-from ._registry import Registry
+from ._registry import NodeState, Registry
 from ._scale_hook import parse_hook
-from ._shards import ShardedReceiver
+from ._shards import ShardedReceiver, tune_gc_for_ingest
 from ._tables import TableBuilder, next_epoch
 from ._weights import Predictions, compute_weights
 
@@ -46,15 +51,38 @@ CHECKPOINT = "predictor.pt"
 PREDICTION_SMOOTHING_S = 30.0
 
 
-class Brain:
-    """One brain process; `run(stop)` blocks until `stop` is set, then closes everything."""
+def default_brain_id(config: BrainConfig) -> str:
+    """The host's name and the updates endpoint: distinct for brains on different hosts or ports."""
+    return f"{socket.gethostname()}/{config.updates}"[:256]
 
-    def __init__(self, config: BrainConfig, registry: CollectorRegistry | None = None) -> None:
+
+class Brain:
+    """One brain process; `run(stop)` blocks until `stop` is set, then closes everything.
+
+    Isolation: a failure while handling one node's vector or weights is counted (`faults`, by stage), logged
+    once per stage, and costs that node (its vector, or its place until its next vector), never the loop; a
+    failure of a whole step (prediction, control, a table build) keeps the last table and is retried next time.
+    """
+
+    def __init__(
+        self,
+        config: BrainConfig,
+        registry: CollectorRegistry | None = None,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
         self.metrics = registry or CollectorRegistry()
-        self.registry = Registry(stale_periods=config.stale_periods)
-        self.tables = TableBuilder(next_epoch(config.state_dir))
+        self.registry = Registry(stale_periods=config.stale_periods, wall_clock=wall_clock)
+        self.tables = TableBuilder(
+            next_epoch(config.state_dir), brain_id=config.brain_id or default_brain_id(config), priority=config.priority
+        )
+        if config.state_dir is None:
+            _log.warning("no state folder: epoch 0, no known nodes across restarts (set --state-dir for both)")
+        self.known = KnownNodes(config.state_dir)
+        self.hold = StartupHold(self.known.ids, config.restart_quorum, config.holddown_s)
         self.rejects = RejectCounter("brain", _log, self.metrics)
+        self.faults = RejectCounter("brain_fault", _log, self.metrics)
         self.history = History.load(config.state_dir) if config.state_dir is not None else History(None)
         self.experiments = Experiments(config.state_dir)
         hook = parse_hook(config.scale_hook) if config.scale_hook else None
@@ -82,6 +110,12 @@ class Brain:
             lambda: self.tables.version
         )
         Gauge("prism_brain_epoch", "This brain's epoch", registry=self.metrics).set_function(lambda: self.tables.epoch)
+        Gauge(
+            "prism_brain_holding", "1 while the first table is held back after a start", registry=self.metrics
+        ).set_function(lambda: 0 if self.hold.released else 1)
+        Gauge(
+            "prism_brain_table_entries_clamped", "Table entries whose values were clamped", registry=self.metrics
+        ).set_function(lambda: self.tables.clamped)
         Gauge("prism_brain_predictor_trained_steps", "Optimiser steps so far", registry=self.metrics).set_function(
             lambda: self.predictor.trained_steps
         )
@@ -107,13 +141,20 @@ class Brain:
         metrics = admin = None
         trainer = threading.Thread(target=self._train, args=(stop,), name="prism-predictor-train", daemon=True)
         try:
+            tune_gc_for_ingest()
             receiver: VectorReceiver | ShardedReceiver
             if cfg.ingest_workers:
                 receiver = ShardedReceiver(ctx, cfg.ingest, self.rejects, cfg.ingest_workers)
             else:
                 receiver = VectorReceiver(ctx, cfg.ingest, self.rejects, curve=cfg.curve, identity=identity)
             self._receiver = receiver
-            publisher = TablePublisher(ctx, cfg.updates, cfg.snapshot, self.rejects, curve=cfg.curve_routers)
+            publisher = TablePublisher(
+                ctx,
+                cfg.updates,
+                cfg.snapshot,
+                self.rejects,
+                curve=cfg.curve_routers,
+            )
             metrics = serve_metrics(cfg.metrics_port, self.metrics, cfg.metrics_addr)
             if cfg.admin_port:
                 admin = AdminServer(
@@ -177,12 +218,11 @@ class Brain:
             wait = max(0.0, min(self._next_cycle, next_heartbeat) - time.monotonic())
             poller.poll(timeout=wait * 1000)
             now = time.monotonic()
-            self.ingest(receiver.drain(), now)
-            publisher.serve_snapshots()
-            self.admin_queue.apply_pending()
-            table = self.tick(now, time.time())
-            if table is not None:
-                publisher.publish(table)
+            self._guarded("ingest", lambda: self.ingest(receiver.drain(), now))
+            self._guarded("snapshots", publisher.serve_snapshots)
+            self._guarded("admin", self.admin_queue.apply_pending)
+            _, table = self._guarded("tick", lambda: self.tick(now, time.time()))
+            if isinstance(table, RoutingTable) and self._guarded("publish", lambda: publisher.publish(table))[0]:
                 self._published.inc()
                 next_heartbeat = now + cfg.heartbeat_s
             if now >= next_heartbeat:
@@ -191,6 +231,18 @@ class Brain:
             if watchdog is not None and now >= next_watchdog:
                 next_watchdog = now + watchdog
                 sd_notify("WATCHDOG=1")
+
+    def _guarded(self, stage: str, step: Callable[[], object]) -> tuple[bool, object]:
+        """Run one step of the loop: (True, its result), or (False, None) after a failure, which is counted
+        and logged once per stage, never fatal."""
+        try:
+            return True, step()
+        except WireError as exc:
+            self.faults.count(stage, exc)
+        except Exception as exc:
+            self.faults.count(stage, repr(exc))
+            _log.debug("brain step %s failed", stage, exc_info=True)
+        return False, None
 
     def tick(self, now: float, wall_s: float) -> RoutingTable | None:
         """The periodic work due at monotonic `now`: predict, control, and build the next table (returned when
@@ -227,7 +279,14 @@ class Brain:
         for vector in vectors:
             before = nodes.get(vector.node_id)
             previous = before.vector if before is not None else None
-            if not self.registry.update(vector, now):
+            try:
+                if not self.registry.update(vector, now):
+                    continue
+            except WireError as exc:
+                self.rejects.record(exc)
+                continue
+            except Exception as exc:  # one node's odd vector must not cost the others theirs
+                self.faults.count("node_ingest", f"{vector.node_id}: {exc!r}")
                 continue
             accepted.append(vector)
             if previous is None:
@@ -241,13 +300,23 @@ class Brain:
         self._vectors.inc(len(accepted))
         if lost:
             self._lost.inc(lost)
-        self.history.extend(accepted)
+        try:
+            self.history.extend(accepted)
+        except Exception:  # a batch adds nothing when one vector fails: add the others one by one
+            for vector in accepted:
+                try:
+                    self.history.append(vector)
+                except Exception as exc:
+                    self.faults.count("history", f"{vector.node_id}: {exc!r}")
 
     def observe_window(self) -> None:
         """One predictor time step per node per control period (5 s), from its latest vector: the agent's
         latency is a sliding window, so sampling every vector would feed the model overlapping windows."""
         for node_id, state in self.registry.nodes.items():
-            self.predictor.observe(node_id, node_features(state.vector), observed_p99_ms(state.vector))
+            try:
+                self.predictor.observe(node_id, node_features(state.vector), observed_p99_ms(state.vector))
+            except Exception as exc:
+                self.faults.count("node_observe", f"{node_id}: {exc!r}")
 
     def predict(self) -> None:
         """One batched inference for every live node, with the predictor that did best on recent data,
@@ -266,13 +335,16 @@ class Brain:
         """Expire silent nodes and build a new table if routing changed."""
         for node_id in self.registry.expire(now):
             self.predictor.forget(node_id)
+        if not self.hold.check(now, self.registry.nodes):
+            return None
         states = {n: s for n, s in self.registry.nodes.items() if n not in self.drained}
         state, shed = self.control.guardian.flags()
         table = self.tables.build(
-            compute_weights(states, self.predictions),
+            self._weights(states),
             experiments=self.experiments.snapshot(),
             shed_classes=shed,
             guardian=state,
+            drained=self.drained,
         )
         if table is not None:
             summary = "; ".join(
@@ -280,4 +352,25 @@ class Brain:
                 for s in table.slices
             )
             _log.info("table %d.%d: %s", table.epoch, table.version, summary)
+            self.known.remember({node.node_id for s in table.slices for node in s.nodes})
         return table
+
+    def _weights(self, states: dict[str, NodeState]) -> dict[Slice, list[TableNode]]:
+        """`compute_weights`; when it fails, the nodes that make it fail are found one by one, counted and
+        left out until their next vector (the rest are weighed without them)."""
+        try:
+            return compute_weights(states, self.predictions)
+        except Exception as first:
+            culprits = []
+            for node_id, state in states.items():
+                try:
+                    compute_weights({node_id: state}, self.predictions)
+                except Exception as exc:
+                    culprits.append(node_id)
+                    self.faults.count("node_weights", f"{node_id}: {exc!r}")
+            if not culprits:
+                raise first
+            for node_id in culprits:
+                self.registry.nodes.pop(node_id, None)
+                self.predictor.forget(node_id)
+            return compute_weights({n: s for n, s in states.items() if n not in culprits}, self.predictions)

@@ -56,6 +56,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ingest-workers", help="processes decoding node vectors for the brain, for large fleets (0; not with CURVE)"
     )
+    p.add_argument("--brain-id", help="this brain's name in tables (env PRISM_BRAIN_ID; host name/updates endpoint)")
+    p.add_argument(
+        "--priority", help="routers follow the live brain of highest priority, -1000..1000 (env PRISM_BRAIN_PRIORITY; 0)"
+    )
+    p.add_argument(
+        "--holddown-s",
+        help="longest wait for the nodes the last run knew before the first table (env PRISM_BRAIN_HOLDDOWN_S; 10)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_run)
 

@@ -26,6 +26,9 @@ ENV = {
     "admin_token_file": "PRISM_BRAIN_ADMIN_TOKEN_FILE",
     "admin_allowed_hosts": "PRISM_BRAIN_ADMIN_ALLOWED_HOSTS",
     "scale_hook": "PRISM_SCALE_HOOK",
+    "brain_id": "PRISM_BRAIN_ID",
+    "priority": "PRISM_BRAIN_PRIORITY",
+    "holddown_s": "PRISM_BRAIN_HOLDDOWN_S",
 }
 
 
@@ -54,10 +57,18 @@ class BrainConfig:
     control_period_s: float = 5.0
     train_budget_s: float = 0.5  # CPU seconds of training ...
     train_interval_s: float = 5.0  # ... per this many seconds: 10% of one core
-
+    brain_id: str = ""
+    """This brain's name in its tables and heartbeats (default: the host name and the updates endpoint)."""
+    priority: int = 0
+    """Routers follow the live brain with the highest (priority, brain_id); -1000 to 1000."""
+    holddown_s: float = 10.0
+    """After a start, the longest the brain waits before its first table while it has not yet heard from
+    `restart_quorum` of the nodes its state folder knew (or, without a state folder, from any node)."""
+    restart_quorum: float = 0.9
     ingest_workers: int = 0
     """Processes that decode and validate node vectors for the brain (0: the brain's own thread does); for
     fleets beyond what one interpreter decodes in time. Not with CURVE (see `_shards`)."""
+
 
 def _pick(args: argparse.Namespace, environ: Mapping[str, str], name: str) -> str | None:
     value = getattr(args, name, None)
@@ -126,6 +137,9 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Brai
         ),
         scale_hook=_pick(args, environ, "scale_hook"),
         train_budget_s=_number("train budget", _pick(args, environ, "train_budget_s") or "0.5", minimum=0),
+        brain_id=_brain_id(_pick(args, environ, "brain_id")),
+        priority=_priority(_pick(args, environ, "priority")),
+        holddown_s=_number("hold-down", _pick(args, environ, "holddown_s") or str(defaults.holddown_s), minimum=0),
         ingest_workers=_ingest_workers(_pick(args, environ, "ingest_workers"), curve=secret is not None),
     )
 
@@ -139,6 +153,22 @@ def _ingest_workers(value: str | None, *, curve: bool) -> int:
     if workers and curve:
         raise ConfigError("--ingest-workers cannot be used with CURVE: the workers could not check node identities")
     return int(workers)
+
+
+def _brain_id(value: str | None) -> str:
+    if value is not None and not 0 < len(value) <= 256:
+        raise ConfigError(f"brain id must be 1 to 256 characters, got {value!r}")
+    return value or ""
+
+
+def _priority(value: str | None) -> int:
+    if value is None:
+        return 0
+    number = _number("priority", value, minimum=-1000)
+    if number > 1000 or number != int(number):
+        raise ConfigError(f"priority must be a whole number from -1000 to 1000, got {value!r}")
+    return int(number)
+
 
 def _flag(name: str, value: str | None) -> bool:
     if value is None or value.lower() in ("", "0", "false", "no"):

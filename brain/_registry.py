@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prismlb.wire import Health, NodeVector, Slice, health
+from prismlb.wire import FutureSampleError, Health, NodeVector, Slice, health
 
 _log = logging.getLogger("prism.brain")
 
 ALARM_DERATE = 0.5
+MAX_CLOCK_SKEW_S = 30.0
+"""How far ahead of the brain's clock a vector's sample time may be: more is refused, so a vector stamped in
+the future (a spoofed one, or a host with a broken clock) can hold off its node's real vectors (which look
+older) for at most this long."""
 QUALITY_SMOOTHING_S = 15.0
 """Time constant of the exponential average of a node's quality: one window's noise cannot swing its weight."""
 
@@ -40,13 +46,22 @@ class NodeState:
 class Registry:
     """Live nodes keyed by node id; `now` values are monotonic seconds supplied by the caller."""
 
-    def __init__(self, stale_periods: float = 3.0) -> None:
+    def __init__(self, stale_periods: float = 3.0, wall_clock: Callable[[], float] = time.time) -> None:
         self.stale_periods = stale_periods
+        self.wall_clock = wall_clock
+        """Unix seconds the vectors' sample times are checked against (a simulation passes its own)."""
         self.nodes: dict[str, NodeState] = {}
         self.replayed = 0
 
     def update(self, vector: NodeVector, now: float) -> bool:
-        """Take a vector (True); an older or repeated sample of a known node is counted and ignored (False)."""
+        """Take a vector (True); an older or repeated sample of a known node is counted and ignored (False).
+
+        Raises FutureSampleError for a sample time more than MAX_CLOCK_SKEW_S ahead of `wall_clock`."""
+        if vector.sample_time_unix_s > self.wall_clock() + MAX_CLOCK_SKEW_S:
+            raise FutureSampleError(
+                f"node {vector.node_id}: sample time {vector.sample_time_unix_s:.0f} is more than "
+                f"{MAX_CLOCK_SKEW_S:g} s ahead of this brain's clock"
+            )
         state = self.nodes.get(vector.node_id)
         h = health(vector.metrics)
         if state is None:

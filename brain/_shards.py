@@ -25,6 +25,7 @@ a replay, and the sequence-gap count may then count it as lost.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -100,6 +101,21 @@ class _TrustedBatch(msgspec.Struct):
 
 
 _BATCH = msgspec.msgpack.Decoder(_TrustedBatch)
+
+
+GC_THRESHOLDS = (100_000, 50, 100)
+
+
+def tune_gc_for_ingest() -> None:
+    """Collect the youngest generation every 100,000 net allocations instead of every 700, and freeze what the
+    process holds so far (modules, torch) out of later collections.
+
+    Every vector is a tree of about 150 objects that all live until the node's next vector, so with the default
+    thresholds the collector keeps traversing and promoting them, and its full passes walk the millions of
+    objects of a large fleet several times a second: at 20,000 nodes 40% of the brain's ingest CPU. Nothing in
+    a vector is part of a cycle, so collecting less often only delays freeing the rare cyclic garbage."""
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def _proxy(endpoint: str, fan_out: str, hwm: int, parent: int) -> int:

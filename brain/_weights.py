@@ -47,7 +47,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 
-from prismlb.wire import ENGINE_LATENCY_KEY, NodeVector, Slice, TableNode
+from prismlb.wire import ENGINE_LATENCY_KEY, MAX_MS, MAX_TABLE_VALUE, NodeVector, Slice, TableNode
 
 from ._registry import EntryKey, NodeState
 from ._slices import pools
@@ -57,15 +57,17 @@ TAU0_MS: Mapping[Slice, float] = {Slice.LLM: 800.0, Slice.VLM: 1200.0, Slice.AV:
 WEIGHT_STEP = 0.05
 WEIGHT_FLOOR = 0.05
 HYSTERESIS = 0.075
-_MAX_MS = 1e12  # the wire's bound on table values
 
 Predictions = Mapping[str, Mapping[Slice, float]]
 """Predicted first-token P99 in ms by node id, then slice."""
 
 
 def sensitivity(tau_ms: float, tau0_ms: float) -> float:
-    """The article's s(τ) = 1 / (1 + (τ/τ0)²): 1 at τ = 0, 0.5 at τ = τ0, towards 0 as τ grows."""
-    return 1.0 / (1.0 + (tau_ms / tau0_ms) ** 2)
+    """The article's s(τ) = 1 / (1 + (τ/τ0)²): 1 at τ = 0, 0.5 at τ = τ0, towards 0 as τ grows.
+
+    Saturating: τ is taken within [0, MAX_MS] (NaN as MAX_MS), so no input can overflow the square."""
+    tau = min(max(tau_ms, 0.0), MAX_MS) if tau_ms == tau_ms else MAX_MS
+    return 1.0 / (1.0 + (tau / tau0_ms) ** 2)
 
 
 def quantise(raw: float) -> float:
@@ -92,7 +94,7 @@ def observed_p99_ms(vector: NodeVector, slice_: Slice) -> float | None:
 def _predicted(predictions: Predictions, node_id: str, slice_: Slice) -> float | None:
     per_node = predictions.get(node_id)
     value = None if per_node is None else per_node.get(slice_)
-    return value if value is not None and math.isfinite(value) and 0.0 <= value <= _MAX_MS else None
+    return value if value is not None and math.isfinite(value) and 0.0 <= value <= MAX_TABLE_VALUE else None
 
 
 def _load(vector: NodeVector) -> float | None:

@@ -14,7 +14,7 @@ from prismlb.wire import TableNode, numa_factor
 
 from ._keys import position
 
-_INDEX_BITS = 17  # entries per ring, at most the wire's 100,000 nodes per slice
+_INDEX_BITS = 20  # entries per ring: a fleet of 20,000 eight-GPU hosts fits with room
 
 
 def label(node: TableNode) -> str:
@@ -27,7 +27,7 @@ def entry_numa_factor(node: TableNode, caller_numa: int | None) -> float:
     return 1.0 if node.gpu is None else numa_factor(caller_numa, node.numa_node)
 
 
-@lru_cache(maxsize=1 << 16)
+@lru_cache(maxsize=1 << 18)
 def _points(entry: str, count: int) -> tuple[int, ...]:
     """The ring positions of an entry's `count` points: the first 32 bits of blake2b(`entry#i`)."""
     return tuple(
@@ -112,11 +112,20 @@ class Ring:
     slots: list[int | None]
 
     @classmethod
-    def build(cls, nodes: Sequence[TableNode], base_points: int = 128, *, numa_node: int | None = None) -> Ring:
+    def build(
+        cls,
+        nodes: Sequence[TableNode],
+        base_points: int = 128,
+        *,
+        numa_node: int | None = None,
+        max_points: int | None = None,
+    ) -> Ring:
         """Validate `nodes` (non-empty, unique labels, weights in (0, 1]) and lay out their points.
 
-        `numa_node` is the caller's NUMA node, for the weight factor of GPU entries. Raises ValueError for
-        nodes that do not form a valid ring.
+        `numa_node` is the caller's NUMA node, for the weight factor of GPU entries. With `max_points`, a ring
+        that would have more points has every entry's points scaled down by the same factor (as Envoy's ring
+        hash caps its ring size): shares still follow weights, and only a change of the ring's total across the
+        cap moves keys between unchanged entries. Raises ValueError for nodes that do not form a valid ring.
         """
         if not nodes:
             raise ValueError("a ring needs at least one node")
@@ -136,8 +145,11 @@ class Ring:
         ring.labels = tuple(sorted(by_label))
         ring.entries = tuple(by_label[name] for name in ring.labels)
         ring.weights = tuple(node.weight * entry_numa_factor(node, numa_node) for node in ring.entries)
+        scale = float(base_points)
+        if max_points is not None and scale * sum(ring.weights) > max_points:
+            scale = max_points / sum(ring.weights)
         layout = _layout(
-            tuple((name, max(1, round(base_points * w))) for name, w in zip(ring.labels, ring.weights, strict=True))
+            tuple((name, max(1, round(scale * w))) for name, w in zip(ring.labels, ring.weights, strict=True))
         )
         ring.points, ring.owners, ring.shift, ring.slots = layout.points, layout.owners, layout.shift, layout.slots
         return ring

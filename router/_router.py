@@ -101,6 +101,7 @@ class Router:
         self._sessions = SessionTable(self.settings.session_ttl_s, self.settings.max_sessions)
         self._memory = PrefixMemory(self.settings.prefix_memory) if self.settings.prefix_memory else None
         self._has_table = threading.Event()
+        self._drop_refused: tuple[tuple[str, int, int], float] | None = None  # (table, first refused at)
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._subscriber: TableSubscriber | None = None
         self._closed = False
@@ -124,9 +125,15 @@ class Router:
         curve: ClientCurve | None = None,
         registry: CollectorRegistry | None = None,
         settings: Settings | None = None,
+        slices: Sequence[str] | None = None,
+        brain_timeout_s: float = 3.0,
     ) -> Self:
         """Subscribe to the brains' tables (asking for a snapshot first) in a background thread.
 
+        With several brains the router follows the live one of highest (priority, brain id) and goes over to
+        the next within `brain_timeout_s` of the leader's last heartbeat (`wire.TableSubscriber`). `slices`
+        names the slices this caller routes to, fallbacks included (None: all): only their entries are
+        received and kept, which is what lets a router in a large fleet hold the part of the table it uses.
         Raises ConfigError at once for an unusable CURVE key file or a malformed endpoint.
         """
         addresses = [brains] if isinstance(brains, BrainAddress) else list(brains)
@@ -140,24 +147,37 @@ class Router:
             raise
         router = cls(registry=registry, settings=settings)
         router._ctx = ctx
-        router._subscriber = TableSubscriber(ctx, addresses, router._on_table, router.rejects, curve=curve)
+        router._subscriber = TableSubscriber(
+            ctx,
+            addresses,
+            router._on_table,
+            router.rejects,
+            curve=curve,
+            slices=slices,
+            brain_timeout_s=brain_timeout_s,
+        )
         router._subscriber.start()
         _log.info("following routing tables from %s", ", ".join(a.updates for a in addresses))
         return router
 
     # --- tables -------------------------------------------------------------------------------------------
 
-    def apply(self, table: RoutingTable) -> bool:
-        """Make `table` current if its (epoch, version) is newer; False when it is not.
+    def apply(self, table: RoutingTable, *, replace: bool = False, guard: bool = False) -> bool:
+        """Make `table` current if its (epoch, version) is newer (any table with `replace`, which the
+        subscriber uses when it goes over to another brain or to a restarted one); False when it is not, or,
+        with `guard` (tables from brains), when it drops too many nodes at once (`Settings.max_drop_share`,
+        counted as a `mass_drop` reject).
 
         Raises ValueError (and keeps the current table) when `table` cannot be routed on.
         """
         current = self._snapshot
-        if current is not None and table.order <= current.table.order:
+        if current is not None and not replace and table.order <= current.table.order:
             return False
         with self._apply_lock:
             current = self._snapshot
-            if current is not None and table.order <= current.table.order:
+            if current is not None and not replace and table.order <= current.table.order:
+                return False
+            if guard and current is not None and not self._drop_allowed(current.table, table):
                 return False
             used_states: set[str] = set()
             used_counters: set[str] = set()
@@ -176,7 +196,7 @@ class Router:
                     counter = self._counters[name] = InFlight()
                 return counter
 
-            snapshot = build(table, self.settings, state_for, counter_for, self.clock())
+            snapshot = build(table, self.settings, state_for, counter_for, self.clock(), previous=current)
             self._snapshot = snapshot
             # State of entries and groups no table lists any more goes; a lease still out keeps its own reference.
             self._states = {label: s for label, s in self._states.items() if label in used_states}
@@ -194,9 +214,45 @@ class Router:
             _log.info("guardian %s: request classes shed: %s", table.guardian, shed)
         return True
 
+    def _drop_allowed(self, current: RoutingTable, table: RoutingTable) -> bool:
+        """False while `table` drops more than `max_drop_share` of the current table's nodes, not counting
+        the ones the brain says were drained, unless such tables have kept coming for `drop_hold_s`: a brain
+        that lost its agents (a restart, a partition) must not empty the routers, while a real loss of many
+        nodes is taken once it has lasted (passive health keeps requests off dead nodes meanwhile)."""
+        share = self.settings.max_drop_share
+        before = {node.node_id for s in current.slices for node in s.nodes}
+        if share >= 1.0 or not before:
+            return True
+        after = {node.node_id for s in table.slices for node in s.nodes}
+        dropped = len(before - after - set(table.drained))
+        if dropped <= share * len(before):
+            self._drop_refused = None
+            return True
+        now = self.clock()
+        key = (table.brain_id, table.epoch, table.version)
+        last_key, since = self._drop_refused if self._drop_refused is not None else (None, now)
+        if now - since >= self.settings.drop_hold_s:
+            _log.warning(
+                "table %s drops %d of %d nodes; taken after %.0f s of such tables",
+                describe(table),
+                dropped,
+                len(before),
+                now - since,
+            )
+            self._drop_refused = None
+            return True
+        if key != last_key:  # counted once per table, however often it is offered
+            self.rejects.count(
+                "mass_drop",
+                f"table {describe(table)} drops {dropped} of {len(before)} nodes at once; the current table is kept "
+                f"until such tables have come for {self.settings.drop_hold_s:g} s",
+            )
+        self._drop_refused = (key, since)
+        return False
+
     def _on_table(self, table: RoutingTable) -> bool:
         try:
-            return self.apply(table)
+            return self.apply(table, replace=True, guard=True)
         except ValueError as exc:
             self.rejects.record(InvalidFieldError(f"table {describe(table)}: {exc}"))
             return False
@@ -468,9 +524,14 @@ class Router:
 
     @property
     def last_heard_age_s(self) -> float | None:
-        """Seconds since any brain was last heard; None when none has been (or there is no network)."""
+        """Seconds since the brain this router follows was last heard (before it follows one: any brain);
+        None when none has been (or there is no network)."""
         heard = None if self._subscriber is None else self._subscriber.last_heard_monotonic
         return None if heard is None else time.monotonic() - heard
+
+    def brains(self) -> dict[str, dict[str, object]]:
+        """Every brain heard: seconds since, live, followed, priority, latest (epoch, version) (`TableSubscriber`)."""
+        return {} if self._subscriber is None else self._subscriber.brains()
 
     @property
     def sessions(self) -> int:

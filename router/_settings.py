@@ -47,6 +47,14 @@ class Settings:
     """The caller's NUMA node: GPU entries on it weigh 1.0, across NUMA nodes 0.4 (None: all weigh 1.0)."""
     base_points: int = 128
     """Ring points of an entry of weight 1.0."""
+    max_ring_points: int = 1 << 20
+    """Ring points of one slice at most: past it every entry's points are scaled down alike (a fleet of
+    per-GPU entries would otherwise make rings of tens of millions of points)."""
+    max_drop_share: float = 0.5
+    """A table that drops more than this share of the current table's nodes at once (drained ones aside) is
+    refused until such tables have kept coming for `drop_hold_s` (1.0: never refused)."""
+    drop_hold_s: float = 15.0
+    """How long tables that drop many nodes must keep coming before the router takes them."""
 
     def __post_init__(self) -> None:
         if self.load not in LOAD_MODES:
@@ -59,6 +67,10 @@ class Settings:
             low = 0 if name == "max_fails" else 1
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
+        if not 0.0 <= self.max_drop_share <= 1.0:
+            raise ValueError(f"max_drop_share must be within [0, 1], got {self.max_drop_share}")
+        if self.max_ring_points < 1 or self.drop_hold_s < 0:
+            raise ValueError("max_ring_points must be at least 1 and drop_hold_s not negative")
         for name in ("fail_timeout_s", "slow_s", "open_s", "session_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -75,6 +75,7 @@ class SliceRoute:
     experiment: Experiment | None
     arms: Mapping[str, Group]  # model version -> group; empty without an experiment
     fallbacks: tuple[str, ...]
+    source: SliceTable  # what it was built from: a later table with the same object reuses its groups
 
     def arm(self, key: bytes) -> Group:
         """The group of the arm a session or affinity key is assigned to (the brain's `assign_arm`)."""
@@ -87,6 +88,7 @@ class Snapshot:
     """Everything route() reads, swapped as one attribute so readers never see half a table."""
 
     table: RoutingTable
+    routes: Mapping[str, SliceRoute]  # the slices with nodes, each by its own name
     slices: Mapping[str, SliceRoute | None]  # None: no nodes and no fallback with nodes
     implicit: Mapping[Slice, SliceRoute | None]  # for requests that name no slice: their modality's, or "default"
     plain: Mapping[str | None, SliceRoute]  # slices without experiments, for bare keys (None: the text slice)
@@ -149,7 +151,9 @@ def _arms(
         if not nodes:
             arms[arm.model_version] = base
             continue
-        ring = Ring.build(nodes, settings.base_points, numa_node=settings.numa_node)
+        ring = Ring.build(
+            nodes, settings.base_points, numa_node=settings.numa_node, max_points=settings.max_ring_points
+        )
         arms[arm.model_version] = _group(
             f"{slice_table.name}@{arm.model_version}", ring, settings, state_for, counter_for
         )
@@ -172,11 +176,14 @@ def build(
     state_for: Callable[[str], EndpointState],
     counter_for: Callable[[str], InFlight],
     now: float,
+    previous: Snapshot | None = None,
 ) -> Snapshot:
     """Build every slice's rings and arms; ValueError when the table cannot be routed on.
 
     `state_for(label)` and `counter_for(group name)` give the router's state objects, which outlive tables;
-    `now` is the router's clock, for the table's age.
+    `now` is the router's clock, for the table's age. A slice whose `SliceTable` is the very object the
+    `previous` snapshot was built from, under the same experiment, keeps its groups: a table assembled from
+    per-slice updates rebuilds only the slices that changed.
     """
     fallback_of: dict[str, str | None] = {}
     for slice_table in table.slices:
@@ -191,15 +198,30 @@ def build(
     for slice_table in table.slices:
         if not slice_table.nodes:
             continue
+        experiment = experiments.get(slice_table.name)
+        fallbacks = tuple(n for n in _chain(slice_table.name, fallback_of) if n in nonempty)
+        before = None if previous is None else previous.routes.get(slice_table.name)
+        if before is not None and before.source is slice_table and before.experiment == experiment:
+            for group in (before.group, *before.arms.values()):
+                counter_for(group.name)
+                for name in group.index:
+                    state_for(name)
+            routes[slice_table.name] = SliceRoute(
+                slice_table.name, before.group, experiment, before.arms, fallbacks, slice_table
+            )
+            continue
         try:
-            ring = Ring.build(slice_table.nodes, settings.base_points, numa_node=settings.numa_node)
+            ring = Ring.build(
+                slice_table.nodes,
+                settings.base_points,
+                numa_node=settings.numa_node,
+                max_points=settings.max_ring_points,
+            )
         except ValueError as exc:
             raise ValueError(f"slice {slice_table.name!r}: {exc}") from None
         base = _group(slice_table.name, ring, settings, state_for, counter_for)
-        experiment = experiments.get(slice_table.name)
         arms = {} if experiment is None else _arms(slice_table, experiment, base, settings, state_for, counter_for)
-        fallbacks = tuple(n for n in _chain(slice_table.name, fallback_of) if n in nonempty)
-        routes[slice_table.name] = SliceRoute(slice_table.name, base, experiment, arms, fallbacks)
+        routes[slice_table.name] = SliceRoute(slice_table.name, base, experiment, arms, fallbacks, slice_table)
     slices: dict[str, SliceRoute | None] = {}
     for name in fallback_of:
         slices[name] = routes.get(name) or next((routes[n] for n in _chain(name, fallback_of) if n in routes), None)
@@ -211,4 +233,4 @@ def build(
         text = implicit[Slice.LLM]
         if text is not None and not text.arms:
             plain[None] = text
-    return Snapshot(table, slices, implicit, plain, shed, now)
+    return Snapshot(table, routes, slices, implicit, plain, shed, now)

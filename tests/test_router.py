@@ -17,14 +17,17 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from prismlb.router import Endpoint, Lease, NoRouteError, Outcome, Request, Router, ShedError, add_parser
+from prismlb.router import Endpoint, Lease, NoRouteError, Outcome, Request, Router, Settings, ShedError, add_parser
 from prismlb.wire import (
     BrainAddress,
     Experiment,
     ExperimentArm,
     RejectCounter,
     RoutingTable,
+    SliceHead,
     SliceTable,
+    SliceUpdate,
+    TableHead,
     TableNode,
     TablePublisher,
     encode,
@@ -137,12 +140,34 @@ def test_late_joiner_gets_the_table_by_snapshot_then_follows_updates(brains: Cal
         assert brain.publisher.snapshots_served >= 1
         assert router.route("k").node_id in {"a0", "a1", "a2"}
 
-        brain.publish(make_table(1, 2, ["b0", "b1"]))
-        brain.publish(make_table(1, 3, ["c0", "c1", "c2", "c3"]))
+        brain.publish(make_table(1, 2, ["a0", "a1", "a2", "b0"]))
+        brain.publish(make_table(1, 3, ["a0", "a1", "c0", "c1"]))  # two of four gone: within the drop limit
         assert wait_until(lambda: router.table is not None and router.table.version == 3)
-        assert {router.route(k).node_id for k in KEYS} == {"c0", "c1", "c2", "c3"}
+        assert {router.route(k).node_id for k in KEYS} == {"a0", "a1", "c0", "c1"}
         endpoint = router.route("k")
         assert endpoint == Endpoint(endpoint.node_id, f"{endpoint.node_id}.pool:8000")
+
+
+def test_a_table_dropping_most_nodes_is_held_back_then_taken(brains: Callable[[], Brain]) -> None:
+    """A brain that lost its agents (a restart, a partition) must not empty its routers at once."""
+    brain = brains()
+    brain.publish(make_table(1, 1, ["a0", "a1", "a2", "a3"]))
+    settings = Settings(drop_hold_s=1.0)
+    with Router.connect(brain.address, settings=settings) as router:
+        assert router.wait_for_table(1.0)
+        brain.publish(make_table(1, 2, []))  # every node gone at once
+        time.sleep(0.5)
+        assert router.table is not None and router.table.order == (1, 1)
+        assert router.route("k").node_id.startswith("a")
+        assert router.rejects.counts().get("mass_drop") == 1, "counted once per table, however often offered"
+        assert wait_until(lambda: router.table is not None and router.table.order == (1, 2), timeout_s=3.0)
+
+        # Nodes the operator drained leave on purpose: not counted against the limit.
+        brain.publish(make_table(1, 3, ["a0", "a1", "a2", "a3"]))
+        assert wait_until(lambda: router.table is not None and router.table.order == (1, 3))
+        drained = msgspec.structs.replace(make_table(1, 4, ["a0"]), drained=["a1", "a2", "a3"])
+        brain.publish(drained)
+        assert wait_until(lambda: router.table is not None and router.table.order == (1, 4), timeout_s=0.8)
 
 
 def test_keeps_routing_on_the_last_table_when_the_brain_goes_away(brains: Callable[[], Brain]) -> None:
@@ -163,28 +188,58 @@ def test_keeps_routing_on_the_last_table_when_the_brain_goes_away(brains: Callab
         assert router.table is not None and router.table.order == (4, 9)
 
 
-def test_follows_the_highest_epoch_and_version_across_brains(brains: Callable[[], Brain]) -> None:
-    old, new = brains(), brains()
-    old.publish(make_table(1, 5, ["old0", "old1"]))
-    new.publish(make_table(2, 1, ["new0", "new1"]))
-    with Router.connect([old.address, new.address]) as router:
-        assert wait_until(lambda: router.table is not None and router.table.order == (2, 1))
-        old.publish(make_table(1, 6, ["old0", "old1"]))
+def named(table: RoutingTable, brain_id: str, priority: int = 0) -> RoutingTable:
+    return msgspec.structs.replace(table, brain_id=brain_id, priority=priority)
+
+
+def test_two_brains_fail_over_to_the_live_one_and_back(brains: Callable[[], Brain]) -> None:
+    first, second = brains(), brains()
+    nodes = ["n0", "n1", "n2"]
+    # The leader is the live brain of highest (priority, brain id): "b" over "a", whatever their epochs.
+    first.publish(named(make_table(7, 5, nodes), "a"))
+    second.publish(named(make_table(2, 1, nodes), "b"))
+    with Router.connect([first.address, second.address], brain_timeout_s=0.5) as router:
+        assert wait_until(lambda: router.table is not None and router.table.brain_id == "b")
+        first.publish(named(make_table(7, 6, [*nodes, "n3"]), "a"))
         time.sleep(0.3)
-        assert router.table is not None and router.table.order == (2, 1)
-        assert {router.route(k).node_id for k in KEYS} == {"new0", "new1"}
+        assert router.table is not None and router.table.order == (2, 1), "the follower's tables are not used"
+        brains_seen = router.brains()
+        assert set(brains_seen) == {"a", "b"} and brains_seen["b"]["following"] and brains_seen["a"]["live"]
 
-        new.publish(make_table(2, 2, ["new0", "new1", "new2"]))
-        assert wait_until(lambda: router.table is not None and router.table.order == (2, 2))
-        old.publish(make_table(3, 0, ["old0"]))  # the other brain restarted with a newer epoch
-        assert wait_until(lambda: router.table is not None and router.table.order == (3, 0))
-        assert {router.route(k).node_id for k in KEYS} == {"old0"}
+        second.close()  # the leader dies: within the timeout the router takes the other brain's latest table
+        assert wait_until(lambda: router.table is not None and router.table.brain_id == "a", timeout_s=2.0)
+        assert router.table is not None and router.table.order == (7, 6)
+        age = router.last_heard_age_s
+        assert age is not None and age < 0.5, "the age is the followed brain's, and it is live"
+        assert router.brains()["b"]["live"] is False
+        assert {router.route(k).node_id for k in KEYS} == {"n0", "n1", "n2", "n3"}
 
 
-def _invalid_weight_table() -> bytes:
-    table = msgspec.to_builtins(make_table(99, 0, ["evil"]))
-    table["slices"][0]["nodes"][0]["weight"] = 5.0
-    return msgspec.msgpack.encode(table)
+def test_priority_decides_and_a_restart_without_state_is_followed(brains: Callable[[], Brain]) -> None:
+    low_id, high_id = brains(), brains()
+    low_id.publish(named(make_table(0, 40, ["a0", "a1"]), "a", priority=5))
+    high_id.publish(named(make_table(0, 3, ["a0", "a1"]), "z"))
+    with Router.connect([low_id.address, high_id.address], brain_timeout_s=0.5) as router:
+        assert wait_until(lambda: router.table is not None and router.table.brain_id == "a")
+        # The leader restarts without a state folder: epoch 0 again, its versions start again. Its new tables
+        # are still the ones to follow (the order going back is how a restart shows).
+        low_id.publish(named(make_table(0, 1, ["a0", "a1", "a2"]), "a", priority=5))
+        assert wait_until(lambda: router.table is not None and router.table.order == (0, 1))
+        assert router.table is not None and router.table.brain_id == "a"
+
+
+def _invalid_weight_update() -> bytes:
+    update = msgspec.to_builtins(
+        SliceUpdate(
+            epoch=99,
+            version=1,
+            slice="default",
+            base_version=0,
+            upserts=[TableNode(node_id="evil", endpoint="e", weight=1.0)],
+        )
+    )
+    update["upserts"][0]["weight"] = 5.0
+    return msgspec.msgpack.encode(update)
 
 
 def test_hostile_frames_are_counted_and_routing_goes_on(brains: Callable[[], Brain]) -> None:
@@ -196,11 +251,11 @@ def test_hostile_frames_are_counted_and_routing_goes_on(brains: Callable[[], Bra
     hostile.linger = 0
     hostile.bind(hostile_updates)
     garbage = [
-        [b"prism.table"],
-        [b"prism.table", b"1", b"\xc1 not msgpack"],
-        [b"prism.table", b"7", encode(make_table(99, 0, ["evil"]))[2]],
-        [b"prism.node", b"1", b"\x80"],
-        [b"prism.table", b"1", _invalid_weight_table()],
+        [b"prism.head"],
+        [b"prism.head", b"1", b"\xc1 not msgpack"],
+        [b"prism.head", b"7", encode(make_table(99, 0, ["evil"]))[2]],
+        [b"prism.headless", b"1", b"\x80"],
+        [b"prism.slice/default/", b"1", _invalid_weight_update()],
     ]
     kinds = {"frames", "malformed", "schema_version", "unknown_kind", "invalid_field"}
     registry = CollectorRegistry()
@@ -216,20 +271,24 @@ def test_hostile_frames_are_counted_and_routing_goes_on(brains: Callable[[], Bra
         assert set(router.rejects.counts()) == kinds
         assert registry.get_sample_value("prism_rejected_messages_total", {"receiver": "router", "kind": "frames"})
 
-        # A table that decodes but cannot be routed on (a node listed twice) is counted, not applied.
-        time.sleep(0.1)
-        invalid_before = router.rejects.counts()["invalid_field"]
-        duplicated = encode(make_table(1, 2, ["a0", "a0"]))
-        deadline = time.monotonic() + 2.0
-        while router.rejects.counts()["invalid_field"] == invalid_before and time.monotonic() < deadline:
-            hostile.send_multipart(duplicated)
+        # A head that names slice versions the router never received cannot make a table: the router keeps
+        # its table and asks for a snapshot.
+        orphan = encode(
+            TableHead(
+                epoch=1,
+                version=2,
+                issued_unix_s=time.time(),
+                slices=[SliceHead(name="default", version=2, entries=1)],
+            )
+        )
+        for _ in range(5):
+            hostile.send_multipart(orphan)
             time.sleep(0.02)
-        assert router.rejects.counts()["invalid_field"] == invalid_before + 1
         assert router.table is not None and router.table.order == (1, 1)
 
-        brain.publish(make_table(1, 3, ["b0", "b1"]))
+        brain.publish(make_table(1, 3, ["a0", "b1"]))
         assert wait_until(lambda: router.table is not None and router.table.order == (1, 3))
-        assert {router.route(k).node_id for k in KEYS} == {"b0", "b1"}
+        assert {router.route(k).node_id for k in KEYS} == {"a0", "b1"}
     finally:
         router.close()
         hostile.close()

@@ -80,7 +80,9 @@ def test_sensitivity_at_tau0_and_extremes() -> None:
     assert sensitivity(800.0, 800.0) == 0.5
     assert sensitivity(0.0, 800.0) == 1.0
     assert sensitivity(3 * 250.0, 250.0) == pytest.approx(0.1)
-    assert sensitivity(1e9, 250.0) < 1e-10
+    assert sensitivity(1e7, 250.0) < 1e-9
+    assert sensitivity(1e200, 250.0) == sensitivity(1e7, 250.0)  # saturates: no overflow
+    assert sensitivity(math.nan, 250.0) == sensitivity(1e7, 250.0)
 
 
 @given(st.floats(0.0, 1e6), st.floats(0.0, 1e6), st.sampled_from(sorted(TAU0_MS.values())))

@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from prismlb.wire import (
+    KINDS,
     MAX_VECTOR_BYTES,
     BrainAddress,
     FrameCountError,
@@ -26,6 +27,10 @@ from prismlb.wire import (
     RoutingTable,
     SchemaVersionError,
     SliceTable,
+    SliceUpdate,
+    TableAssembler,
+    TableEncoder,
+    TableHead,
     TableNode,
     TablePublisher,
     TableSubscriber,
@@ -94,7 +99,11 @@ def test_round_trip_keeps_absent_metrics_absent() -> None:
         ([b"prism.node", b"1", raw_vector(metrics={"cpu_util_ratio": 1.5})], InvalidFieldError),
         ([b"prism.node", b"1", raw_vector(metrics={"cpu_preproc_p95_ms": float("inf")})], NonFiniteError),
         ([b"prism.node", b"1", raw_vector(sample_time_unix_s=float("inf"))], NonFiniteError),
-        ([b"prism.node", b"1", raw_vector(metrics={"kv_cache_miss_ratio": float("nan")})], InvalidFieldError),
+        ([b"prism.node", b"1", raw_vector(metrics={"kv_cache_miss_ratio": float("nan")})], NonFiniteError),
+        # bounded on the wire so the brain's arithmetic cannot overflow: an engine's absurd count, a span's latency
+        ([b"prism.node", b"1", raw_vector(metrics={"requests_running": 2 * 10**12})], InvalidFieldError),
+        ([b"prism.node", b"1", raw_vector(latency={"llm": {"requests": 1, "ttft_p99_ms": 1e200}})], InvalidFieldError),
+        ([b"prism.node", b"1", raw_vector(latency={"llm": {"requests": 1, "ttft_p99_ms": -5.0}})], InvalidFieldError),
         ([b"prism.node", b"1", b"\x00" * (MAX_VECTOR_BYTES + 1)], OversizedError),
     ],
 )
@@ -204,15 +213,17 @@ def test_table_subscriber_survives_fuzz_and_counts_everything(ctx: zmq.Context) 
     time.sleep(0.5)
     rng = random.Random(11)
     bad = 0
-    for _ in range(300):
+    for i in range(300):
         frames = fuzz_frames(rng)
-        frames[0] = b"prism.table"
+        kind = (TableHead, SliceUpdate, Heartbeat)[i % 3]
+        frames[0] = KINDS[kind] + (b"/default/" if kind is SliceUpdate else b"")
         try:
-            decode(frames, (RoutingTable,), 1 << 24)
+            decode(frames, (kind,), 1 << 24)
         except Exception:
             bad += 1
             pub.send_multipart(frames)
-    pub.send_multipart(encode(table(1, 1)))
+    for frames in TableEncoder().update(table(1, 1)):
+        pub.send_multipart(frames)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and (rejects.total < bad or not got):
         time.sleep(0.05)
@@ -222,31 +233,33 @@ def test_table_subscriber_survives_fuzz_and_counts_everything(ctx: zmq.Context) 
     assert [t.order for t in got] == [(1, 1)]
 
 
-def test_clone_pattern_late_joiner_and_highest_order(ctx: zmq.Context) -> None:
+def named(t: RoutingTable, brain_id: str, priority: int = 0) -> RoutingTable:
+    return msgspec.structs.replace(t, brain_id=brain_id, priority=priority)
+
+
+def test_clone_pattern_late_joiner_follows_the_leading_brain(ctx: zmq.Context) -> None:
     addresses = [BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(2)]
     publishers = [TablePublisher(ctx, a.updates, a.snapshot, RejectCounter("brain", LOG)) for a in addresses]
-    publishers[0].publish(table(5, 3, ("old",)))
-    publishers[1].publish(table(6, 1, ("new",)))
+    publishers[0].publish(named(table(5, 3, ("old",)), "brain-b"))  # leads: the higher brain id
+    publishers[1].publish(named(table(6, 1, ("new",)), "brain-a"))
     got: list[RoutingTable] = []
     subscriber = TableSubscriber(ctx, addresses, lambda t: got.append(t) is None, RejectCounter("router", LOG))
     started = time.monotonic()
     subscriber.start()
-    while time.monotonic() - started < 3 and subscriber.current_order != (6, 1):
+    while time.monotonic() - started < 3 and subscriber.current_order != (5, 3):
         for p in publishers:
             p.serve_snapshots()
+            p.heartbeat()
         time.sleep(0.01)
-    assert subscriber.current_order == (6, 1)
-    assert time.monotonic() - started < 1.0
-    publishers[0].publish(table(5, 4, ("old",)))
-    publishers[1].publish(table(6, 2, ("new", "newer")))
+    assert subscriber.current_order == (5, 3) and subscriber.following == "brain-b"
+    publishers[1].publish(named(table(6, 2, ("new", "newer")), "brain-a"))
+    publishers[0].publish(named(table(5, 4, ("old", "older")), "brain-b"))
     deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and subscriber.current_order != (6, 2):
+    while time.monotonic() < deadline and subscriber.current_order != (5, 4):
         time.sleep(0.01)
     subscriber.stop()
-    orders = [t.order for t in got]
-    assert orders[-1] == (6, 2)
-    assert orders == sorted(set(orders)), "tables must arrive in strictly increasing (epoch, version)"
-    assert (5, 4) not in orders
+    orders = [(t.brain_id, t.order) for t in got]
+    assert orders == [("brain-b", (5, 3)), ("brain-b", (5, 4))], "only the leader's tables, in order"
     for p in publishers:
         p.close()
 
@@ -259,23 +272,56 @@ def test_heartbeat_ahead_of_us_triggers_a_new_snapshot(ctx: zmq.Context) -> None
     subscriber = TableSubscriber(ctx, [address], lambda t: got.append(t) is None, RejectCounter("router", LOG))
     subscriber.start()
     deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and subscriber.current_order != (1, 1):
-        publisher.serve_snapshots()
-        time.sleep(0.01)
-    # Version 2 goes out while nobody listens on PUB (as if dropped at a full queue): only the
-    # heartbeat tells the subscriber it is behind, and it must fetch the snapshot.
-    sub_less = TablePublisher(ctx, f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", RejectCounter("b", LOG))
-    sub_less.publish(table(1, 2, ("a", "b", "c")))
-    publisher.current, publisher._current_frames = sub_less.current, encode(sub_less.current)
-    deadline = time.monotonic() + 3
     while time.monotonic() < deadline and subscriber.current_order != (1, 2):
+        if subscriber.current_order == (1, 1) and publisher.current is not None and publisher.current.version == 1:
+            # Version 2 goes out while the PUB socket is cut off (as if dropped at a full queue): only the
+            # heartbeat tells the subscriber it is behind, and it must fetch the snapshot.
+            publisher._encoder.update(table(1, 2, ("a", "b", "c")))  # made, never sent
+            publisher.current = table(1, 2, ("a", "b", "c"))
         publisher.heartbeat()
         publisher.serve_snapshots()
         time.sleep(0.05)
     subscriber.stop()
     assert [t.order for t in got] == [(1, 1), (1, 2)]
-    for p in (publisher, sub_less):
-        p.close()
+    assert [len(t.slices[0].nodes) for t in got] == [2, 3]
+    publisher.close()
+
+
+def test_deltas_carry_only_what_changed_and_rebuild_the_same_table() -> None:
+    encoder = TableEncoder(chunk_entries=3)
+    assembler = TableAssembler()
+    nodes = [TableNode(node_id=f"n{i}", endpoint=f"http://n{i}", weight=1.0) for i in range(7)]
+    first = RoutingTable(
+        epoch=2,
+        version=1,
+        issued_unix_s=1.0,
+        slices=[SliceTable(name="llm", nodes=nodes), SliceTable(name="vlm", nodes=nodes[:2])],
+    )
+    messages = encoder.update(first)
+    assert len(messages) == 3 + 1 + 1, "7 entries in parts of 3, one part for vlm, the head"
+    built = None
+    for frames in messages:
+        msg = decode(frames, (SliceUpdate, TableHead), 1 << 24)
+        built = assembler.slice_update(msg) if isinstance(msg, SliceUpdate) else assembler.head(msg)
+    assert built == first
+    changed = [*nodes[:3], msgspec.structs.replace(nodes[3], weight=0.5), *nodes[5:]]  # n3 reweighed, n4 gone
+    second = msgspec.structs.replace(first, version=2, slices=[SliceTable(name="llm", nodes=changed), first.slices[1]])
+    messages = encoder.update(second)
+    updates = [decode(m, (SliceUpdate, TableHead), 1 << 24) for m in messages]
+    assert len(updates) == 2 and updates[0].slice == "llm" and updates[0].base_version == 1
+    assert [n.node_id for n in updates[0].upserts] == ["n3"] and [r.node_id for r in updates[0].removes] == ["n4"]
+    assert sum(len(m[2]) for m in messages) < sum(len(m[2]) for m in encoder.snapshot(None)) / 2
+    assembler.slice_update(updates[0])
+    assert assembler.head(updates[1]) == second
+    # A router that missed an update cannot complete the next head: a gap, then a snapshot repairs it.
+    late = TableAssembler(wanted=["llm"])
+    assert late.head(updates[1]) is None and late.gaps == 1
+    repaired = None
+    for frames in encoder.snapshot(["llm"]):
+        msg = decode(frames, (SliceUpdate, TableHead), 1 << 24)
+        repaired = late.slice_update(msg) if isinstance(msg, SliceUpdate) else late.head(msg)
+    assert repaired is not None and [s.name for s in repaired.slices] == ["llm"]
+    assert repaired.slices[0] == second.slices[0]
 
 
 def test_a_table_the_callback_refuses_is_not_taken(ctx: zmq.Context) -> None:

@@ -28,6 +28,7 @@ from ._exceptions import (
     ConfigError,
     EndpointNotAllowedError,
     FrameCountError,
+    FutureSampleError,
     InvalidFieldError,
     MalformedError,
     NonFiniteError,
@@ -42,7 +43,10 @@ from ._exceptions import (
 )
 from ._health import DIMENSIONS, Dimension, Health, health
 from ._messages import (
+    MAX_MS,
+    MAX_TABLE_VALUE,
     SCHEMA_VERSION,
+    EntryRef,
     Experiment,
     ExperimentArm,
     GpuState,
@@ -52,14 +56,18 @@ from ._messages import (
     NodeMetrics,
     NodeVector,
     RoutingTable,
+    SliceHead,
     SliceTable,
+    SliceUpdate,
     SnapshotRequest,
+    TableHead,
     TableNode,
 )
 from ._modality import DEFAULT_SLICE, ENGINE_LATENCY_KEY, MODALITY_HEADER, Slice, parse_signature
 from ._numa import CROSS_NUMA, SAME_NUMA, numa_factor
 from ._rejects import RejectCounter
 from ._service import MetricsServer, sd_notify, serve_metrics, setup_logging, stop_on_signals, watchdog_interval_s
+from ._tables import TableAssembler, TableEncoder
 from ._transport import (
     BrainAddress,
     IdentityCheck,
@@ -70,6 +78,12 @@ from ._transport import (
 )
 
 __all__ = [
+    "EntryRef",
+    "SliceHead",
+    "SliceUpdate",
+    "TableHead",
+    "TableAssembler",
+    "TableEncoder",
     "AGENTS_DOMAIN",
     "BLOOM_BITS",
     "BLOOM_CAPACITY",
@@ -79,7 +93,9 @@ __all__ = [
     "DIMENSIONS",
     "ENGINE_LATENCY_KEY",
     "KINDS",
+    "MAX_MS",
     "MAX_TABLE_BYTES",
+    "MAX_TABLE_VALUE",
     "MAX_VECTOR_BYTES",
     "MODALITY_HEADER",
     "ROUTERS_DOMAIN",
@@ -97,6 +113,7 @@ __all__ = [
     "Experiment",
     "ExperimentArm",
     "FrameCountError",
+    "FutureSampleError",
     "GpuState",
     "Health",
     "Heartbeat",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -16,7 +17,16 @@ from ._exceptions import (
     SchemaVersionError,
     UnknownKindError,
 )
-from ._messages import SCHEMA_VERSION, Heartbeat, Message, NodeVector, RoutingTable, SnapshotRequest
+from ._messages import (
+    SCHEMA_VERSION,
+    Heartbeat,
+    Message,
+    NodeVector,
+    RoutingTable,
+    SliceUpdate,
+    SnapshotRequest,
+    TableHead,
+)
 
 MAX_VECTOR_BYTES = 64 * 1024
 MAX_TABLE_BYTES = 16 * 1024 * 1024
@@ -26,7 +36,12 @@ KINDS: dict[type, bytes] = {
     RoutingTable: b"prism.table",
     Heartbeat: b"prism.heartbeat",
     SnapshotRequest: b"prism.snapshot?",
+    TableHead: b"prism.head",
+    SliceUpdate: b"prism.slice",
 }
+TOPIC_SEPARATOR = b"/"
+"""A message's first frame is its kind, optionally followed by a topic (a slice update's slice name) between
+two of these, so that subscribers filter by prefix in ZeroMQ itself ("llm" never matches "llm2")."""
 _TYPES = {kind: cls for cls, kind in KINDS.items()}
 _VERSION = str(SCHEMA_VERSION).encode()
 _ENCODER = msgspec.msgpack.Encoder()
@@ -35,8 +50,17 @@ _DECODERS = {cls: msgspec.msgpack.Decoder(cls) for cls in KINDS}
 M = TypeVar("M", bound=Message)
 
 
-def encode(message: Message) -> list[bytes]:
-    return [KINDS[type(message)], _VERSION, _ENCODER.encode(message)]
+def encode(message: Message, topic: str | None = None) -> list[bytes]:
+    kind = KINDS[type(message)]
+    if topic is not None:
+        kind += TOPIC_SEPARATOR + topic.encode() + TOPIC_SEPARATOR
+    return [kind, _VERSION, _ENCODER.encode(message)]
+
+
+def topic_prefix(cls: type, topic: str | None = None) -> bytes:
+    """The ZeroMQ subscription prefix for messages of `cls` (on `topic`, when given)."""
+    kind = KINDS[cls]
+    return kind + TOPIC_SEPARATOR + topic.encode() + TOPIC_SEPARATOR if topic is not None else kind
 
 
 def decode(frames: Sequence[bytes], expect: tuple[type[M], ...], max_bytes: int) -> M:
@@ -44,7 +68,7 @@ def decode(frames: Sequence[bytes], expect: tuple[type[M], ...], max_bytes: int)
     if len(frames) != 3:
         raise FrameCountError(f"expected 3 frames, got {len(frames)}")
     kind, version, payload = (bytes(f) for f in frames)
-    cls = _TYPES.get(kind)
+    cls = _TYPES.get(kind.partition(TOPIC_SEPARATOR)[0])
     if cls is None or cls not in expect:
         raise UnknownKindError(f"unexpected message kind {kind[:40]!r}")
     if version != _VERSION:
@@ -54,8 +78,26 @@ def decode(frames: Sequence[bytes], expect: tuple[type[M], ...], max_bytes: int)
     try:
         return _DECODERS[cls].decode(payload)
     except msgspec.ValidationError as exc:
-        if "not finite" in str(exc):
+        if "not finite" in str(exc) or _has_non_finite(payload):
             raise NonFiniteError(str(exc)) from None
         raise InvalidFieldError(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise MalformedError(str(exc)) from None
+
+
+def _has_non_finite(payload: bytes) -> bool:
+    """Whether a payload that failed validation holds NaN or an infinity (reported as such, not as a range
+    error); only read on that error path."""
+    try:
+        stack = [msgspec.msgpack.decode(payload)]
+    except msgspec.DecodeError:
+        return False
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False

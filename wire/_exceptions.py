@@ -65,5 +65,12 @@ class EndpointNotAllowedError(WireError):
     kind = "endpoint_not_allowed"
 
 
+class FutureSampleError(WireError):
+    """A node vector's sample time is further ahead of the brain's clock than any honest clock skew: taken,
+    it would make every later vector of that node look old (a replay) until that time came."""
+
+    kind = "future_sample"
+
+
 class NoRouteError(PrismError):
     """The router has no table yet, or no node in the requested slice."""

@@ -12,15 +12,30 @@ import msgspec
 
 SCHEMA_VERSION = 1
 
-Count = Annotated[int, msgspec.Meta(ge=0)]
+# Every number on the wire is bounded at decode, to a range no arithmetic of the brain or router can overflow
+# with (squares, sums over a fleet, float conversion): one absurd value from one peer is refused there.
+MAX_COUNT = 2**53
+"""Counts and byte sizes: exactly representable as a float."""
+MAX_REQUESTS = 10**9
+"""Requests running, waiting or per second on one node."""
+MAX_MS = 1e7
+"""Latencies in ms (about 2.8 hours)."""
+MAX_UNIX_S = 1e11
+"""Unix timestamps (the year 5138)."""
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+Requests = Annotated[int, msgspec.Meta(ge=0, le=MAX_REQUESTS)]
 Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
+Millis = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_MS)]
+Rate = Annotated[float, msgspec.Meta(ge=0.0, le=float(MAX_REQUESTS))]
+UnixSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_UNIX_S)]
 NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 Labels = Annotated[dict[Annotated[str, msgspec.Meta(min_length=1, max_length=64)], Name], msgspec.Meta(max_length=64)]
 Weight = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 SliceName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
-Bounded = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]  # finite because bounded (no per-struct check)
+MAX_TABLE_VALUE = 1e12
+Bounded = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TABLE_VALUE)]  # finite because bounded (no per-struct check)
 
 
 def _require_finite(struct: msgspec.Struct) -> None:
@@ -52,7 +67,7 @@ class NodeMetrics(_FiniteMessage, kw_only=True):
     # the design article's four health dimensions
     gpu_mem_frag_ratio: Ratio | None = None
     kv_cache_miss_ratio: Ratio | None = None
-    cpu_preproc_p95_ms: NonNegative | None = None
+    cpu_preproc_p95_ms: Millis | None = None
     nvlink_util_ratio: Ratio | None = None
     # GPUs, summed (memory) or at their worst (utilisation) over the node's devices
     gpu_count: Count | None = None
@@ -62,10 +77,10 @@ class NodeMetrics(_FiniteMessage, kw_only=True):
     pcie_util_ratio: Ratio | None = None
     # inference engine
     kv_cache_usage_ratio: Ratio | None = None
-    requests_running: Count | None = None
-    requests_waiting: Count | None = None
+    requests_running: Requests | None = None
+    requests_waiting: Requests | None = None
     # load the node served
-    requests_per_s: NonNegative | None = None
+    requests_per_s: Rate | None = None
     health_score: Ratio | None = None
 
 
@@ -75,12 +90,12 @@ class ModalityLatency(_FiniteMessage, kw_only=True):
     requests: Count
     errors: Count = 0
     """Of those requests, the ones that ended in an error (request span status ERROR)."""
-    ttft_p50_ms: NonNegative | None = None
-    ttft_p95_ms: NonNegative | None = None
-    ttft_p99_ms: NonNegative | None = None
-    e2e_p50_ms: NonNegative | None = None
-    e2e_p95_ms: NonNegative | None = None
-    e2e_p99_ms: NonNegative | None = None
+    ttft_p50_ms: Millis | None = None
+    ttft_p95_ms: Millis | None = None
+    ttft_p99_ms: Millis | None = None
+    e2e_p50_ms: Millis | None = None
+    e2e_p95_ms: Millis | None = None
+    e2e_p99_ms: Millis | None = None
 
 
 class GpuState(_FiniteMessage, kw_only=True):
@@ -116,10 +131,10 @@ class NodeVector(_FiniteMessage, kw_only=True):
     zone: Name = ""
     labels: Labels = {}
     seq: Count
-    sample_time_unix_s: NonNegative
+    sample_time_unix_s: UnixSeconds
     period_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
     metrics: NodeMetrics
-    started_unix_s: NonNegative | None = None
+    started_unix_s: UnixSeconds | None = None
     alarms: Annotated[list[Name], msgspec.Meta(max_length=32)] = []
     latency: Annotated[dict[SliceName, ModalityLatency], msgspec.Meta(max_length=16)] = {}
     gpus: Annotated[list[GpuState], msgspec.Meta(max_length=64)] = []
@@ -144,7 +159,7 @@ class TableNode(_Message, kw_only=True):
 
 class SliceTable(_Message, kw_only=True):
     name: SliceName
-    nodes: Annotated[list[TableNode], msgspec.Meta(max_length=100_000)]
+    nodes: Annotated[list[TableNode], msgspec.Meta(max_length=1_000_000)]
     fallback: SliceName | None = None  # where this slice's requests go while it has no nodes
 
 
@@ -161,12 +176,23 @@ class Experiment(_Message, kw_only=True):
     arms: Annotated[list[ExperimentArm], msgspec.Meta(min_length=1, max_length=16)]
 
 
+Priority = Annotated[int, msgspec.Meta(ge=-1000, le=1000)]
+
+
 class RoutingTable(_FiniteMessage, kw_only=True):
-    """A complete, versioned routing table; (epoch, version) orders tables across brain restarts."""
+    """A complete, versioned routing table.
+
+    `brain_id` names the brain that issued it; (epoch, version) orders one brain's tables, also across its
+    restarts. Routers follow one live brain at a time: the one with the highest (priority, brain_id)."""
 
     epoch: Count
     version: Count
-    issued_unix_s: NonNegative
+    issued_unix_s: UnixSeconds
+    brain_id: Name = ""
+    priority: Priority = 0
+    drained: Annotated[list[Name], msgspec.Meta(max_length=100_000)] = []
+    """Nodes the operator drained: leaving the table on purpose, so a router's guard against a table that
+    drops many nodes at once does not count them."""
     slices: Annotated[list[SliceTable], msgspec.Meta(max_length=64)]
     experiments: Annotated[list[Experiment], msgspec.Meta(max_length=64)] = []
     shed_classes: Annotated[list[Name], msgspec.Meta(max_length=16)] = []  # refused while the guardian degrades
@@ -178,15 +204,80 @@ class RoutingTable(_FiniteMessage, kw_only=True):
 
 
 class Heartbeat(_FiniteMessage, kw_only=True):
-    """Sent by the brain between tables so routers can tell a quiet brain from a missed table."""
+    """Sent by the brain between tables so routers can tell a quiet brain from a missed table, and a live
+    brain from a dead one."""
 
     epoch: Count
     version: Count
-    issued_unix_s: NonNegative
+    issued_unix_s: UnixSeconds
+    brain_id: Name = ""
+    priority: Priority = 0
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.epoch, self.version)
 
 
 class SnapshotRequest(_Message, kw_only=True):
-    """A late-joining router asks for the current table."""
+    """A late-joining (or lagging) router asks for the current table: its head and the full state of the
+    slices it names (every slice when `slices` is None)."""
+
+    slices: Annotated[list[SliceName], msgspec.Meta(max_length=64)] | None = None
 
 
-Message = NodeVector | RoutingTable | Heartbeat | SnapshotRequest
+class EntryRef(_Message, kw_only=True):
+    """A table entry named by its node and, for a per-GPU entry, its GPU."""
+
+    node_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    gpu: Count | None = None
+
+
+class SliceHead(_Message, kw_only=True):
+    """One slice in a table head: the table version at which its entries last changed, and how many it has."""
+
+    name: SliceName
+    version: Count
+    entries: Count
+    fallback: SliceName | None = None
+
+
+class TableHead(_Message, kw_only=True):
+    """A routing table without its entries, published after the slice updates that bring a router's copy of
+    every slice to the versions it names; with them, it is the `RoutingTable` of the same (epoch, version)."""
+
+    brain_id: Name = ""
+    priority: Priority = 0
+    epoch: Count
+    version: Count
+    issued_unix_s: UnixSeconds
+    slices: Annotated[list[SliceHead], msgspec.Meta(max_length=64)]
+    experiments: Annotated[list[Experiment], msgspec.Meta(max_length=64)] = []
+    shed_classes: Annotated[list[Name], msgspec.Meta(max_length=16)] = []
+    guardian: Name = "normal"
+    drained: Annotated[list[Name], msgspec.Meta(max_length=100_000)] = []
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.epoch, self.version)
+
+
+MAX_UPDATE_ENTRIES = 20_000
+"""Entries in one slice update message: a slice larger than this (a fleet of per-GPU entries) goes in parts."""
+
+
+class SliceUpdate(_Message, kw_only=True):
+    """Part `part` of `parts` of one slice's change at table `version`: the entries added or changed and the
+    ones removed since `base_version` (0: the slice's full state, replacing whatever the router held)."""
+
+    brain_id: Name = ""
+    epoch: Count
+    version: Count
+    slice: SliceName
+    base_version: Count
+    part: Annotated[int, msgspec.Meta(ge=0, lt=1024)] = 0
+    parts: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    upserts: Annotated[list[TableNode], msgspec.Meta(max_length=MAX_UPDATE_ENTRIES)] = []
+    removes: Annotated[list[EntryRef], msgspec.Meta(max_length=MAX_UPDATE_ENTRIES)] = []
+
+
+Message = NodeVector | RoutingTable | Heartbeat | SnapshotRequest | TableHead | SliceUpdate

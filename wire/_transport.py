@@ -14,11 +14,12 @@ from typing import Protocol
 import zmq
 import zmq.utils.monitor
 
-from ._codec import MAX_TABLE_BYTES, MAX_VECTOR_BYTES, decode, encode
+from ._codec import MAX_TABLE_BYTES, MAX_VECTOR_BYTES, decode, encode, topic_prefix
 from ._curve import ClientCurve, ServerCurve
 from ._exceptions import WireError
-from ._messages import Heartbeat, NodeVector, RoutingTable, SnapshotRequest
+from ._messages import Heartbeat, NodeVector, RoutingTable, SliceUpdate, SnapshotRequest, TableHead
 from ._rejects import RejectCounter
+from ._tables import TableAssembler, TableEncoder
 
 _log = logging.getLogger("prism.wire")
 _LOOP_IDLE_S = 0.5  # the subscriber loop wakes at least this often
@@ -233,7 +234,8 @@ class VectorReceiver:
 
 
 class TablePublisher:
-    """Brain side of the clone pattern: PUB for tables and heartbeats, ROUTER for snapshots."""
+    """Brain side of the clone pattern: PUB for slice updates, table heads and heartbeats; ROUTER for
+    snapshots (`_tables.TableEncoder` makes the messages)."""
 
     def __init__(
         self,
@@ -252,25 +254,36 @@ class TablePublisher:
             self._pub.close()
             raise
         self._rejects = rejects
+        self._encoder = TableEncoder()
         self.current: RoutingTable | None = None
-        self._current_frames: list[bytes] = []
         self.snapshots_served = 0
+        self.snapshots_dropped = 0
+        self.bytes_published = 0
 
     def publish(self, table: RoutingTable) -> None:
-        """Send `table` to every subscriber; raises `WireError` for a table routers would reject."""
-        frames = encode(table)
-        decode(frames, (RoutingTable,), MAX_TABLE_BYTES)
+        """Send what changed since the last table to every subscriber; raises `WireError` (or ValueError) for a
+        table routers would reject, and then nothing is sent."""
+        messages = self._encoder.update(table)
         self.current = table
-        self._current_frames = frames
-        self._pub.send_multipart(self._current_frames)
+        for frames in messages:
+            self._pub.send_multipart(frames)
+            self.bytes_published += sum(len(f) for f in frames)
 
     def heartbeat(self) -> None:
         if self.current is not None:
-            hb = Heartbeat(epoch=self.current.epoch, version=self.current.version, issued_unix_s=time.time())
+            current = self.current
+            hb = Heartbeat(
+                epoch=current.epoch,
+                version=current.version,
+                issued_unix_s=time.time(),
+                brain_id=current.brain_id,
+                priority=current.priority,
+            )
             self._pub.send_multipart(encode(hb))
 
     def serve_snapshots(self) -> None:
-        """Answer every waiting snapshot request with the current table; never blocks."""
+        """Answer every waiting snapshot request with the current table's state; never blocks (a reply that
+        does not fit the router's queue is cut short and counted: the router asks again)."""
         while True:
             try:
                 frames = self.snapshot_socket.recv_multipart(flags=zmq.NOBLOCK)
@@ -278,16 +291,19 @@ class TablePublisher:
                 return
             identity, body = frames[0], frames[1:]
             try:
-                decode(body, (SnapshotRequest,), MAX_VECTOR_BYTES)
+                request = decode(body, (SnapshotRequest,), MAX_VECTOR_BYTES)
             except WireError as exc:
                 self._rejects.record(exc)
                 continue
-            if self.current is not None:
-                try:
-                    self.snapshot_socket.send_multipart([identity, *self._current_frames], flags=zmq.NOBLOCK)
-                    self.snapshots_served += 1
-                except zmq.Again:
-                    pass
+            messages = self._encoder.snapshot(request.slices)
+            if not messages:
+                continue
+            try:
+                for message in messages:
+                    self.snapshot_socket.send_multipart([identity, *message], flags=zmq.NOBLOCK)
+                self.snapshots_served += 1
+            except zmq.Again:
+                self.snapshots_dropped += 1
 
     def close(self) -> None:
         self._pub.close()
@@ -402,13 +418,38 @@ class _SubscriberLoop:
         return True
 
 
+@dataclass
+class BrainView:
+    """What a router knows of one brain: when it was last heard, the order it last announced, and its latest
+    whole table."""
+
+    brain_id: str
+    priority: int = 0
+    last_heard: float = -math.inf
+    announced: tuple[int, int] = (-1, -1)
+    latest: RoutingTable | None = None
+    restarted: bool = False
+    assembler: TableAssembler | None = None
+
+    def live(self, now: float, timeout_s: float) -> bool:
+        return now - self.last_heard <= timeout_s
+
+
 class TableSubscriber:
-    """Router side of the clone pattern: subscribes to every brain, asks each for a snapshot at start until it
-    answers (and all again whenever a heartbeat shows a newer table than ours), and hands each newer table
-    to `on_table`.
-    Tables are ordered by (epoch, version), so with two brains the router follows the highest; a table
-    counts as received only when `on_table` returns True. Its sockets live on its context's `_SubscriberLoop`
-    thread, which also calls `on_table`."""
+    """Router side of the clone pattern, over one or more brains.
+
+    Every brain's slice updates and heads are assembled into whole tables (`_tables.TableAssembler`), so
+    the router holds each brain's latest table. It follows one brain, the leader: of the brains heard within
+    `brain_timeout_s` (heartbeats come every second), the one with the highest (priority, brain_id). When
+    the leader goes silent the next live brain leads and its latest table is handed over at once; when a
+    brain's announced (epoch, version) goes back, it restarted without its state, and its tables are taken
+    again from the first. Within one brain, tables are handed on in increasing (epoch, version) only.
+
+    At start, and whenever a heartbeat shows a brain ahead of what we assembled from it or a head cannot be
+    completed, the brains are asked for a snapshot until they answer. A table counts as received only when
+    `on_table` returns True. Sockets live on the context's `_SubscriberLoop` thread, which also calls
+    `on_table`. `slices` names the slices to follow (None: all): only their updates are received.
+    """
 
     def __init__(
         self,
@@ -419,22 +460,32 @@ class TableSubscriber:
         *,
         curve: ClientCurve | None = None,
         snapshot_retry_s: float = 0.25,
+        brain_timeout_s: float = 3.0,
+        slices: Sequence[str] | None = None,
     ) -> None:
         if not brains:
             raise ValueError("at least one brain address is needed")
+        if not brain_timeout_s > 0:
+            raise ValueError(f"brain_timeout_s must be positive, got {brain_timeout_s}")
         self._ctx = ctx
         self._brains = list(brains)
         self._on_table = on_table
         self._rejects = rejects
         self._curve = curve
         self._retry_s = snapshot_retry_s
+        self.brain_timeout_s = brain_timeout_s
+        self.slices = None if slices is None else tuple(slices)
         self._started = False
         self._sockets: list[zmq.Socket] = []
         self._dealers: list[zmq.Socket] = []
         self._unanswered: set[zmq.Socket] = set()  # brains asked for a snapshot that have not answered yet
         self._next_request = 0.0
+        self._views: dict[str, BrainView] = {}
+        self.following: str | None = None
+        """The brain whose table was handed on last."""
         self.current_order: tuple[int, int] = (-1, -1)
-        self.last_heard_monotonic: float | None = None
+        self.switches = 0
+        """Times the router went over to another brain's tables."""
 
     def start(self) -> None:
         if self._started:
@@ -447,6 +498,30 @@ class TableSubscriber:
             self._started = False
             _SubscriberLoop.submit(self._ctx, self, add=False).wait(timeout=5)
 
+    @property
+    def last_heard_monotonic(self) -> float | None:
+        """When the brain followed now was last heard (any brain, before one is followed); None: never."""
+        view = self._views.get(self.following) if self.following is not None else None
+        if view is not None:
+            return view.last_heard
+        heard = [v.last_heard for v in dict(self._views).values()]  # a copy: the loop thread may add a brain
+        return max(heard) if heard else None
+
+    def brains(self, now: float | None = None) -> dict[str, dict[str, object]]:
+        """Each brain heard so far: seconds since it was last heard, whether it is live and followed, and the
+        (epoch, version) of its latest table."""
+        now = time.monotonic() if now is None else now
+        return {
+            brain_id: {
+                "age_s": now - view.last_heard,
+                "live": view.live(now, self.brain_timeout_s),
+                "following": brain_id == self.following,
+                "priority": view.priority,
+                "order": None if view.latest is None else view.latest.order,
+            }
+            for brain_id, view in sorted(dict(self._views).items())
+        }
+
     # --- on the loop's thread -----------------------------------------------------------------------------
 
     def _make(self, kind: int, max_bytes: int) -> zmq.Socket:
@@ -455,7 +530,10 @@ class TableSubscriber:
     def open(self) -> list[zmq.Socket]:
         """Create and connect the sockets; the ones to poll."""
         sub = self._make(zmq.SUB, MAX_TABLE_BYTES)
-        sub.setsockopt(zmq.SUBSCRIBE, b"prism.")
+        sub.setsockopt(zmq.SUBSCRIBE, topic_prefix(Heartbeat))
+        sub.setsockopt(zmq.SUBSCRIBE, topic_prefix(TableHead))
+        for name in self.slices if self.slices is not None else (None,):
+            sub.setsockopt(zmq.SUBSCRIBE, topic_prefix(SliceUpdate, name))
         self._dealers = []
         for _ in self._brains:
             dealer = self._make(zmq.DEALER, MAX_TABLE_BYTES)
@@ -466,38 +544,72 @@ class TableSubscriber:
             sub.connect(brain.updates)
             dealer.connect(brain.snapshot)
         self._sockets = [sub, *self._dealers]
-        self._unanswered = set(self._dealers)
-        self._next_request = 0.0
+        self._ask_all()
         return self._sockets
 
+    def _ask_all(self) -> None:
+        self._unanswered = set(self._dealers)
+        self._next_request = 0.0
+
     def due(self) -> float:
-        """When `tick` next has something to do (inf: nothing until a message comes)."""
-        return self._next_request if self._unanswered else math.inf
+        """When `tick` next has something to do: a snapshot request, or a liveness check of the leader."""
+        check = math.inf
+        if self.following is not None:
+            check = self._views[self.following].last_heard + self.brain_timeout_s
+            if check <= time.monotonic():  # already silent: the loop's idle wake-up checks again
+                check = math.inf
+        return min(self._next_request if self._unanswered else math.inf, check)
 
     def tick(self, now: float) -> None:
-        """Ask the brains that have not answered for a snapshot, every `snapshot_retry_s`."""
+        """Follow the leader if it changed (a brain died), and ask the brains that have not answered for a
+        snapshot, every `snapshot_retry_s`."""
+        self._follow(now)
         if not self._unanswered or now < self._next_request:
             return
+        request = encode(SnapshotRequest(slices=None if self.slices is None else list(self.slices)))
         for dealer in self._unanswered:
             try:
-                dealer.send_multipart(encode(SnapshotRequest()), flags=zmq.NOBLOCK)
+                dealer.send_multipart(request, flags=zmq.NOBLOCK)
             except zmq.Again:
                 pass
         self._next_request = now + self._retry_s
 
     def readable(self, sock: zmq.Socket) -> None:
-        self._unanswered.discard(sock)
+        if sock is not self._sockets[0]:
+            self._unanswered.discard(sock)
         if self._receive(sock):
-            self._unanswered = set(self._dealers)
-            self._next_request = 0.0
+            self._ask_all()
+        self._follow(time.monotonic())
 
     def close(self) -> None:
         for sock in self._sockets:
             sock.close(linger=0)
         self._sockets, self._dealers, self._unanswered = [], [], set()
 
+    def _view(self, brain_id: str, priority: int, now: float) -> BrainView:
+        view = self._views.get(brain_id)
+        if view is None:
+            view = self._views[brain_id] = BrainView(brain_id, assembler=TableAssembler(self.slices))
+            _log.info("brain %s heard (priority %d)", brain_id or "(unnamed)", priority)
+        view.priority = priority
+        view.last_heard = now
+        return view
+
+    def _announce(self, view: BrainView, order: tuple[int, int]) -> None:
+        """A brain's heartbeat or head says it is at `order`; lower than before means it restarted."""
+        if order < view.announced:
+            _log.warning(
+                "brain %s went back from %d.%d to %d.%d: restarted without its state; following its new tables",
+                view.brain_id or "(unnamed)",
+                *view.announced,
+                *order,
+            )
+            view.restarted, view.latest = True, None
+        view.announced = order
+
     def _receive(self, sock: zmq.Socket) -> bool:
-        """Handle every waiting message on `sock`; True when a heartbeat shows we are behind."""
+        """Handle every waiting message on `sock`; True when a snapshot is needed (a brain is ahead of what
+        we hold from it, or a head could not be completed)."""
         behind = False
         while True:
             try:
@@ -505,18 +617,58 @@ class TableSubscriber:
             except zmq.Again:
                 return behind
             try:
-                msg = decode(frames, (RoutingTable, Heartbeat), MAX_TABLE_BYTES)
+                msg = decode(frames, (SliceUpdate, TableHead, Heartbeat), MAX_TABLE_BYTES)
             except WireError as exc:
                 self._rejects.record(exc)
                 continue
-            self.last_heard_monotonic = time.monotonic()
-            order = (msg.epoch, msg.version)
-            if order <= self.current_order:
+            now = time.monotonic()
+            if isinstance(msg, SliceUpdate):
+                view = self._views.get(msg.brain_id)
+                if view is None:
+                    view = self._view(msg.brain_id, 0, now)
+                assert view.assembler is not None
+                view.assembler.slice_update(msg)
                 continue
+            view = self._view(msg.brain_id, msg.priority, now)
+            self._announce(view, msg.order)
+            held = (-1, -1) if view.latest is None else view.latest.order
             if isinstance(msg, Heartbeat):
+                behind = behind or msg.order > held
+                continue
+            assert view.assembler is not None
+            table = view.assembler.head(msg)
+            if table is None:
                 behind = True
-            elif self._deliver(msg):
-                self.current_order = order
+            elif table.order > held:
+                view.latest = table
+
+    def _leader(self, now: float) -> BrainView | None:
+        live = [v for v in self._views.values() if v.live(now, self.brain_timeout_s) and v.latest is not None]
+        return max(live, key=lambda v: (v.priority, v.brain_id), default=None)
+
+    def _follow(self, now: float) -> None:
+        """Hand the leader's latest table on, if it is newer than what was handed on (or from another brain)."""
+        leader = self._leader(now)
+        if leader is None or leader.latest is None:
+            return
+        table = leader.latest
+        switching = leader.brain_id != self.following
+        if not switching and not leader.restarted and table.order <= self.current_order:
+            return
+        if switching and self.following is not None:
+            _log.warning(
+                "brain %s silent for %.1f s or outranked: following brain %s (table %d.%d)",
+                self.following or "(unnamed)",
+                now - self._views[self.following].last_heard,
+                leader.brain_id or "(unnamed)",
+                *table.order,
+            )
+        if self._deliver(table):
+            if switching:
+                self.switches += 1 if self.following is not None else 0
+                self.following = leader.brain_id
+            leader.restarted = False
+            self.current_order = table.order
 
     def _deliver(self, table: RoutingTable) -> bool:
         """Hand `table` to the callback; a callback failure is logged and the table not taken."""

@@ -1,0 +1,129 @@
+"""Live brains (`prism brain` processes): poison vectors, kill -9 and restart, two brains failing over.
+
+Each failure here was seen on live processes: one vector took a brain down, a restarted brain emptied its
+routers, routers stayed on a dead brain's table. Routes are attempted throughout and none may fail.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from prismlb.router import Router
+from prismlb.sim._live import PERIOD_S, Agents, LiveBrain, Routes, nodes_of, vector, wait_for
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[Callable[..., LiveBrain]]:
+    brains: list[LiveBrain] = []
+
+    def make(name: str, **kwargs: object) -> LiveBrain:
+        brain = LiveBrain(name, tmp_path, **kwargs)  # type: ignore[arg-type]
+        brain.start()
+        brains.append(brain)
+        return brain
+
+    yield make
+    for brain in brains:
+        brain.stop()
+        if os.environ.get("PRISM_TEST_SHOW_LOGS"):
+            for log in sorted(tmp_path.glob(f"{brain.name}-*.log")):
+                print(log.read_text())
+
+
+def poison_frames(node: str) -> list[list[bytes]]:
+    """Wire frames no honest agent sends: each bound broken once, and a sample time hours ahead."""
+    good = msgspec.to_builtins(vector(node, 10**6))
+    cases = [
+        {"metrics": {"requests_running": 2 * 10**12}},
+        {"latency": {"llm": {"requests": 1, "ttft_p99_ms": 1e200}}},
+        {"latency": {"llm": {"requests": 1, "ttft_p99_ms": -5.0}}},
+        {"sample_time_unix_s": time.time() + 36_000, "endpoint": "http://attacker:80"},
+    ]
+    return [[b"prism.node", b"1", msgspec.msgpack.encode({**good, **case})] for case in cases]
+
+
+def test_poison_vectors_are_refused_and_the_brain_keeps_publishing(live: Callable[..., LiveBrain]) -> None:
+    brain = live("brain-a", holddown_s=0.0)
+    ctx = zmq.Context()
+    agents = Agents(ctx, [brain.ingest], ["n0", "n1"])
+    router = Router.connect(brain.address)
+    try:
+        assert wait_for(lambda: nodes_of(router) == {"n0", "n1"}, 30.0), "the brain publishes both nodes"
+        routes = Routes(router)
+        for _ in range(5):
+            agents.extra = poison_frames("n1")
+            time.sleep(PERIOD_S)
+        time.sleep(2 * PERIOD_S)
+        routes.close()
+        assert brain.alive(), "no vector takes the brain down"
+        assert nodes_of(router) == {"n0", "n1"}, "the poisoned node stays routed on its honest vectors"
+        assert routes.failed == [] and routes.attempted > 100 and routes.seen == {"n0", "n1"}
+        invalid = brain.metric("prism_rejected_messages_total", {"kind": "invalid_field", "receiver": "brain"})
+        future = brain.metric("prism_rejected_messages_total", {"kind": "future_sample", "receiver": "brain"})
+        assert invalid is not None and invalid >= 15 and future is not None and future >= 5
+        assert router.table is not None and all(
+            n.endpoint == f"http://{n.node_id}:8000" for s in router.table.slices for n in s.nodes
+        ), "the spoofed endpoint never reached a table"
+    finally:
+        router.close()
+        agents.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_restarted_brain_holds_its_first_table_until_its_nodes_report(live: Callable[..., LiveBrain]) -> None:
+    brain = live("brain-a", holddown_s=20.0)
+    ctx = zmq.Context()
+    nodes = ["n0", "n1", "n2", "n3"]
+    agents = Agents(ctx, [brain.ingest], nodes)
+    router = Router.connect(brain.address)
+    try:
+        assert wait_for(lambda: nodes_of(router) == set(nodes), 30.0)
+        routes = Routes(router)
+        brain.kill()
+        agents.paused.set()  # the agents reach the restarted brain late
+        brain.start()
+        time.sleep(6.0)  # the new brain is up (torch loaded) and has heard no node: it must publish nothing
+        assert nodes_of(router) == set(nodes), "no empty table from the restarted brain"
+        agents.paused.clear()
+        assert wait_for(lambda: router.table is not None and router.table.epoch == 2, 20.0), "its first table"
+        routes.close()
+        assert nodes_of(router) == set(nodes)
+        assert routes.failed == [], f"{len(routes.failed)} of {routes.attempted} routes failed"
+        assert routes.attempted > 1000
+    finally:
+        router.close()
+        agents.close()
+        ctx.destroy(linger=0)
+
+
+def test_two_brains_fail_over_when_the_leader_is_killed(live: Callable[..., LiveBrain]) -> None:
+    low, high = live("brain-a", holddown_s=0.0), live("brain-b", holddown_s=0.0)
+    ctx = zmq.Context()
+    agents = Agents(ctx, [low.ingest, high.ingest], ["n0", "n1", "n2"])
+    router = Router.connect([low.address, high.address])
+    try:
+        assert wait_for(lambda: router.table is not None and router.table.brain_id == "brain-b", 30.0)
+        assert wait_for(lambda: nodes_of(router) == {"n0", "n1", "n2"}, 10.0)
+        routes = Routes(router)
+        high.kill()
+        assert wait_for(lambda: router.table is not None and router.table.brain_id == "brain-a", 6.0)
+        brains = router.brains()
+        assert brains["brain-b"]["live"] is False and brains["brain-a"]["following"] is True
+        heard = router.last_heard_age_s
+        assert heard is not None and heard < 2.0, "the age of the brain followed now, which is live"
+        agents.nodes.remove("n2")  # a node leaves after the failover: the new leader's table drops it
+        assert wait_for(lambda: nodes_of(router) == {"n0", "n1"}, 10.0)
+        routes.close()
+        assert routes.failed == [], f"{len(routes.failed)} of {routes.attempted} routes failed"
+        assert "n2" not in {router.route(f"key-{i}").node_id for i in range(200)}
+    finally:
+        router.close()
+        agents.close()
+        ctx.destroy(linger=0)
