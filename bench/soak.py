@@ -18,8 +18,8 @@ repeats every 12 steps of 4 s (at least 48 s):
 | 8 | every agent silent for 8 s (the brains drop every node as stale: routers keep their table, `drop_hold_s` 15 s) |
 | 10 | junk on the snapshot sockets |
 
-Printed: routes attempted and failed, the longest time a router routed on a table from a brain that was no
-longer live, tables published, brain restarts planned and unplanned (a brain that exited without being
+Printed: routes attempted and failed, the longest a router routed on the table of a brain it had not heard
+from (a dead leader's, until the router went over to the other brain: at most its `brain_timeout_s`, 3 s), tables published, brain restarts planned and unplanned (a brain that exited without being
 killed), rejects by kind on the brains and routers, and poison accepted (a table naming an endpoint or node
 no honest agent reported). Goal: 0 failed routes, 0 unplanned exits, 0 poison accepted. Exit status 0 when
 the goal is met.
@@ -231,7 +231,7 @@ def report(
         ("run", f"{elapsed_s:.0f} s, {len(brains)} brains, {len(routers)} routers"),
         ("routes attempted", f"{sum(p.attempted for p in probes):,}"),
         ("routes failed", f"{sum(len(p.failed) for p in probes):,}"),
-        ("max stale-table age", f"{max(p.max_stale_s for p in probes):.1f} s (routing on a dead brain's table)"),
+        ("max stale-table age", f"{max(p.max_stale_s for p in probes):.1f} s (the followed brain unheard)"),
         ("tables published", f"{sum(published.values()):,.0f}"),
         ("brain restarts", f"{sum(planned.values())} planned (kill -9), {sum(unplanned.values())} unplanned exits"),
         ("poison accepted", f"{len(poison_seen)}" + (f" ({', '.join(sorted(poison_seen))})" if poison_seen else "")),

@@ -9,7 +9,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_ENTRIES (1 << 17) /* _ring._INDEX_BITS: a ring holds fewer entries */
+#define MAX_ENTRIES (1 << 20) /* _ring._INDEX_BITS: a ring holds fewer entries */
+#define PROBE_ENTRIES (1 << 17) /* bounded() walks rings up to this size (a 16 KiB stack bitmap); Python beyond */
 #define EXACT_DOUBLE (1LL << 53) /* ints up to this convert to double exactly, as Python's int/float mixing does */
 #define GOLDEN 0x9E3779B97F4A7C15ULL /* _keys.GOLDEN: int keys are Fibonacci-hashed */
 #define NO_SLOT UINT32_MAX /* a bucket with a point inside it: Ring.slots' None */
@@ -141,12 +142,13 @@ static PyObject *endpoint_of(Table *t, Py_ssize_t index) {
     return Py_NewRef(t->entry[index].endpoint);
 }
 
-/* Router._bounded() with nothing excluded, from point `start`; None where a gated entry is met first. */
+/* Router._bounded() with nothing excluded, from point `start`; None where a gated entry is met first, or in
+   rings of more than PROBE_ENTRIES entries (the pure-Python path walks those). */
 static PyObject *bounded(Table *t, Py_ssize_t start) {
-    unsigned char seen[MAX_ENTRIES / 8];
+    unsigned char seen[PROBE_ENTRIES / 8];
     double limit, inflight, best_load = 0.0;
     Py_ssize_t best = -1, distinct = 0, i = start;
-    if (group_limit(t, &limit) < 0) Py_RETURN_NONE;
+    if (t->count > PROBE_ENTRIES || group_limit(t, &limit) < 0) Py_RETURN_NONE;
     memset(seen, 0, (size_t)(t->count + 7) / 8);
     for (Py_ssize_t step = 0; step < t->npoints && distinct < t->count; step++) { /* one lap at most */
         uint32_t index = t->owners[i];
@@ -270,7 +272,7 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return NULL;
     Py_ssize_t count = PyTuple_GET_SIZE(entries), nowners, nslots;
     if (count < 1 || count > MAX_ENTRIES || shift < 0 || shift > 31) {
-        PyErr_SetString(PyExc_ValueError, "a table needs 1 to 2^17 entries and a shift in [0, 31]");
+        PyErr_SetString(PyExc_ValueError, "a table needs 1 to 2^20 entries and a shift in [0, 31]");
         return NULL;
     }
     Table *t = (Table *)type->tp_alloc(type, 0);

@@ -242,8 +242,9 @@ class Agents:
 
 
 class Routes:
-    """Routes attempted on a thread every few milliseconds; failures kept, and the longest time the router
-    routed on a table whose brain was no longer live (`max_stale_s`)."""
+    """Routes attempted on a thread every few milliseconds; failures kept, and the longest the brain the router
+    followed went unheard while the router routed on its table (`max_stale_s`: how long a dead leader's table
+    stays in use before the router goes over to another brain, or the brain comes back)."""
 
     def __init__(self, router: Router, interval_s: float = 0.002) -> None:
         self.router = router
@@ -252,7 +253,6 @@ class Routes:
         self.seen: set[str] = set()
         self.endpoints: set[str] = set()
         self.max_stale_s = 0.0
-        self._stale_since: float | None = None
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="route-probe", daemon=True)
@@ -274,14 +274,9 @@ class Routes:
                 self._watch_staleness()
 
     def _watch_staleness(self) -> None:
-        table = self.router.table
-        now = time.monotonic()
-        following = None if table is None else self.router.brains().get(table.brain_id)
-        if following is not None and not following["live"]:
-            self._stale_since = now if self._stale_since is None else self._stale_since
-            self.max_stale_s = max(self.max_stale_s, now - self._stale_since)
-        else:
-            self._stale_since = None
+        age = self.router.last_heard_age_s
+        if age is not None and self.router.table is not None:
+            self.max_stale_s = max(self.max_stale_s, age)
 
     def close(self) -> None:
         self._stop.set()
