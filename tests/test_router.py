@@ -527,3 +527,34 @@ def test_cli_renders_the_current_table_for_nginx(
     ]
     assert _cli(["route", "--updates", a.updates, "--snapshot", a.snapshot]) == 2
     assert "give keys to route, or --nginx" in capsys.readouterr().err
+
+
+def test_a_router_subscribed_to_some_slices_holds_only_those(brains: Callable[[], Brain]) -> None:
+    brain = brains()
+    brain.publish(make_table(1, 1, ["a0", "a1"], llm=["t0", "t1"], av=["v0"]))
+    with Router.connect(brain.address, slices=["llm"]) as router:
+        assert router.wait_for_table(1.0)
+        assert router.table is not None and [s.name for s in router.table.slices] == ["llm"]
+        assert router.route("k", "llm").node_id in {"t0", "t1"}
+        brain.publish(make_table(1, 2, ["a0"], llm=["t0", "t1", "t2"], av=[]))
+        assert wait_until(lambda: router.table is not None and router.table.version == 2)
+        assert {router.route(k, "llm").node_id for k in KEYS} == {"t0", "t1", "t2"}
+
+
+def test_a_slice_larger_than_the_c_probe_routes_on_the_python_path() -> None:
+    """A fleet of per-GPU entries: 140,000 entries, more than the C probe's bitmap; every key still routes,
+    under bounded load too (the probe then runs in Python)."""
+    nodes = [
+        TableNode(node_id=f"host{i // 8:05d}", endpoint=f"h{i // 8}:8000", weight=1.0, gpu=i % 8) for i in range(140_000)
+    ]
+    table = RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="av", nodes=nodes)])
+    router = Router.from_table(table, settings=Settings(max_ring_points=150_000))
+    group = router._snapshot.routes["av"].group  # type: ignore[union-attr]
+    assert len(group.ring.points) <= 150_000 + len(nodes) and len(group.entries) == 140_000
+    leases = [router.request(f"key-{i}", "av") for i in range(300)]
+    for lease in leases:
+        lease.begin()  # in flight: the bound comes into play for the next ones
+    assert all(lease.endpoint.gpu is not None for lease in leases)
+    assert all(router.route(f"key-{i}", "av").gpu is not None for i in range(300))
+    for lease in leases:
+        lease.end()
