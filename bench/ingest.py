@@ -1,13 +1,13 @@
 """Brain ingest at fleet scale: 1,000 / 5,000 / 20,000 simulated agents at one vector per second each.
 
 Run: .venv/bin/python bench/ingest.py [--nodes 1000 5000 20000] [--seconds 6] [--senders 3] [--workers 2]
-Senders are separate processes (`--senders`), each playing an equal share of the node ids through one real
-ZeroMQ PUSH socket (HWM: one period of its nodes' vectors, non-blocking sends, a full queue drops and counts),
-each node sending once per second, evenly spread, in a new order every second. Vectors are realistic: 8 GPUs with NVLink peers, latency for
-two slices, labels (about 2.5 KB of msgpack). A sender encodes each node's vector once and patches `seq` and the
-sample time into the bytes, so the senders' CPU stays small next to the brain's. The brain side is this process:
-the real receiver and `Brain.ingest` (decode and validation, registry with health, history), polled like the
-brain's loop.
+Senders are separate processes (`--senders`), each playing an equal share of the node ids through one real ZeroMQ
+PUSH socket (HWM: one period of its nodes' vectors, non-blocking sends, a full queue drops and counts), each node
+sending once per second, evenly spread, in a new order every second. Vectors are realistic: 8 GPUs with NVLink
+peers, latency for two slices, labels (about 2.5 KB of msgpack). A sender encodes each node's vector once and
+patches `seq` and the sample time into the bytes, so the senders' CPU stays small next to the brain's. The brain
+side is this process: the real receiver and `Brain.ingest` (decode and validation, registry with health, history),
+polled like the brain's loop.
 
 Rows, same run and same senders:
   before   the path per vector as it was: `registry.update`, `Counter.inc` and `History.append` per vector,
@@ -16,9 +16,12 @@ Rows, same run and same senders:
            collector tuned as the brain's service tunes it (`tune_gc_for_ingest`);
   sharded  `--ingest-workers N`: a ZeroMQ proxy fans the PULL out to N worker processes that decode and
            validate; the brain builds the vectors from their batches without validating again.
-Measured over `--seconds` after a warm-up period: vectors/s accepted, CPU seconds per 1,000 accepted vectors of
-the brain's process (with the proxy thread) and of the workers, what the brain's process could take on one core
-(1,000 / its CPU per 1,000), sender-side drops, and brain-side counted loss (sequence gaps).
+Measured over `--seconds` after a warm-up period: vectors/s offered and accepted; CPU seconds per 1,000 accepted
+vectors of the brain's process, of the proxy and worker processes, and of the senders (on a 2-core machine they all
+share the same cores); what the brain's process could take on one core of its own (1,000 / its CPU per 1,000); over
+the whole run, sender-side drops and brain-side counted loss (sequence gaps: a node's loss is counted at its next
+vector that gets through, so it trails the drops while the brain is overloaded); the longest run of full drains
+(backlog).
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def node_vector(i: int, rng: random.Random) -> NodeVector:
 def send(endpoint: str, first: int, step: int, nodes: int, ready: Queue, plan: Queue, out: Queue) -> None:
     """One sender process: nodes first, first+step, ... below `nodes`, each once per second. Says it is ready
     on `ready`, takes the start and the measured window (wall clock) from `plan`, and puts (sent, dropped)
-    counted inside the window and the drops of the whole run on `out`."""
+    counted inside the window, the drops of the whole run and its CPU seconds inside the window on `out`."""
     rng = random.Random(first)
     mine = range(first, nodes, step)
     frames = [encode(node_vector(i, rng)) for i in mine]
@@ -128,6 +131,7 @@ def send(endpoint: str, first: int, step: int, nodes: int, ready: Queue, plan: Q
     seqs = [SEQ_BASE] * len(mine)
     order = list(range(len(mine)))
     sent = dropped = dropped_total = 0
+    cpu_at_start = cpu_at_end = 0.0
     spacing = 1.0 / len(mine)
     ready.put(os.getpid())
     start, window_start, window_end = plan.get()
@@ -138,7 +142,7 @@ def send(endpoint: str, first: int, step: int, nodes: int, ready: Queue, plan: Q
         if due > window_end:
             break
         if due > now:
-            time.sleep(min(due - now, 0.01))
+            time.sleep(max(due - now, 0.005))  # then every vector due: 200 wake-ups a second, not one per vector
             continue
         if now - due > 0.1:  # behind (a stall): skip the missed slots, as an agent does
             k = int((now - start) / spacing)
@@ -152,13 +156,17 @@ def send(endpoint: str, first: int, step: int, nodes: int, ready: Queue, plan: Q
         seqs[j] += 1  # like an agent, a dropped vector still uses its number
         k += 1
         inside = window_start <= now < window_end
+        if inside and not cpu_at_start:
+            cpu_at_start = time.process_time()
+        if not inside and cpu_at_start and not cpu_at_end:
+            cpu_at_end = time.process_time()
         try:
             push.send_multipart([frames[j][0], frames[j][1], payload], flags=zmq.NOBLOCK)
             sent += inside
         except zmq.Again:
             dropped += inside
             dropped_total += 1
-    out.put((sent, dropped, dropped_total))
+    out.put((sent, dropped, dropped_total, (cpu_at_end or time.process_time()) - cpu_at_start))
     out.close()
     out.join_thread()
     push.close(linger=-1)  # deliver what is queued
@@ -195,6 +203,7 @@ class Result:
     """Vectors the senders offered inside the window."""
     sender_dropped: int
     """Over the whole run, like `lost`."""
+    sender_cpu_per_1k: float
     lost: int
     backlog_max: int
 
@@ -273,8 +282,9 @@ def run(nodes: int, path: str, seconds: float, senders: int, workers: int) -> Re
         accepted_per_s=accepted / elapsed,
         brain_cpu_per_1k=(after[2] - before[2]) * per_1k,
         worker_cpu_per_1k=(after[3] - before[3]) * per_1k,
-        offered=sum(s + d for s, d, _ in counts),
-        sender_dropped=sum(d for _, _, d in counts),
+        offered=sum(c[0] + c[1] for c in counts),
+        sender_dropped=sum(c[2] for c in counts),
+        sender_cpu_per_1k=sum(c[3] for c in counts) * per_1k,
         lost=int(lost),
         backlog_max=backlog_max,
     )
@@ -290,7 +300,7 @@ def main() -> None:
     args = parser.parse_args()
     print(
         f"{'nodes':>6} {'path':>10} {'offered/s':>10} {'accepted/s':>11} {'brain CPU s/1k':>15} "
-        f"{'proxy+workers s/1k':>19} {'brain max/s':>12} {'vs before':>10} {'sender drops':>13} "
+        f"{'proxy+workers s/1k':>19} {'senders s/1k':>13} {'brain max/s':>12} {'vs before':>10} {'sender drops':>13} "
         f"{'brain lost':>11} {'backlog':>8}"
     )
     for nodes in args.nodes:
@@ -301,10 +311,12 @@ def main() -> None:
                 base = r.brain_cpu_per_1k
             ratio = f"{base / r.brain_cpu_per_1k:>9.2f}x" if base else f"{'-':>10}"
             label = f"sharded {args.workers}" if path == "sharded" else path
+            lost = "-" if path == "before" else f"{r.lost:,}"  # the path before did not count losses
             print(
                 f"{nodes:>6} {label:>10} {r.offered / args.seconds:>10,.0f} "
                 f"{r.accepted_per_s:>11,.0f} {r.brain_cpu_per_1k:>15.3f} {r.worker_cpu_per_1k:>19.3f} "
-                f"{1000 / r.brain_cpu_per_1k:>12,.0f} {ratio} {r.sender_dropped:>13,} {r.lost:>11,} "
+                f"{r.sender_cpu_per_1k:>13.3f} "
+                f"{1000 / r.brain_cpu_per_1k:>12,.0f} {ratio} {r.sender_dropped:>13,} {lost:>11} "
                 f"{r.backlog_max:>8}",
                 flush=True,
             )

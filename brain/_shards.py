@@ -1,25 +1,26 @@
 """Ingest sharded over worker processes (`--ingest-workers N`), for fleets whose vectors one interpreter cannot
 decode in time.
 
-Agents still PUSH to one PULL endpoint. libzmq's steerable proxy, in a process of its own (so that receiving
-the agents' TCP traffic costs the brain's process nothing), fans their messages out PULL → PUSH to N worker
-processes over ipc; each worker decodes and fully validates its share (`wire.decode`: every range, the node-id pattern and the
-per-struct finiteness check, which is most of a realistic vector's decode time), counts rejects, and forwards
+Agents still PUSH to one PULL endpoint. libzmq's steerable proxy, in a process of its own (so that receiving the
+agents' TCP traffic costs the brain's process nothing), fans their messages out PULL → PUSH to N worker processes
+over ipc; each worker decodes and fully validates its share (`wire.decode`: every range, the node-id pattern and
+the per-struct finiteness check, which is most of a realistic vector's decode time), counts rejects, and forwards
 the valid payloads in batches of up to BATCH_VECTORS to the brain's PULL socket, one message per batch.
 
-The brain then decodes each batch with one call into subclasses of the message types that skip the finiteness
-check already done by the worker and are not tracked by the garbage collector (a vector is a tree of structs,
-never part of a cycle; at 20,000 vectors/s the collector's passes over them cost a third of building them).
-The objects are `NodeVector`s for every use, but their type is `_TrustedVector`, so they do not compare equal
-to a `NodeVector` with the same fields. What
-moves off the brain's process is the TCP receive, one receive call per vector, the validation and the reject
-handling; what stays is building the vector objects, the registry (health) and history. The proxy and the
-workers end when the brain's process does (they watch their parent), so a restarted brain can bind again.
+The brain then decodes each batch with one call into subclasses of the message types that skip the finiteness check
+already done by the worker and are not tracked by the garbage collector (a vector is a tree of structs, never part
+of a cycle; at 20,000 vectors/s the collector's passes over them cost a third of building them). The objects are
+`NodeVector`s for every use, but their type is `_TrustedVector`, so they do not compare equal to a `NodeVector`
+with the same fields. What moves off the brain's process is the TCP receive, one receive call per vector, the
+validation and the reject handling; what stays is building the vector objects, the registry (health) and history.
+The proxy and the workers end when the brain's process does (they watch their parent), so a restarted brain can
+bind again.
 
 Not with CURVE: the proxy forwards the frames without the connection's `User-Id` and `Peer-Address`, so the
-identity policy could not run; the configuration refuses the combination. One node's consecutive vectors may
-be handled by different workers, so they can reach the brain out of order: the registry drops the older one as
-a replay, and the sequence-gap count may then count it as lost.
+identity policy could not run; the configuration refuses the combination. One node's consecutive vectors may be
+handled by different workers, so while the brain lags (several vectors of a node queued at once) they can reach it
+out of order: the registry drops the older one as a replay, and the sequence-gap count has already counted it as
+lost (bench/ingest.py: a few hundred at 5,000 nodes with a backlog, none without one).
 """
 
 from __future__ import annotations
