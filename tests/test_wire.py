@@ -13,6 +13,7 @@ import zmq
 
 from prismlb.wire import (
     KINDS,
+    MAX_TABLE_BYTES,
     MAX_VECTOR_BYTES,
     BrainAddress,
     FrameCountError,
@@ -439,3 +440,31 @@ def test_subscribers_on_one_context_share_one_thread_and_release_the_context() -
     ended.join(timeout=5)
     assert not ended.is_alive()
     assert loops() == loops_before
+
+
+def test_a_table_over_the_frame_limit_is_published_in_parts() -> None:
+    """300 hosts of 64 GPUs with the longest labels the wire allows: one message would pass the 16 MiB limit
+    (the brain used to raise and exit); in slice updates of 20,000 entries it goes out and reassembles."""
+    nodes = [
+        TableNode(
+            node_id=f"host-{h:03d}-" + "n" * 110,
+            endpoint="http://" + "e" * 240 + f":{8000 + g}",
+            weight=1.0,
+            zone="z" * 256,
+            model_version="m" * 256,
+            gpu=g,
+            numa_node=g // 32,
+        )
+        for h in range(300)
+        for g in range(64)
+    ]
+    big = RoutingTable(epoch=1, version=1, issued_unix_s=1.0, slices=[SliceTable(name="av", nodes=nodes)])
+    assert len(encode(big)[2]) > MAX_TABLE_BYTES
+    publisher_side = TableEncoder()
+    messages = publisher_side.update(big)
+    assert len(messages) == 3, "one part would pass the limit: two parts, then the head"
+    assert all(len(m[2]) <= MAX_TABLE_BYTES for m in messages)
+    assembler = TableAssembler()
+    for frames in messages[:-1]:
+        assembler.slice_update(decode(frames, (SliceUpdate,), MAX_TABLE_BYTES))
+    assert assembler.head(decode(messages[-1], (TableHead,), MAX_TABLE_BYTES)) == big

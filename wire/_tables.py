@@ -15,10 +15,11 @@ table, whose versions start again, is taken.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from ._codec import MAX_TABLE_BYTES, decode, encode
+from ._exceptions import OversizedError
 from ._messages import (
     MAX_UPDATE_ENTRIES,
     EntryRef,
@@ -138,8 +139,9 @@ class TableEncoder:
                 base = before.version
                 upserts = [n for key, n in entries.items() if before.entries.get(key) != n]
                 removes = [EntryRef(node_id=k[0], gpu=k[1]) for k in before.entries if k not in entries]
-            for update in _updates(table, slice_table.name, base, upserts, removes, self._chunk):
-                messages.append(_checked(update, slice_table.name))
+            messages.extend(
+                _fitted(lambda chunk: _updates(table, slice_table.name, base, upserts, removes, chunk), self._chunk)
+            )
             slices[slice_table.name] = _Published(table.version, entries)
         head = _head(table, {name: published.version for name, published in slices.items()})
         head_frames = _checked(head, None)
@@ -156,8 +158,8 @@ class TableEncoder:
             if wanted is not None and name not in wanted:
                 continue
             if published.full is None:
-                updates = _updates_for_snapshot(self.head, name, published, self._chunk)
-                published.full = [encode(update, topic=name) for update in updates]
+                head = self.head
+                published.full = _fitted(lambda chunk: _updates_for_snapshot(head, name, published, chunk), self._chunk)
             messages.extend(published.full)
         messages.append(self._head_frames)
         return messages
@@ -179,6 +181,18 @@ def _updates_for_snapshot(head: TableHead, name: str, published: _Published, chu
         for parts in [_chunks(nodes, chunk)]
         for i, part in enumerate(parts)
     ]
+
+
+def _fitted(make: Callable[[int], list[SliceUpdate]], chunk: int) -> list[Frames]:
+    """One slice's update in parts of `chunk` entries, or of fewer where entries are so long (labels of up to
+    256 characters) that a part would pass the frame limit: each part is checked as a router decodes it."""
+    while True:
+        try:
+            return [_checked(update, update.slice) for update in make(chunk)]
+        except OversizedError:
+            if chunk == 1:
+                raise
+            chunk = max(1, chunk // 2)
 
 
 def _checked(message: SliceUpdate | TableHead, topic: str | None) -> Frames:
