@@ -78,7 +78,7 @@ def decode(frames: Sequence[bytes], expect: tuple[type[M], ...], max_bytes: int)
     try:
         return _DECODERS[cls].decode(payload)
     except msgspec.ValidationError as exc:
-        if "not finite" in str(exc) or _has_non_finite(payload):
+        if _has_non_finite(payload):
             raise NonFiniteError(str(exc)) from None
         raise InvalidFieldError(str(exc)) from None
     except msgspec.DecodeError as exc:

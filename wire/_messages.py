@@ -5,7 +5,6 @@ Units are in field names. A metric that was not measured is absent (None, omitte
 
 from __future__ import annotations
 
-import math
 from typing import Annotated
 
 import msgspec
@@ -38,25 +37,11 @@ MAX_TABLE_VALUE = 1e12
 Bounded = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TABLE_VALUE)]  # finite because bounded (no per-struct check)
 
 
-def _require_finite(struct: msgspec.Struct) -> None:
-    for name in struct.__struct_fields__:
-        value = getattr(struct, name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{type(struct).__name__}.{name} is not finite: {value!r}")
-
-
 class _Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    pass
+    """Every float field is range-bounded, so decoding refuses NaN and infinities without a check of its own."""
 
 
-class _FiniteMessage(_Message, kw_only=True):
-    """A message with unbounded float fields: NaN and infinities are rejected after decoding."""
-
-    def __post_init__(self) -> None:
-        _require_finite(self)
-
-
-class NodeMetrics(_FiniteMessage, kw_only=True):
+class NodeMetrics(_Message, kw_only=True):
     """One node's measurements for one sample; absent fields were not measured."""
 
     # host
@@ -84,7 +69,7 @@ class NodeMetrics(_FiniteMessage, kw_only=True):
     health_score: Ratio | None = None
 
 
-class ModalityLatency(_FiniteMessage, kw_only=True):
+class ModalityLatency(_Message, kw_only=True):
     """Observed latency of one modality slice's requests over the agent's window."""
 
     requests: Count
@@ -98,7 +83,7 @@ class ModalityLatency(_FiniteMessage, kw_only=True):
     e2e_p99_ms: Millis | None = None
 
 
-class GpuState(_FiniteMessage, kw_only=True):
+class GpuState(_Message, kw_only=True):
     """One GPU of the node: memory, interconnect load and where it sits in the host's topology."""
 
     index: Count
@@ -122,7 +107,7 @@ class KvSummary(_Message, kw_only=True):
     block_size_tokens: Count | None = None
 
 
-class NodeVector(_FiniteMessage, kw_only=True):
+class NodeVector(_Message, kw_only=True):
     """What an agent reports about its node every period."""
 
     node_id: NodeId
@@ -179,7 +164,7 @@ class Experiment(_Message, kw_only=True):
 Priority = Annotated[int, msgspec.Meta(ge=-1000, le=1000)]
 
 
-class RoutingTable(_FiniteMessage, kw_only=True):
+class RoutingTable(_Message, kw_only=True):
     """A complete, versioned routing table.
 
     `brain_id` names the brain that issued it; (epoch, version) orders one brain's tables, also across its
@@ -203,7 +188,7 @@ class RoutingTable(_FiniteMessage, kw_only=True):
         return (self.epoch, self.version)
 
 
-class Heartbeat(_FiniteMessage, kw_only=True):
+class Heartbeat(_Message, kw_only=True):
     """Sent by the brain between tables so routers can tell a quiet brain from a missed table, and a live
     brain from a dead one."""
 
