@@ -18,11 +18,11 @@ repeats every 12 steps of 4 s (at least 48 s):
 | 8 | every agent silent for 8 s (the brains drop every node as stale: routers keep their table, `drop_hold_s` 15 s) |
 | 10 | junk on the snapshot sockets |
 
-Printed: routes attempted and failed, the longest a router routed on the table of a brain it had not heard
-from (a dead leader's, until the router went over to the other brain: at most its `brain_timeout_s`, 3 s), tables published, brain restarts planned and unplanned (a brain that exited without being
-killed), rejects by kind on the brains and routers, and poison accepted (a table naming an endpoint or node
-no honest agent reported). Goal: 0 failed routes, 0 unplanned exits, 0 poison accepted. Exit status 0 when
-the goal is met.
+Printed: routes attempted and failed; the longest a router routed on the table of a brain it had not heard
+from (a dead leader's, until it went over to the other brain: at most `brain_timeout_s`, 3 s); tables
+published; brain restarts planned and unplanned (a brain that exited without being killed); rejects by kind
+on the brains and routers; poison accepted (a table naming an endpoint or node no honest agent reported).
+Goal: 0 failed routes, 0 unplanned exits, 0 poison accepted; the exit status is 0 when the goal is met.
 """
 
 from __future__ import annotations
@@ -37,29 +37,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import msgspec
 import zmq
 
 from prismlb.router import Router
-from prismlb.sim._live import Agents, Keys, LiveBrain, Routes, nodes_of, samples, vector, wait_for
+from prismlb.sim._live import Agents, Keys, LiveBrain, Routes, nodes_of, poison, samples, vector, wait_for
 from prismlb.wire import encode
 
 STEP_S = 4.0
-
-
-def poison(node: str) -> list[list[bytes]]:
-    honest = msgspec.to_builtins(vector(node, 10**9))
-    cases = [
-        {"metrics": {"requests_running": 2 * 10**12}},
-        {"latency": {"llm": {"requests": 1, "ttft_p99_ms": 1e200}}},
-        {"latency": {"llm": {"requests": 1, "ttft_p99_ms": -5.0}}},
-        {"metrics": {"cpu_util_ratio": float("nan")}},
-        {"sample_time_unix_s": time.time() + 36_000},
-        {"endpoint": "http://attacker:80"},
-        {"node_id": "n0", "endpoint": "http://attacker:80"},
-    ]
-    frames = [[b"prism.node", b"1", msgspec.msgpack.encode({**honest, **case})] for case in cases]
-    return [*frames, [b"prism.node"], [b"prism.node", b"1", b"\xc1junk"], [b"prism.nope", b"1", b""]]
 
 
 def intrude(ctx: zmq.Context, ingest: str, keys: Keys | None) -> None:
@@ -143,7 +127,7 @@ def main() -> int:
                 planned[victim.name] += 1
                 restart_at[victim.name] = time.monotonic() + STEP_S
             elif phase == 2:
-                agents.extra = poison(honest[1])
+                agents.extra = poison(honest[1], identity=keys is not None)
             elif phase == 3:
                 for brain in brains:
                     intrude(ctx, brain.ingest, keys)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from prismlb.router import Router
@@ -281,6 +282,24 @@ class Routes:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def poison(node: str, identity: bool) -> list[list[bytes]]:
+    """Frames no honest agent sends, under `node`'s name: each wire bound broken, NaN, a sample time ten hours
+    ahead, then junk; with `identity` (CURVE on, where the brain can tell) also another endpoint and another
+    node's id."""
+    honest = msgspec.to_builtins(vector(node, 10**9))
+    cases: list[dict[str, object]] = [
+        {"metrics": {"requests_running": 2 * 10**12}},
+        {"latency": {"llm": {"requests": 1, "ttft_p99_ms": 1e200}}},
+        {"latency": {"llm": {"requests": 1, "ttft_p99_ms": -5.0}}},
+        {"metrics": {"cpu_util_ratio": float("nan")}},
+        {"sample_time_unix_s": time.time() + 36_000},
+    ]
+    if identity:
+        cases += [{"endpoint": "http://attacker:80"}, {"node_id": "n0", "endpoint": "http://attacker:80"}]
+    frames = [[b"prism.node", b"1", msgspec.msgpack.encode({**honest, **case})] for case in cases]
+    return [*frames, [b"prism.node"], [b"prism.node", b"1", b"\xc1junk"], [b"prism.nope", b"1", b""]]
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float) -> bool:

@@ -11,12 +11,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 import zmq
 
 from prismlb.router import Router
-from prismlb.sim._live import PERIOD_S, Agents, LiveBrain, Routes, nodes_of, vector, wait_for
+from prismlb.sim._live import PERIOD_S, Agents, LiveBrain, Routes, nodes_of, poison, wait_for
 
 
 @pytest.fixture
@@ -37,18 +36,6 @@ def live(tmp_path: Path) -> Iterator[Callable[..., LiveBrain]]:
                 print(log.read_text())
 
 
-def poison_frames(node: str) -> list[list[bytes]]:
-    """Wire frames no honest agent sends: each bound broken once, and a sample time hours ahead."""
-    good = msgspec.to_builtins(vector(node, 10**6))
-    cases = [
-        {"metrics": {"requests_running": 2 * 10**12}},
-        {"latency": {"llm": {"requests": 1, "ttft_p99_ms": 1e200}}},
-        {"latency": {"llm": {"requests": 1, "ttft_p99_ms": -5.0}}},
-        {"sample_time_unix_s": time.time() + 36_000, "endpoint": "http://attacker:80"},
-    ]
-    return [[b"prism.node", b"1", msgspec.msgpack.encode({**good, **case})] for case in cases]
-
-
 def test_poison_vectors_are_refused_and_the_brain_keeps_publishing(live: Callable[..., LiveBrain]) -> None:
     brain = live("brain-a", holddown_s=0.0)
     ctx = zmq.Context()
@@ -58,7 +45,7 @@ def test_poison_vectors_are_refused_and_the_brain_keeps_publishing(live: Callabl
         assert wait_for(lambda: nodes_of(router) == {"n0", "n1"}, 30.0), "the brain publishes both nodes"
         routes = Routes(router)
         for _ in range(5):
-            agents.extra = poison_frames("n1")
+            agents.extra = poison("n1", identity=False)
             time.sleep(PERIOD_S)
         time.sleep(2 * PERIOD_S)
         routes.close()
