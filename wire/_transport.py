@@ -655,18 +655,17 @@ class TableSubscriber:
         switching = leader.brain_id != self.following
         if not switching and not leader.restarted and table.order <= self.current_order:
             return
-        if switching and self.following is not None:
-            _log.warning(
-                "brain %s silent for %.1f s or outranked: following brain %s (table %d.%d)",
-                self.following or "(unnamed)",
-                now - self._views[self.following].last_heard,
-                leader.brain_id or "(unnamed)",
-                *table.order,
-            )
         if self._deliver(table):
-            if switching:
-                self.switches += 1 if self.following is not None else 0
-                self.following = leader.brain_id
+            if switching and self.following is not None:
+                self.switches += 1
+                _log.warning(
+                    "brain %s silent for %.1f s or outranked: following brain %s (table %d.%d)",
+                    self.following or "(unnamed)",
+                    now - self._views[self.following].last_heard,
+                    leader.brain_id or "(unnamed)",
+                    *table.order,
+                )
+            self.following = leader.brain_id
             leader.restarted = False
             self.current_order = table.order
 
