@@ -3,18 +3,12 @@ decode in time.
 
 Agents still PUSH to one PULL endpoint. libzmq's steerable proxy, in a process of its own (so that receiving the
 agents' TCP traffic costs the brain's process nothing), fans their messages out PULL → PUSH to N worker processes
-over ipc; each worker decodes and fully validates its share (`wire.decode`: every range, the node-id pattern and
-the per-struct finiteness check, which is most of a realistic vector's decode time), counts rejects, and forwards
-the valid payloads in batches of up to BATCH_VECTORS to the brain's PULL socket, one message per batch.
-
-The brain then decodes each batch with one call into subclasses of the message types that skip the finiteness check
-already done by the worker and are not tracked by the garbage collector (a vector is a tree of structs, never part
-of a cycle; at 20,000 vectors/s the collector's passes over them cost a third of building them). The objects are
-`NodeVector`s for every use, but their type is `_TrustedVector`, so they do not compare equal to a `NodeVector`
-with the same fields. What moves off the brain's process is the TCP receive, one receive call per vector, the
-validation and the reject handling; what stays is building the vector objects, the registry (health) and history.
-The proxy and the workers end when the brain's process does (they watch their parent), so a restarted brain can
-bind again.
+over ipc; each worker decodes and fully validates its share (`wire.decode`), counts rejects, and forwards the
+valid payloads in batches of up to BATCH_VECTORS to the brain's PULL socket, one message per batch; the brain
+decodes each batch with one call. What moves off the brain's process is the TCP receive, one receive call per
+vector, the first validation and the reject handling; what stays is building the vector objects, the registry
+(health) and history. The proxy and the workers end when the brain's process does (they watch their parent),
+so a restarted brain can bind again.
 
 Not with CURVE: the proxy forwards the frames without the connection's `User-Id` and `Peer-Address`, so the
 identity policy could not run; the configuration refuses the combination. One node's consecutive vectors may be
@@ -43,9 +37,6 @@ import zmq
 
 from prismlb.wire import (
     MAX_VECTOR_BYTES,
-    GpuState,
-    ModalityLatency,
-    NodeMetrics,
     NodeVector,
     RejectCounter,
     VectorReceiver,
@@ -63,30 +54,6 @@ _IDLE_S = 1.0
 _MAX_FRAME = VectorReceiver.OVERSIZE_COUNTED * MAX_VECTOR_BYTES + 1024
 
 
-class _TrustedMetrics(NodeMetrics, kw_only=True, gc=False):
-    def __post_init__(self) -> None:
-        """Checked by the worker that decoded the vector first."""
-
-
-class _TrustedLatency(ModalityLatency, kw_only=True, gc=False):
-    def __post_init__(self) -> None:
-        """Checked by the worker that decoded the vector first."""
-
-
-class _TrustedGpu(GpuState, kw_only=True, gc=False):
-    def __post_init__(self) -> None:
-        """Checked by the worker that decoded the vector first."""
-
-
-class _TrustedVector(NodeVector, kw_only=True, gc=False):
-    metrics: _TrustedMetrics
-    latency: dict[str, _TrustedLatency] = {}
-    gpus: list[_TrustedGpu] = []
-
-    def __post_init__(self) -> None:
-        """Checked by the worker that decoded the vector first."""
-
-
 class _Batch(msgspec.Struct):
     """A worker's message to the brain: rejects by kind, and the msgpack payloads of the valid vectors."""
 
@@ -94,14 +61,15 @@ class _Batch(msgspec.Struct):
     vectors: list[msgspec.Raw]
 
 
-class _TrustedBatch(msgspec.Struct):
-    """`_Batch` as the brain decodes it: the payloads become vectors in the same call."""
+class _DecodedBatch(msgspec.Struct):
+    """`_Batch` as the brain decodes it: the payloads become vectors in the same call (range checks run again,
+    in C, cheaply; the node-id pattern and the rejects were the worker's)."""
 
     rejects: dict[str, int]
-    vectors: list[_TrustedVector]
+    vectors: list[NodeVector]
 
 
-_BATCH = msgspec.msgpack.Decoder(_TrustedBatch)
+_BATCH = msgspec.msgpack.Decoder(_DecodedBatch)
 
 
 GC_THRESHOLDS = (100_000, 50, 100)

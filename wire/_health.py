@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from ._messages import NodeMetrics
 
@@ -23,18 +24,14 @@ class Dimension:
     alarm: float
     weight: float
 
-    def score(self, value: float) -> float:
-        """1.0 when idle, 0.5 at the alarm threshold, 0.0 at twice the threshold."""
-        return max(0.0, 1.0 - 0.5 * value / self.alarm)
-
 
 DIMENSIONS: tuple[Dimension, ...] = (
-    Dimension("gpu_mem_frag_ratio", lambda m: m.gpu_mem_frag_ratio, 0.45, 0.32),
-    Dimension("kv_cache_miss_ratio", lambda m: m.kv_cache_miss_ratio, 0.18, 0.27),
-    Dimension("cpu_preproc_p95_ms", lambda m: m.cpu_preproc_p95_ms, 120.0, 0.21),
-    Dimension("nvlink_util_ratio", lambda m: m.nvlink_util_ratio, 0.82, 0.20),
+    Dimension("gpu_mem_frag_ratio", attrgetter("gpu_mem_frag_ratio"), 0.45, 0.32),
+    Dimension("kv_cache_miss_ratio", attrgetter("kv_cache_miss_ratio"), 0.18, 0.27),
+    Dimension("cpu_preproc_p95_ms", attrgetter("cpu_preproc_p95_ms"), 120.0, 0.21),
+    Dimension("nvlink_util_ratio", attrgetter("nvlink_util_ratio"), 0.82, 0.20),
     # Host dimensions (not in the design article): weighted below every GPU/engine dimension.
-    Dimension("cpu_util_ratio", lambda m: m.cpu_util_ratio, 0.90, 0.10),
+    Dimension("cpu_util_ratio", attrgetter("cpu_util_ratio"), 0.90, 0.10),
     Dimension("mem_util_ratio", _mem_util, 0.90, 0.10),
 )
 
@@ -46,20 +43,27 @@ class Health:
     dimensions: tuple[str, ...]
 
 
+_DIMENSION_ROWS = tuple((d.name, d.read, d.alarm, d.weight) for d in DIMENSIONS)
+
+
 def health(metrics: NodeMetrics) -> Health:
-    """Weighted mean of the present dimensions' scores; 1.0 when none is present."""
+    """Weighted mean of the present dimensions' scores, 1.0 when none is present. A dimension scores 1.0 when
+    idle, 0.5 at its alarm threshold and 0.0 from twice the threshold (written inline: the brain scores every
+    vector it takes)."""
     total_weight = 0.0
     weighted = 0.0
     alarms: list[str] = []
     present: list[str] = []
-    for dim in DIMENSIONS:
-        value = dim.read(metrics)
+    for name, read, alarm, weight in _DIMENSION_ROWS:
+        value = read(metrics)
         if value is None:
             continue
-        present.append(dim.name)
-        total_weight += dim.weight
-        weighted += dim.weight * dim.score(value)
-        if value > dim.alarm:
-            alarms.append(dim.name)
+        present.append(name)
+        total_weight += weight
+        score = 1.0 - 0.5 * value / alarm
+        if score > 0.0:
+            weighted += weight * score
+        if value > alarm:
+            alarms.append(name)
     score = weighted / total_weight if total_weight else 1.0
     return Health(score=score, alarms=tuple(alarms), dimensions=tuple(present))
