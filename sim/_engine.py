@@ -2,7 +2,11 @@
 
 This is an emulator, not an inference engine: it generates placeholder tokens. It speaks the interfaces Prism
 reads from a real vLLM V1 server: `/v1/chat/completions` (streaming SSE or JSON), `/metrics` (vLLM V1 names)
-and optionally KV events over ZeroMQ (vLLM's frames). The model is described in `docs/sim.md`.
+and optionally KV events over ZeroMQ (vLLM's frames). It also answers what other routers need from a vLLM
+worker, in vLLM's shapes, so they can be run against it (`bench/live_routers.py`): `GET /health` (the SGLang
+gateway registers no worker without it), `POST /tokenize` and `POST /v1/chat/completions/render` (the vLLM
+router's cache-aware policies tokenize each request on the workers), and `max_completion_tokens` beside
+`max_tokens`. The model is described in `docs/sim.md`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from ._spans import EngineSpans
 BLOCK_SIZE_TOKENS = KV_BLOCK_TOKENS
 CHARS_PER_TOKEN = 4
 MODEL_NAME = "prism-emulated-8b"
+MAX_MODEL_LEN = 131_072
+"""The context length `/tokenize` reports (an 8B Llama-class model's)."""
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
 _PART_MODALITY: dict[str, Modality] = {
@@ -59,6 +65,8 @@ class _BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockStore
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    """Always sent, null without a LoRA, as vLLM does: the vLLM router rejects a batch whose BlockStored lacks it."""
 
 
 class _BlockRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockRemoved"):
@@ -257,7 +265,7 @@ class EmulatedEngine:
             hit = len(job.blocks) - len(new)
             parent = job.blocks[hit - 1] if hit else None
             tokens = stream.tokens[hit * BLOCK_SIZE_TOKENS : len(job.blocks) * BLOCK_SIZE_TOKENS]
-            events.append(_BlockStored(list(new), parent, tokens, BLOCK_SIZE_TOKENS, None, "GPU"))
+            events.append(_BlockStored(list(new), parent, tokens, BLOCK_SIZE_TOKENS, None, "GPU", None))
         stored.clear()
         removed.clear()
         payload = msgspec.msgpack.encode(_KVEventBatch(time.time(), events))
@@ -304,6 +312,18 @@ def _content(messages: Any) -> tuple[str, Mapping[str, int]]:
     return "\n".join(texts), parts
 
 
+def _max_tokens(request: Mapping[str, Any]) -> int:
+    """The output length asked for: `max_completion_tokens` (OpenAI's current name, which the SGLang gateway
+    sends) before `max_tokens`, as vLLM reads them; 16 when neither is set."""
+    value = request.get("max_completion_tokens")
+    if value is None:
+        value = request.get("max_tokens")
+    max_tokens = int(value or 16)
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
+    return max_tokens
+
+
 def _usage(stream: _Stream) -> dict[str, Any]:
     job = stream.job
     return {
@@ -323,7 +343,11 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
             """Quiet: the emulator does not log each request."""
 
         def do_GET(self) -> None:
-            if self.path.split("?")[0] != "/metrics":
+            path = self.path.split("?")[0]
+            if path == "/health":
+                self._empty(200)
+                return
+            if path != "/metrics":
                 self._json(404, {"error": {"message": "not found"}})
                 return
             body = generate_latest(engine.metrics.registry)
@@ -334,20 +358,72 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
         def do_POST(self) -> None:
-            if self.path != "/v1/chat/completions":
-                self._json(404, {"error": {"message": "not found"}})
-                return
+            # The body is read whatever the path: a reply before it would leave its bytes on a keep-alive
+            # connection, to be parsed as the next request.
             length = int(self.headers.get("Content-Length") or 0)
             if length > MAX_BODY_BYTES:
+                self.close_connection = True
                 self._json(413, {"error": {"message": "body too large"}})
                 return
+            raw = self.rfile.read(length)
+            path = self.path.split("?")[0]
+            if path == "/v1/chat/completions":
+                self._chat(raw)
+            elif path == "/tokenize":
+                self._tokenize(raw)
+            elif path == "/v1/chat/completions/render":
+                self._render(raw)
+            else:
+                self._json(404, {"error": {"message": "not found"}})
+
+        def _tokenize(self, raw: bytes) -> None:
+            """vLLM's `/tokenize`: a `prompt` or chat `messages` to the emulated tokenizer's ids."""
             try:
-                request = json.loads(self.rfile.read(length))
+                request = json.loads(raw)
+                if "messages" in request:
+                    text, _ = _content(request["messages"])
+                elif isinstance(request.get("prompt"), str):
+                    text = request["prompt"]
+                else:
+                    raise ValueError("either prompt (a string) or messages is required")
+            except (ValueError, AttributeError, TypeError) as exc:
+                self._json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+                return
+            tokens = prompt_tokens(text)
+            answer = {"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens, "token_strs": None}
+            self._json(200, answer)
+
+        def _render(self, raw: bytes) -> None:
+            """vLLM's `/v1/chat/completions/render`: the chat request as the generate request it becomes, its
+            prompt as token ids (the same ids the KV events carry), nothing run."""
+            try:
+                request = json.loads(raw)
+                text, _ = _content(request.get("messages"))
+                max_tokens = _max_tokens(request)
+            except (ValueError, AttributeError, TypeError) as exc:
+                self._json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+                return
+            self._json(
+                200,
+                {
+                    "request_id": f"chatcmpl-{uuid.uuid4().hex}",
+                    "token_ids": prompt_tokens(text),
+                    "features": None,
+                    "sampling_params": {"max_tokens": max_tokens},
+                    "model": request.get("model") or MODEL_NAME,
+                    "stream": bool(request.get("stream")),
+                    "stream_options": request.get("stream_options"),
+                    "cache_salt": None,
+                    "priority": 0,
+                    "kv_transfer_params": None,
+                },
+            )
+
+        def _chat(self, raw: bytes) -> None:
+            try:
+                request = json.loads(raw)
                 text, parts = _content(request.get("messages"))
-                max_tokens = int(request.get("max_tokens") or 16)
-                if max_tokens < 1:
-                    raise ValueError("max_tokens must be at least 1")
-                seq = engine.submit(text, parts, max_tokens)
+                seq = engine.submit(text, parts, _max_tokens(request))
             except (ValueError, AttributeError, TypeError) as exc:
                 self._json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
                 return
@@ -415,6 +491,11 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
                     local=self.connection.getsockname(),
                     media=parts,
                 )
+
+        def _empty(self, status: int) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
 
         def _json(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
             data = json.dumps(body).encode()

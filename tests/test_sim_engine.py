@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 from collections.abc import Iterator
@@ -9,7 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
+import zmq
 
 from prismlb.agent._engine import EngineCollector
 from prismlb.agent._kv_events import KvEventSubscriber
@@ -136,3 +139,100 @@ def test_concurrent_requests_are_batched(engine: EmulatedEngine) -> None:
     together = time.monotonic() - start
     assert all(a.status_code == 200 for a in answers)
     assert together < 2 * single < 8 * single
+
+
+# --- what other routers need from a vLLM worker (bench/live_routers.py runs them against the emulator) ---
+
+
+def test_health_answers_as_vllm_and_unknown_paths_404(engine: EmulatedEngine) -> None:
+    health = httpx.get(engine.url + "/health", timeout=10)
+    assert health.status_code == 200 and health.content == b""
+    for probe in ("/server_info", "/model_info", "/get_server_info", "/get_model_info"):
+        assert httpx.get(engine.url + probe, timeout=10).status_code == 404
+
+
+def test_tokenize_answers_as_vllm(engine: EmulatedEngine) -> None:
+    text = "a prompt of some length " * 5
+    by_prompt = httpx.post(engine.url + "/tokenize", json={"model": "m", "prompt": text}, timeout=10).json()
+    assert by_prompt == {"count": 30, "max_model_len": 131_072, "tokens": prompt_tokens(text), "token_strs": None}
+    by_messages = httpx.post(engine.url + "/tokenize", json={"messages": [{"role": "user", "content": text}]}, timeout=10)
+    assert by_messages.json()["tokens"] == prompt_tokens(text)
+    assert httpx.post(engine.url + "/tokenize", json={"model": "m"}, timeout=10).status_code == 400
+
+
+def test_render_gives_the_token_ids_the_kv_events_carry() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    text = "the same system prompt " * 40
+    with EmulatedEngine("a100", kv_events_endpoint=endpoint, time_scale=SCALE) as e:
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 3000)
+        sub.connect(endpoint)
+        try:
+            time.sleep(0.3)  # the SUB socket joins
+            payload = {**body(text, 5, stream=True), "stream_options": {"include_usage": True}}
+            rendered = httpx.post(e.url + "/v1/chat/completions/render", json=payload, timeout=10).json()
+            httpx.post(e.url + "/v1/chat/completions", json=body(text, 1), timeout=10)
+            _, _, frame = sub.recv_multipart()
+        finally:
+            sub.close(linger=0)
+    assert rendered["token_ids"] == prompt_tokens(text)
+    assert rendered["sampling_params"]["max_tokens"] == 5
+    assert rendered["model"] == "m" and rendered["stream"] is True and rendered["features"] is None
+    assert rendered["request_id"].startswith("chatcmpl-")
+    stored = msgspec.msgpack.decode(frame)[1][0]
+    assert stored["type"] == "BlockStored"
+    assert stored["token_ids"] == rendered["token_ids"][: len(stored["block_hashes"]) * 16]
+
+
+def test_block_stored_carries_lora_name_and_the_agent_still_accepts_it() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with EmulatedEngine("h100", kv_events_endpoint=endpoint, time_scale=SCALE) as e:
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 3000)
+        sub.connect(endpoint)
+        try:
+            with KvEventSubscriber(endpoint) as subscriber:
+                subscriber.start()
+                time.sleep(0.3)
+                httpx.post(e.url + "/v1/chat/completions", json=body("a shared prefix " * 30, 1), timeout=10)
+                _, _, frame = sub.recv_multipart()
+                deadline = time.monotonic() + 3
+                while subscriber.stats().blocks == 0 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                blocks = subscriber.stats().blocks
+                failures = subscriber.failures.counts()
+        finally:
+            sub.close(linger=0)
+    stored = msgspec.msgpack.decode(frame)[1][0]
+    assert "lora_name" in stored and stored["lora_name"] is None
+    assert blocks == len(stored["block_hashes"]) > 0
+    assert not failures
+
+
+def test_max_completion_tokens_is_read_before_max_tokens(engine: EmulatedEngine) -> None:
+    url = engine.url + "/v1/chat/completions"
+    messages = [{"role": "user", "content": "hi"}]
+    newer = httpx.post(url, json={"messages": messages, "max_completion_tokens": 3}, timeout=10).json()
+    both = httpx.post(url, json={"messages": messages, "max_completion_tokens": 2, "max_tokens": 7}, timeout=10).json()
+    assert newer["usage"]["completion_tokens"] == 3
+    assert both["usage"]["completion_tokens"] == 2
+
+
+def test_404_leaves_a_keep_alive_connection_usable(engine: EmulatedEngine) -> None:
+    host, port = engine.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("POST", "/v1/not-served", body=json.dumps(body("x" * 2000)), headers={"Content-Type": "application/json"})
+        missing = conn.getresponse()
+        missing.read()
+        sock = conn.sock
+        conn.request("POST", "/tokenize", body=json.dumps({"prompt": "abcdefgh"}), headers={"Content-Type": "application/json"})
+        after = conn.getresponse()
+        answer = json.loads(after.read())
+        assert conn.sock is sock  # the same connection carried both requests
+    finally:
+        conn.close()
+    assert missing.status == 404
+    assert after.status == 200 and answer["count"] == 2
