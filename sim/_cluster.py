@@ -25,7 +25,7 @@ from prismlb.brain import TAU0_MS
 from prismlb.wire import ENGINE_LATENCY_KEY, ModalityLatency, NodeMetrics, NodeVector, Slice, parse_signature
 
 from ._model import PROFILES, EngineModel, Event, GpuClass, Job
-from ._types import EngineStats, Outcome, Policy, RunResult, SimNode, SimRequest, SliceStats, Workload
+from ._types import EngineStats, KvEvent, Outcome, Policy, RunResult, SimNode, SimRequest, SliceStats, Workload
 
 MAX_ATTEMPTS = 4
 LATENCY_WINDOW_S = 5.0
@@ -33,6 +33,10 @@ TIMELINE_WINDOW_S = 10.0
 RECOVERY_WINDOW_S = 1.0
 CONNECT_REFUSED_S = 0.001
 """A refused connect costs the caller a loopback round trip before it tries the next node."""
+KV_EVENT_DELAY_S = 0.05
+"""From a cache change to its KV event at a subscriber: vLLM takes the events at the end of the engine step
+that made them (tens of milliseconds with a busy batch) and publishes them on ZeroMQ, which a router reads
+directly or through a relay (Dynamo's NATS). The replay has no engine steps, so one busy step's worth."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +161,10 @@ class _View:
         self._nodes = nodes
         self.nodes = [n.info for n in nodes.values()]
         self.pending: list[NodeVector] = []
+        self.now = 0.0
+        """The simulated time of the policy's current `start` or `tick`."""
+        self.kv_subscribed = False
+        self.kv_pending: deque[KvEvent] = deque()
 
     def stats(self, name: str) -> EngineStats | None:
         node = self._nodes.get(name)
@@ -164,6 +172,15 @@ class _View:
 
     def vectors(self) -> list[NodeVector]:
         out, self.pending = self.pending, []
+        return out
+
+    def kv_events(self) -> list[KvEvent]:
+        """Batches published at least `KV_EVENT_DELAY_S` ago; the first call subscribes (nothing is kept before,
+        so policies that never subscribe cost nothing)."""
+        self.kv_subscribed = True
+        out: list[KvEvent] = []
+        while self.kv_pending and self.kv_pending[0].time_s <= self.now - KV_EVENT_DELAY_S:
+            out.append(self.kv_pending.popleft())
         return out
 
 
@@ -322,6 +339,8 @@ class Simulation:
                 node.account(t, -1)
                 self.policy.finished(node.spec.name, attempt.request, t, Outcome.OK)
                 done += 1
+        if self.view.kv_subscribed and (node.model.stored or node.model.removed):
+            self._publish(node, now)
         node.model.stored.clear()
         node.model.removed.clear()
         due = node.model.next_event_s()
@@ -330,7 +349,18 @@ class Simulation:
             self._push(due, "wake", node.spec.name)
         return done
 
+    def _publish(self, node: _Node, now: float) -> None:
+        """Queue the node's cache changes since its last batch as one KV event batch. The model lists evictions
+        and admissions apart, so a block evicted and cached again (or cached and evicted) within the batch is
+        reported by where it ended up: removals first, then what is still cached."""
+        m = node.model
+        removed = tuple(dict.fromkeys(b for b in m.removed if not m.cached(b)))
+        stored = tuple(dict.fromkeys(b for _, blocks in m.stored for b in blocks if m.cached(b)))
+        if removed or stored:
+            self.view.kv_pending.append(KvEvent(node.spec.name, now, removed, stored))
+
     def _tick(self, now: float, _: object) -> int:
+        self.view.now = now
         self.policy.tick(self.view, now)
         self._push(now + self.policy.tick_s, "tick")
         return 0

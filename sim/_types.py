@@ -74,6 +74,18 @@ class SimNode:
     numa_node: int
 
 
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    """One node's KV-cache changes as a KV-event subscriber receives them (vLLM's `BlockStored` and
+    `BlockRemoved` over ZeroMQ): the block ids it evicted, then those it cached, since its previous batch."""
+
+    node: str
+    time_s: float
+    """When the engine published the batch (its delivery comes `KV_EVENT_DELAY_S` later)."""
+    removed: tuple[int, ...]
+    stored: tuple[int, ...]
+
+
 class ClusterView(Protocol):
     """What a policy may read about the cluster, at the simulated time of the call."""
 
@@ -85,6 +97,11 @@ class ClusterView(Protocol):
 
     def vectors(self) -> Sequence[NodeVector]:
         """Node vectors the nodes' agents sent since the last call (Prism's path; dead nodes send none)."""
+
+    def kv_events(self) -> Sequence[KvEvent]:
+        """KV-event batches delivered since the last call, oldest first (the path of routers that subscribe to
+        the engines' events). Like a ZeroMQ subscriber, a policy sees only what was published after its first
+        call, which is best made in `start`."""
 
 
 class Policy(ABC):

@@ -8,14 +8,16 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from prismlb.sim._types import EngineStats, Outcome, Policy, SimNode, SimRequest
+from prismlb.sim._types import ClusterView, EngineStats, KvEvent, Outcome, Policy, SimNode, SimRequest, Workload
 from prismlb.sim.policies import (
     BASELINES,
+    DynamoKvRouter,
     LeastConnections,
     LLMDScorer,
     NginxConsistentHash,
     RoundRobin,
     SGLangCacheAware,
+    VllmKvAware,
 )
 from prismlb.sim.policies._llmd import PrefixIndex
 from prismlb.sim.policies._nginx_hash import ring_points
@@ -368,3 +370,154 @@ def test_llmd_keeps_stale_metrics_and_drops_a_pod_when_readiness_fails_three_tim
     view.dead.clear()
     policy.tick(view, 35.0)
     assert "b" in policy.ready
+
+
+# --- Dynamo KV router, vLLM router kv_aware -------------------------------------------------------------------
+
+
+class EventView(FakeView):
+    """A FakeView whose nodes' KV events are handed out by `kv_events` as the test queues them."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        super().__init__(names)
+        self.events: list[KvEvent] = []
+
+    def kv_events(self) -> list[KvEvent]:
+        out, self.events = self.events, []
+        return out
+
+    def store(self, node: str, *blocks: int) -> None:
+        self.events.append(KvEvent(node, 0.0, (), blocks))
+
+
+def events_started(policy: Policy, names: Sequence[str] = ("a", "b", "c")) -> tuple[Policy, EventView]:
+    view = EventView(names)
+    policy.start(view, 0.0)
+    return policy, view
+
+
+def test_dynamo_cost_is_weighted_prefill_blocks_plus_decode_blocks_and_the_lowest_wins() -> None:
+    policy, view = events_started(DynamoKvRouter(block_tokens=512))
+    assert isinstance(policy, DynamoKvRouter)
+    view.store("a", 1, 2, 3)
+    view.store("b", 1)
+    policy.tick(view, 0.05)
+    busy = req(100, (50, 51))  # 1024 prompt tokens, none cached on b: 2 prefill blocks, 2 active blocks
+    policy.dispatched("b", busy, 0.05)
+    request = req(1, (1, 2, 3, 4))  # 2048 prompt tokens
+    # a: 3 blocks cached -> (2048 - 3 * 512) / 512 = 1 prefill block; 0 active + 4 new decode blocks -> 5
+    # b: 1 block cached -> (1024 + 2048 - 512) / 512 = 5 prefill blocks; 2 active + 4 new -> 11
+    # c: nothing cached -> 2048 / 512 = 4 prefill blocks; 4 new decode blocks -> 8
+    assert policy.logits(request, ["a", "b", "c"]) == {"a": 5.0, "b": 11.0, "c": 8.0}
+    assert policy.choose(request, 0.1, frozenset()) == "a"
+    assert policy.choose(request, 0.1, frozenset({"a"})) == "c"
+    policy.first_token("b", busy, 0.2)  # prefill done: b keeps its decode blocks only
+    assert policy.logits(request, ["b"]) == {"b": 3.0 + 6.0}
+    heavy = DynamoKvRouter(block_tokens=512, overlap_score_weight=0.0)
+    heavy.start(view, 0.0)
+    heavy.dispatched("a", req(101, (60, 61, 62)), 0.0)  # weight 0: decode blocks alone, a has 3 more
+    assert heavy.logits(request, ["a", "c"]) == {"a": 7.0, "c": 4.0}
+
+
+def test_dynamo_index_follows_stored_and_removed_events_and_ties_go_to_the_smallest_tree() -> None:
+    policy, view = events_started(DynamoKvRouter(block_tokens=512))
+    assert isinstance(policy, DynamoKvRouter)
+    view.store("a", 7, 8)
+    view.store("b", 7, 8)
+    view.store("b", 30)
+    policy.tick(view, 0.05)
+    assert policy.index.overlap((7, 8, 9)) == {"a": 2, "b": 2}
+    assert policy.choose(req(1, (7, 8)), 0.1, frozenset()) == "a"  # a and b cost 2, a's tree is smaller
+    view.events.append(KvEvent("a", 0.1, (8,), ()))
+    policy.tick(view, 0.15)
+    assert policy.index.overlap((7, 8)) == {"a": 1, "b": 2}
+    assert policy.choose(req(2, (7, 8)), 0.2, frozenset()) == "b"
+
+
+def test_dynamo_temperature_draws_by_softmax_of_the_negated_cost_deterministically_per_seed() -> None:
+    def draws(seed: int, temperature: float) -> list[str]:
+        policy, view = events_started(DynamoKvRouter(block_tokens=512, temperature=temperature, seed=seed))
+        view.store("a", 1, 2, 3)
+        view.store("b", 1)
+        policy.tick(view, 0.05)
+        policy.dispatched("b", req(100, (50, 51)), 0.05)
+        return [policy.choose(req(1, (1, 2, 3, 4)), 0.1, frozenset()) for _ in range(2000)]
+
+    assert set(draws(0, 0.0)) == {"a"}
+    first = draws(7, 1.0)
+    assert first == draws(7, 1.0) and first != draws(8, 1.0)
+    counts = Counter(first)
+    # costs 5, 11, 8 over a range of 6: weights e^0, e^-1, e^-0.5 -> 0.50, 0.19, 0.31
+    assert counts["a"] / 2000 == pytest.approx(0.50, abs=0.04)
+    assert counts["b"] / 2000 == pytest.approx(0.19, abs=0.04)
+    assert counts["c"] / 2000 == pytest.approx(0.31, abs=0.04)
+
+
+def test_dynamo_drops_a_worker_that_refuses_until_discovery_lists_it_again() -> None:
+    policy, view = events_started(DynamoKvRouter(block_tokens=512))
+    assert isinstance(policy, DynamoKvRouter)
+    view.store("a", 1, 2)
+    policy.tick(view, 0.05)
+    view.dead.add("a")
+    tried = send(policy, view, req(1, (1, 2)), 0.1)
+    assert tried[0] == "a" and tried[1] in {"b", "c"}  # a refused; b and c tie (empty trees): a seeded draw
+    assert "a" not in policy.up and policy.index.overlap((1, 2)) == {}
+    assert "a" not in send(policy, view, req(2, (1, 2)), 0.2)
+    view.dead.clear()
+    policy.tick(view, 0.25)
+    assert "a" in policy.up
+
+
+def test_vllm_kv_aware_picks_the_longest_gapless_prefix_the_last_of_ties() -> None:
+    policy, view = events_started(VllmKvAware(), ("a", "b", "c", "d"))
+    assert isinstance(policy, VllmKvAware)
+    view.store("a", 1, 2)
+    view.store("b", 1, 3)  # gap at block 2: score 1
+    view.store("c", 1, 2)
+    view.store("d", 2, 3)  # misses the first block: no score
+    policy.tick(view, 0.05)
+    assert policy.index.scores((1, 2, 3), 0.1) == {"a": 2, "b": 1, "c": 2}
+    assert policy.choose(req(1, (1, 2, 3)), 0.1, frozenset()) == "c"  # a and c tie: Rust's max_by_key, the last
+    assert policy.choose(req(2, (1, 2, 3, 4)), 0.2, frozenset()) == "c"  # c speculatively holds block 3 now
+    assert policy.choose(req(3, (1, 2)), 0.3, frozenset({"c"})) == "a"
+
+
+def test_vllm_kv_aware_falls_back_to_least_load_and_speculates_for_two_seconds() -> None:
+    policy, view = events_started(VllmKvAware(), ("a", "b", "c", "d"))
+    policy.tick(view, 0.0)
+    send(policy, view, req(100, (500,)), 0.0, keep=True)  # a: one in flight (least load, first of ties)
+    assert send(policy, view, req(1, (9, 10)), 0.0) == ["b"]  # nothing cached: least loaded, first of ties
+    assert send(policy, view, req(2, (9, 10, 11)), 1.0, keep=True) == ["b"]  # speculative (9, 10) on b
+    assert send(policy, view, req(3, (9, 10)), 2.5) == ["c"]  # expired after 2 s; a and b are busy
+    view.store("d", 9, 10)
+    policy.tick(view, 2.55)
+    assert [send(policy, view, req(4 + i, (9,)), 10.0 + i)[0] for i in range(2)] == ["d", "d"]  # real: no TTL
+
+
+def test_kv_routers_run_in_a_replay_with_a_kill_and_receive_delayed_events() -> None:
+    from prismlb.sim._cluster import KV_EVENT_DELAY_S, Kill, NodeSpec, Simulation
+    from prismlb.sim._eval import Case, run_case
+
+    for name in ("dynamo-kv", "vllm-kv-aware"):
+        result = run_case(Case("mooncake", name, 0.8, 1, 300, kill=True))
+        assert result.policy == name and result.killed_node == "a100-3"
+        assert result.completed >= 290 and result.kv_hit_rate > 0.0
+
+    delivered: list[tuple[float, KvEvent]] = []
+
+    class Recording(DynamoKvRouter):
+        def tick(self, view: ClusterView, now: float) -> None:
+            events = view.kv_events()
+            delivered.extend((now, e) for e in events)
+            for event in events:
+                self.index.removed(event.node, event.removed)
+                self.index.stored(event.node, event.stored)
+
+    requests = [SimRequest(i, i * 0.2, 2048, 4, (1, 2, 3, 10 + i)) for i in range(40)]
+    nodes = [NodeSpec(f"n{i}", "a100") for i in range(3)]
+    policy = Recording(block_tokens=512)
+    Simulation(Workload("shared", requests, 512, "test"), policy, nodes, utilisation=0.5, seed=0, kill=Kill("n1")).run()
+    assert delivered and all(now >= e.time_s + KV_EVENT_DELAY_S - 1e-9 for now, e in delivered)
+    holders = policy.index.overlap((1, 2, 3))
+    assert holders and "n1" not in {e.node for _, e in delivered if e.time_s > 4.0}
+    assert sum(len(e.stored) for _, e in delivered) >= 40  # every request's own last block was cached somewhere

@@ -3,11 +3,13 @@
 from collections.abc import Callable
 
 from .._types import Policy
+from ._dynamo import DynamoKvRouter
 from ._least_conn import LeastConnections
 from ._llmd import CHART_WEIGHTS, LLMDScorer
 from ._nginx_hash import NginxConsistentHash
 from ._round_robin import RoundRobin
 from ._sglang import SGLangCacheAware
+from ._vllm_router import VllmKvAware
 
 BASELINES: dict[str, Callable[[], Policy]] = {
     "round-robin": RoundRobin,
@@ -19,4 +21,13 @@ BASELINES: dict[str, Callable[[], Policy]] = {
 }
 """Each baseline's factory by its name (the policy's `name`), with its source's defaults."""
 
-__all__ = ["BASELINES", "LLMDScorer", "LeastConnections", "NginxConsistentHash", "RoundRobin", "SGLangCacheAware"]
+__all__ = [
+    "BASELINES",
+    "DynamoKvRouter",
+    "LLMDScorer",
+    "LeastConnections",
+    "NginxConsistentHash",
+    "RoundRobin",
+    "SGLangCacheAware",
+    "VllmKvAware",
+]
