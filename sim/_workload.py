@@ -40,6 +40,8 @@ IMAGE_TOKENS_MAX = 1280
 """The largest per-image token count in mm-image: Qwen2-VL's default cap (max_pixels 1280 × 28 × 28)."""
 AUDIO_TOKENS_PER_CLIP = 1500
 """Whisper's encoder: a 30 s clip gives 1500 frames (50 per second)."""
+AUDIO_CLIP_MS = 30_000
+"""Whisper's window: the longest clip one encoder pass takes (`AUDIO_TOKENS_PER_CLIP` frames)."""
 VIDEO_FRAMES = (4, 8)
 """Frames per derived video, uniform and inclusive; each frame costs one sampled image's tokens."""
 
@@ -63,16 +65,15 @@ class _Client:
 
 
 def mooncake_conversation(limit: int | None = None) -> Workload:
-    """Mooncake's conversation trace (FAST'25) with its 512-token prefix blocks; no session ids."""
+    """Mooncake's conversation trace (FAST'25) with its 512-token prefix blocks; no session ids.
+
+    It goes through the loader of `prism eval --trace` files, so the format those files follow is the one this
+    trace is read by."""
+    from ._tracefile import load_trace  # imported here: the loader builds on this module's constants and rules
+
     path = traces_dir() / _MOONCAKE
-    with path.open() as f:
-        rows = [json.loads(line) for line in itertools.islice(f, limit)]
-    requests = [
-        SimRequest(0, r["timestamp"] / 1000, max(1, r["input_length"]), max(1, r["output_length"]), (*r["hash_ids"],))
-        for r in rows
-    ]
     source = f"kvcache-ai/Mooncake FAST25-release/traces/{path.name}; hash_ids as blocks, no session ids"
-    return Workload("mooncake", _ordered(requests), BLOCK_TOKENS, source)
+    return replace(load_trace(path, limit=limit), name="mooncake", source=source)
 
 
 def azure(kind: Literal["code", "conv"], limit: int | None = None) -> Workload:
@@ -153,6 +154,12 @@ def infinite_cache_hit_rate(workload: Workload) -> float:
         seen.update(r.blocks)
         total += r.input_tokens
     return hits / total if total else 0.0
+
+
+def audio_tokens(audio_ms: float) -> int:
+    """Prompt tokens of an audio clip: Whisper's encoder frames at 50 per second (`AUDIO_TOKENS_PER_CLIP` per
+    `AUDIO_CLIP_MS`), at least one; the one rule for derived (ServeGen) and given (trace file) audio lengths."""
+    return max(1, round(audio_ms * AUDIO_TOKENS_PER_CLIP / AUDIO_CLIP_MS))
 
 
 def _ordered(requests: list[SimRequest]) -> list[SimRequest]:
@@ -313,7 +320,7 @@ def _modality(images: int, image_tokens: int, u: float, probe: int, frames: int)
     if images == 0:
         return "text", {}, 0
     if u < MM_AUDIO_SHARE:
-        return "audio+text", {"audio": 1}, max(1, round(probe * AUDIO_TOKENS_PER_CLIP / IMAGE_TOKENS_MAX))
+        return "audio+text", {"audio": 1}, audio_tokens(AUDIO_CLIP_MS * probe / IMAGE_TOKENS_MAX)
     if u < MM_AUDIO_SHARE + MM_VIDEO_SHARE:
         return "video+text", {"video": 1}, frames * probe
     return "image+text", {"image": images}, image_tokens
