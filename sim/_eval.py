@@ -24,6 +24,7 @@ from pathlib import Path
 from prismlb.router import Settings
 
 from ._cluster import Kill, NodeSpec, Simulation
+from ._families import family_workload
 from ._model import PROFILES
 from ._types import Policy, RunResult, Workload
 from ._workload import LEVELS, WORKLOADS, infinite_cache_hit_rate, load, scale_to_utilisation
@@ -38,8 +39,10 @@ MM_CLUSTER = (
 )
 
 
-def cluster_for(trace: str) -> tuple[NodeSpec, ...]:
-    return MM_CLUSTER if trace == "mm" else TEXT_CLUSTER
+def cluster_for(trace: str, workload: Workload | None = None) -> tuple[NodeSpec, ...]:
+    """The multimodal pools for `mm` and for a workload that carries media; the text pool otherwise."""
+    has_media = workload is not None and any(r.media for r in workload.requests)
+    return MM_CLUSTER if trace == "mm" or has_media else TEXT_CLUSTER
 
 
 def capacity(nodes: Sequence[NodeSpec]) -> tuple[float, dict[str, float]]:
@@ -87,7 +90,8 @@ class Case:
 
 @lru_cache(maxsize=8)
 def _workload(trace: str, seed: int, limit: int | None) -> tuple[Workload, float]:
-    workload = load(trace, seed=seed, limit=limit)
+    """A shared trace by name, or a workload family by `NAME[:seed]` (`--workload`, its own seed)."""
+    workload = load(trace, seed=seed, limit=limit) if trace in WORKLOADS else family_workload(trace, limit)
     return workload, infinite_cache_hit_rate(workload)
 
 
@@ -98,7 +102,7 @@ def run_case(case: Case) -> RunResult:
     torch.set_num_threads(1)
     logging.getLogger("prism").setLevel(logging.ERROR)
     workload, bound = _workload(case.trace, case.seed, case.limit)
-    nodes = cluster_for(case.trace)
+    nodes = cluster_for(case.trace, workload)
     tokens, media = capacity(nodes)
     scaled = scale_to_utilisation(workload, case.utilisation, tokens, encoder_s_per_media=media)
     policy = policy_factories(workload.block_tokens)[case.policy]()
@@ -170,6 +174,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--limit", type=_limit, default=None, help="requests per trace, at least 10 (default: whole trace; mm: 6000)"
     )
+    parser.add_argument(
+        "--workload",
+        action="append",
+        metavar="NAME[:SEED]",
+        help="a workload family (sim/_families.py), repeatable; the traces then run only if --traces names them",
+    )
     parser.add_argument("--no-kill", action="store_true", help="skip the node-kill runs")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=Path("docs/results"), help="where the report goes")
@@ -184,6 +194,15 @@ def _run(args: argparse.Namespace) -> int:
     unknown = sorted(set(traces) - set(WORKLOADS))
     if unknown:
         raise SystemExit(f"prism eval: unknown traces {unknown}; known: {', '.join(WORKLOADS)}")
+    if args.workload:
+        traces = [] if args.traces == ",".join(WORKLOADS) else traces
+        for spec in args.workload:
+            try:
+                workload, bound = _workload(spec, args.seed, args.limit)
+            except ValueError as e:
+                raise SystemExit(f"prism eval: {e}") from None
+            print(f"{workload.name}: {len(workload.requests)} requests, prefix-hit bound {bound:.3f}")
+        traces += args.workload
     known = list(policy_factories(1))
     policies = known if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
     if set(policies) - set(known):
@@ -228,4 +247,5 @@ def _argv_echo(args: argparse.Namespace) -> list[str]:
         out.append(f"--limit {args.limit}")
     if args.no_kill:
         out.append("--no-kill")
+    out += [f"--workload {spec}" for spec in args.workload or ()]
     return out

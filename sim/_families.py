@@ -1,0 +1,415 @@
+"""Seeded workload families: the shapes production traffic has and the shared traces lack.
+
+The shared traces give one conversation trace with prefix blocks (Mooncake), two without (Azure) and one
+multimodal mix (ServeGen); none has tenants with their own system prompts, sessions with ids, agent loops,
+retrieval chunks, audio or video of its own, nor a controlled arrival process. Each preset here builds one
+such shape from a seed, so a policy can be measured on it; the same name and seed give the same requests.
+Distributions, parameters and their sources are in docs/sim-workloads.md ("Workload families").
+
+Prompts are built as sequences of content pieces (system prompt, user message, answer, chunk, tool result);
+`_Chain` cuts them into 512-token blocks and gives each block an id from its parent's id and its content,
+as an engine's prefix cache hashes them, so prompts share block ids exactly as far as they share a prefix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from ._types import SimRequest, Workload
+from ._workload import (
+    AUDIO_CLIP_MS,
+    BLOCK_TOKENS,
+    IMAGE_TOKENS_MAX,
+    VIDEO_FRAMES,
+    _ordered,
+    audio_tokens,
+    infinite_cache_hit_rate,
+)
+
+DEFAULT_REQUESTS = 4000
+"""Requests per preset: enough for per-slice P99s, small enough for a full `prism eval` pass."""
+CONTEXT_MAX_TOKENS = 32_768
+"""A conversation ends when its next prompt would exceed a 32K context window."""
+AGENT_CONTEXT_MAX_TOKENS = 131_072
+"""Agent loops run on long-context models (128K): a task ends when its next prompt would exceed it."""
+
+_Piece = tuple[Hashable, int]
+"""A piece of prompt text: (content id, tokens). Equal content ids are identical text."""
+
+
+class _Chain:
+    """Chained prefix-block ids: (parent id, block content) → an id, fresh for each pair never seen before."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, tuple[tuple[Hashable, int, int], ...]], int] = {}
+
+    def blocks(self, pieces: Sequence[_Piece]) -> tuple[int, ...]:
+        """The block ids of a prompt made of `pieces`; the last block holds what is left (may be partial)."""
+        ids: list[int] = []
+        content: list[tuple[Hashable, int, int]] = []
+        room = BLOCK_TOKENS
+        for key, tokens in pieces:
+            offset = 0
+            while offset < tokens:
+                take = min(room, tokens - offset)
+                content.append((key, offset, take))
+                offset += take
+                room -= take
+                if room == 0:
+                    ids.append(self._id(ids[-1] if ids else -1, content))
+                    content, room = [], BLOCK_TOKENS
+        if content:
+            ids.append(self._id(ids[-1] if ids else -1, content))
+        return tuple(ids)
+
+    def _id(self, parent: int, content: list[tuple[Hashable, int, int]]) -> int:
+        return self._ids.setdefault((parent, tuple(content)), len(self._ids))
+
+
+def _lognormal(rng: np.random.Generator, median: float, sigma: float, high: int) -> int:
+    """A token count: log-normal with `median` and shape `sigma`, at least 1 and at most `high`."""
+    return int(min(high, max(1, round(median * math.exp(sigma * rng.standard_normal())))))
+
+
+def _zipf(n: int, s: float) -> np.ndarray:
+    """Cumulative probabilities of ranks 0..n-1 with weight 1 / (rank + 1)^s."""
+    weights = 1.0 / np.arange(1, n + 1) ** s
+    cumulative = np.cumsum(weights)
+    return cumulative / cumulative[-1]
+
+
+def _rank(rng: np.random.Generator, cumulative: np.ndarray) -> int:
+    """One draw of a distribution given by its cumulative probabilities."""
+    return min(int(np.searchsorted(cumulative, rng.random(), side="right")), len(cumulative) - 1)
+
+
+def _request(
+    chain: _Chain,
+    arrival_s: float,
+    pieces: Sequence[_Piece],
+    output: int,
+    *,
+    signature: str = "text",
+    media: Mapping[str, int] | None = None,
+    media_tokens: int = 0,
+    session: str | None = None,
+) -> SimRequest:
+    """A request whose text is `pieces` (blocks cover the text only) plus `media_tokens` of media."""
+    text = sum(tokens for _, tokens in pieces)
+    blocks = chain.blocks(pieces)
+    media = dict(media or {})
+    return SimRequest(0, arrival_s, text + media_tokens, output, blocks, signature, media, media_tokens, session)
+
+
+def _workload(name: str, seed: int, requests: list[SimRequest], how: str) -> Workload:
+    source = f"sim/_families.py {name}, seed {seed}: {how} (docs/sim-workloads.md, Workload families)"
+    return Workload(f"{name}-{seed}", _ordered(requests), BLOCK_TOKENS, source)
+
+
+def _check(requests: int) -> None:
+    if requests <= 0:
+        raise ValueError(f"requests must be positive, not {requests}")
+
+
+# Arrivals
+
+
+def _poisson(rng: np.random.Generator, n: int, rate: float) -> list[float]:
+    """`n` arrival times of a Poisson process at `rate` per second."""
+    return np.cumsum(rng.exponential(1 / rate, n)).tolist()
+
+
+MMPP_RATES = (1.0, 8.0)
+"""Arrival rates (req/s, before scaling) in the quiet and the burst state."""
+MMPP_SOJOURN_S = (120.0, 20.0)
+"""Mean time (s, before scaling) in the quiet and the burst state, exponentially distributed."""
+
+
+def _mmpp(rng: np.random.Generator, n: int) -> list[float]:
+    """`n` arrivals of a two-state Markov-modulated Poisson process starting in the quiet state."""
+    times: list[float] = []
+    start, state = 0.0, 0
+    while len(times) < n:
+        end = start + rng.exponential(MMPP_SOJOURN_S[state])
+        t = start + rng.exponential(1 / MMPP_RATES[state])
+        while t < end and len(times) < n:
+            times.append(t)
+            t += rng.exponential(1 / MMPP_RATES[state])
+        start, state = end, 1 - state
+    return times
+
+
+RAMP_FACTOR = 4.0
+"""The ramp's rate at the end of the run over its rate at the start."""
+
+
+def _ramp(rng: np.random.Generator, n: int) -> list[float]:
+    """`n` arrivals of a Poisson process whose rate rises linearly from 1 to `RAMP_FACTOR` req/s over the run.
+
+    Unit-rate arrivals `u` are mapped through the inverse of the cumulative rate Λ(t) = t + b t² / 2, with `b`
+    such that the rate reaches `RAMP_FACTOR` when Λ = n (the expected time of the last arrival)."""
+    duration = n / ((1 + RAMP_FACTOR) / 2)
+    b = (RAMP_FACTOR - 1) / duration
+    unit = np.cumsum(rng.exponential(1.0, n))
+    return ((np.sqrt(1 + 2 * b * unit) - 1) / b).tolist()
+
+
+CONVERSATION_WARMUP_S = 300.0
+"""Conversations start this long before the window kept, so it opens on a steady mix of old and new ones."""
+
+
+def _conversations(
+    rng: np.random.Generator, n: int, rate: float, conversation: Callable[[int, float], list[SimRequest]]
+) -> list[SimRequest]:
+    """The earliest `n` requests at or after 0 s of conversations starting as a Poisson process at `rate`/s.
+
+    Starts run from `-CONVERSATION_WARMUP_S`: a window cut from steady traffic, where the first requests
+    include later turns of conversations already under way (their earlier turns fall before the window).
+    `conversation(k, start)` gives the k-th conversation's requests; conversations keep starting until the
+    next start comes after the n-th earliest arrival, so no later conversation could add an earlier request."""
+    requests: list[SimRequest] = []
+    start, k = -CONVERSATION_WARMUP_S, 0
+    while True:
+        start += rng.exponential(1 / rate)
+        if len(requests) >= n and start > np.partition([r.arrival_s for r in requests], n - 1)[n - 1]:
+            break
+        requests += (r for r in conversation(k, start) if r.arrival_s >= 0)
+        k += 1
+    return sorted(requests, key=lambda r: r.arrival_s)[:n]
+
+
+# Chat content: tenants, bursty, ramp
+
+TENANTS = 200
+TENANT_ZIPF = 1.0
+"""Zipf exponent of tenant popularity: the 10 busiest of 200 tenants send half the requests."""
+SYSTEM_BLOCKS_MAX = 32
+
+
+class _Tenants:
+    """Tenants with system prompts of 1 to 32 whole blocks (log-uniform), chosen by Zipf popularity."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.popularity = _zipf(TENANTS, TENANT_ZIPF)
+        self.system_blocks = np.floor(np.exp(rng.uniform(0, math.log(SYSTEM_BLOCKS_MAX + 1), TENANTS))).astype(int)
+
+    def request(self, rng: np.random.Generator, chain: _Chain, i: int, arrival_s: float) -> SimRequest:
+        """Request `i`: its tenant's system prompt, then a user turn of its own."""
+        tenant = _rank(rng, self.popularity)
+        system: _Piece = (("system", tenant), int(self.system_blocks[tenant]) * BLOCK_TOKENS)
+        user: _Piece = (("user", i), _lognormal(rng, 250, 1.2, 16_384))
+        return _request(chain, arrival_s, (system, user), _lognormal(rng, 130, 1.0, 4096))
+
+
+def _chat(
+    name: str, seed: int, requests: int, arrivals: Callable[[np.random.Generator, int], list[float]], how: str
+) -> Workload:
+    """The tenants' chat mix at `arrivals`."""
+    _check(requests)
+    rng = np.random.default_rng(seed)
+    tenants, chain = _Tenants(rng), _Chain()
+    out = [tenants.request(rng, chain, i, t) for i, t in enumerate(arrivals(rng, requests))]
+    return _workload(name, seed, out, how)
+
+
+def tenants(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
+    """Single-turn requests of 200 tenants (Zipf), each tenant's system prompt 1 to 32 blocks; Poisson arrivals."""
+    return _chat("tenants", seed, requests, lambda rng, n: _poisson(rng, n, 10.0), "Zipf tenants, Poisson arrivals")
+
+
+def bursty(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
+    """The tenants' chat mix with two-state MMPP arrivals: quiet spells and bursts at eight times the rate."""
+    return _chat("bursty", seed, requests, _mmpp, "tenants' chat mix, MMPP arrivals")
+
+
+def ramp(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
+    """The tenants' chat mix with a Poisson rate rising linearly to four times its start over the run."""
+    return _chat("ramp", seed, requests, _ramp, "tenants' chat mix, linearly ramping arrivals")
+
+
+# Multi-turn sessions and agent loops
+
+SESSION_TURNS_MEAN = 3.5
+"""Mean turns per session (geometric): ShareGPT's 3.5 turns per conversation."""
+
+
+def sessions(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
+    """Multi-turn chat: each turn's prompt is the previous prompt, its answer and a new user message."""
+    _check(requests)
+    rng = np.random.default_rng(seed)
+    chain = _Chain()
+    system: _Piece = ("system", 1000)
+
+    def conversation(k: int, start: float) -> list[SimRequest]:
+        turns = int(rng.geometric(1 / SESSION_TURNS_MEAN))
+        pieces: list[_Piece] = [system, (("user", k, 0), _lognormal(rng, 400, 1.5, 24_576))]
+        out: list[SimRequest] = []
+        t = start
+        for turn in range(turns):
+            answer = _lognormal(rng, 250, 0.8, 4096)
+            out.append(_request(chain, t, pieces, answer, session=f"session-{k}"))
+            message = (("user", k, turn + 1), _lognormal(rng, 40, 1.1, 8192))
+            pieces = [*pieces, (("answer", k, turn), answer), message]
+            if sum(tokens for _, tokens in pieces) > CONTEXT_MAX_TOKENS:
+                break
+            t += answer * 0.03 + _lognormal(rng, 20, 1.0, 600)
+        return out
+
+    out = _conversations(rng, requests, 6.5, conversation)
+    return _workload("sessions", seed, out, "ShareGPT-like sessions, Poisson session starts")
+
+
+def agentic(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
+    """Agent tasks: many short turns over one long context per task, each turn appending a tool call and result."""
+    _check(requests)
+    rng = np.random.default_rng(seed)
+    chain = _Chain()
+    system: _Piece = ("agent", 3000)
+
+    def task(k: int, start: float) -> list[SimRequest]:
+        turns = 5 + int(rng.geometric(1 / 15))
+        pieces: list[_Piece] = [system, (("task", k), _lognormal(rng, 3000, 0.8, 24_576))]
+        out: list[SimRequest] = []
+        t = start
+        for step in range(turns):
+            call = _lognormal(rng, 120, 0.7, 2048)
+            out.append(_request(chain, t, pieces, call, session=f"task-{k}"))
+            result = (("tool", k, step), _lognormal(rng, 250, 1.0, 4096))
+            pieces = [*pieces, (("call", k, step), call), result]
+            if sum(tokens for _, tokens in pieces) > AGENT_CONTEXT_MAX_TOKENS:
+                break
+            t += call * 0.03 + _lognormal(rng, 2, 1.0, 120)
+        return out
+
+    out = _conversations(rng, requests, 0.2, task)
+    return _workload("agentic", seed, out, "agent loops over a shared task context, Poisson task starts")
+
+
+# Retrieval-augmented generation
+
+RAG_CHUNKS = 20_000
+RAG_TOPICS = 2_000
+RAG_CHUNK_TOKENS = 512
+RAG_RANKING = 8
+"""Chunks a topic's ranking holds: the retriever's candidates, of which a request takes the top 3 to 5."""
+RAG_SWAP = 0.2
+"""Chance that a retrieved position holds another chunk than the topic's (query wording, index updates)."""
+
+
+def rag(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
+    """RAG: an instruction prefix, k = 3..5 chunks of a Zipf-popular topic's ranking in rank order, the question."""
+    _check(requests)
+    rng = np.random.default_rng(seed)
+    chain = _Chain()
+    chunk_popularity = _zipf(RAG_CHUNKS, 0.8)
+    topic_popularity = _zipf(RAG_TOPICS, 1.0)
+    rankings = [_distinct(rng, chunk_popularity, RAG_RANKING) for _ in range(RAG_TOPICS)]
+    instruction: _Piece = ("rag-instruction", 200)
+    out: list[SimRequest] = []
+    for i, t in enumerate(_poisson(rng, requests, 10.0)):
+        ranking = rankings[_rank(rng, topic_popularity)]
+        k = int(rng.integers(3, 6))
+        chosen: list[int] = []
+        for chunk in ranking:
+            pick = _rank(rng, chunk_popularity) if rng.random() < RAG_SWAP else chunk
+            if pick not in chosen:
+                chosen.append(pick)
+            if len(chosen) == k:
+                break
+        pieces = [instruction, *((("chunk", c), RAG_CHUNK_TOKENS) for c in chosen)]
+        pieces.append((("question", i), _lognormal(rng, 20, 0.5, 512)))
+        out.append(_request(chain, t, pieces, _lognormal(rng, 80, 0.8, 2048), signature="rag+text"))
+    return _workload("rag", seed, out, "Zipf topics over a Zipf chunk corpus, Poisson arrivals")
+
+
+def _distinct(rng: np.random.Generator, cumulative: np.ndarray, k: int) -> list[int]:
+    """`k` different draws of a distribution, in the order drawn."""
+    out: list[int] = []
+    while len(out) < k:
+        if (pick := _rank(rng, cumulative)) not in out:
+            out.append(pick)
+    return out
+
+
+# Multimodal
+
+MM_APPS = 20
+MM_MIX: Mapping[str, float] = {"text": 0.40, "image+text": 0.40, "audio+text": 0.12, "video+text": 0.08}
+"""Shares of the request signatures."""
+
+
+def _image_tokens(rng: np.random.Generator) -> int:
+    """One image's tokens: ServeGen mm-image's per-image sizes (p50 432), capped at `IMAGE_TOKENS_MAX`."""
+    return max(16, min(IMAGE_TOKENS_MAX, round(432 * math.exp(0.9 * rng.standard_normal()))))
+
+
+def _media(rng: np.random.Generator, signature: str) -> tuple[dict[str, int], int]:
+    """(media parts, media tokens) of a request, by the rules of the `mm` trace's derived audio and video."""
+    if signature == "image+text":
+        images = 1 if rng.random() < 0.84 else 1 + min(7, int(rng.geometric(0.5)))
+        return {"image": images}, sum(_image_tokens(rng) for _ in range(images))
+    if signature == "audio+text":
+        return {"audio": 1}, audio_tokens(AUDIO_CLIP_MS * _image_tokens(rng) / IMAGE_TOKENS_MAX)
+    if signature == "video+text":
+        frames = int(rng.integers(VIDEO_FRAMES[0], VIDEO_FRAMES[1] + 1))
+        return {"video": 1}, frames * _image_tokens(rng)
+    return {}, 0
+
+
+def multimodal(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
+    """Text, image, audio and video requests of 20 apps (Zipf), each app with a system prompt of its own."""
+    _check(requests)
+    rng = np.random.default_rng(seed)
+    chain = _Chain()
+    apps = _zipf(MM_APPS, 1.0)
+    system_tokens = [_lognormal(rng, 300, 0.8, 4096) for _ in range(MM_APPS)]
+    signatures = list(MM_MIX)
+    mix = np.cumsum(list(MM_MIX.values()))
+    out: list[SimRequest] = []
+    for i, t in enumerate(_poisson(rng, requests, 10.0)):
+        app = _rank(rng, apps)
+        signature = signatures[_rank(rng, mix)]
+        media, media_tokens = _media(rng, signature)
+        pieces = ((("mm-system", app), system_tokens[app]), (("user", i), _lognormal(rng, 90, 2.0, 16_384)))
+        output = _lognormal(rng, 94, 0.7, 2048)
+        out.append(_request(chain, t, pieces, output, signature=signature, media=media, media_tokens=media_tokens))
+    return _workload("multimodal", seed, out, "text/image/audio/video mix of Zipf apps, Poisson arrivals")
+
+
+class Preset(Protocol):
+    """A family's builder: a function of a seed (and a request count) returning a `Workload`."""
+
+    def __call__(self, seed: int, requests: int = DEFAULT_REQUESTS) -> Workload: ...
+
+
+PRESETS: Mapping[str, Preset] = {
+    "tenants": tenants,
+    "sessions": sessions,
+    "agentic": agentic,
+    "rag": rag,
+    "multimodal": multimodal,
+    "bursty": bursty,
+    "ramp": ramp,
+}
+
+
+def family_workload(spec: str, requests: int | None = None) -> Workload:
+    """The preset `NAME[:seed]` (seed 1 when omitted) with `requests` requests (default `DEFAULT_REQUESTS`)."""
+    name, _, seed_text = spec.partition(":")
+    if name not in PRESETS:
+        raise ValueError(f"unknown workload family {name!r}; presets: {', '.join(PRESETS)}")
+    try:
+        seed = int(seed_text) if seed_text else 1
+    except ValueError:
+        raise ValueError(f"workload {spec!r}: the seed after ':' must be a whole number") from None
+    return PRESETS[name](seed, DEFAULT_REQUESTS if requests is None else requests)
+
+
+if __name__ == "__main__":
+    for preset in PRESETS:
+        bounds = ", ".join(f"seed {s} {infinite_cache_hit_rate(family_workload(f'{preset}:{s}')):.3f}" for s in (1, 2))
+        print(f"{preset}: prefix-hit bound {bounds}")
