@@ -166,11 +166,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
-def spawn(args: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
-    """A child process in its own session (Ctrl-C reaches only the demo, which stops it), output to `log`."""
+def spawn(args: Sequence[str], log: Path, executable: str = sys.executable) -> subprocess.Popen[bytes]:
+    """A child process in its own session (Ctrl-C reaches only the demo, which stops it), output to `log`;
+    `executable` runs `args` (this Python by default; another program for a router under comparison)."""
     with log.open("wb") as out:
         return subprocess.Popen(
-            [sys.executable, *args],
+            [executable, *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -235,27 +236,30 @@ class Cluster:
         engines = [n.engine for n in self.nodes if n.engine is not None]
         return [*agents, *engines, *([self.brain] if self.brain is not None else [])]
 
-    def start(self) -> None:
-        self.brain = spawn(
-            [
-                "-m",
-                "prismlb.cli",
-                "brain",
-                "--ingest",
-                self.ingest,
-                "--updates",
-                self.address.updates,
-                "--snapshot",
-                self.address.snapshot,
-                "--metrics-port",
-                str(self.brain_metrics_port),
-                "--admin-port",
-                str(self.admin_port),
-                "--state-dir",
-                str(self.logs / "brain-state"),
-            ],
-            self.logs / "brain.log",
-        )
+    def start(self, prism: bool = True) -> None:
+        """Start the children. Without `prism` only the engines start (no brain, no agents, no OTLP export):
+        a cluster for another router to balance."""
+        if prism:
+            self.brain = spawn(
+                [
+                    "-m",
+                    "prismlb.cli",
+                    "brain",
+                    "--ingest",
+                    self.ingest,
+                    "--updates",
+                    self.address.updates,
+                    "--snapshot",
+                    self.address.snapshot,
+                    "--metrics-port",
+                    str(self.brain_metrics_port),
+                    "--admin-port",
+                    str(self.admin_port),
+                    "--state-dir",
+                    str(self.logs / "brain-state"),
+                ],
+                self.logs / "brain.log",
+            )
         for node in self.nodes:
             node.engine = spawn(
                 [
@@ -268,13 +272,14 @@ class Cluster:
                     str(node.engine_port),
                     "--kv-events",
                     f"tcp://127.0.0.1:{node.kv_port}",
-                    "--otlp",
-                    f"http://127.0.0.1:{node.otlp_port}",
                     "--time-scale",
                     repr(self.time_scale),
+                    *(["--otlp", f"http://127.0.0.1:{node.otlp_port}"] if prism else []),
                 ],
                 self.logs / f"engine-{node.node_id}.log",
             )
+        if not prism:
+            return
         for node in self.nodes:
             args = [
                 "-m",
@@ -335,7 +340,7 @@ class Cluster:
         return "\n".join(out)
 
 
-def _metric(text: str, name: str) -> float | None:
+def metric(text: str, name: str) -> float | None:
     """The sum of a metric's samples in Prometheus text (None when absent)."""
     values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
     return sum(values) if values else None
@@ -450,12 +455,13 @@ def describe_moves(report: KillReport) -> str:
 
 
 class Demo:
-    """Runs the replay against a started cluster and keeps what the view and the summary show."""
+    """Runs the replay against a started cluster and keeps what the view and the summary show. With no
+    `router` the replay goes through the client given to `run` (another router's endpoint)."""
 
     def __init__(
         self,
         cluster: Cluster,
-        router: Router,
+        router: Router | None,
         requests: Sequence[DemoRequest],
         duration_s: float,
         victim: Node | None,
@@ -489,6 +495,11 @@ class Demo:
 
     def now(self) -> float:
         return time.monotonic() - self.start
+
+    @property
+    def table(self) -> RoutingTable | None:
+        """Prism's current routing table; None when another router carries the load."""
+        return self.router.table if self.router is not None else None
 
     def event(self, text: str) -> None:
         line = f"[{self.now():5.1f}s] {text}"
@@ -586,13 +597,13 @@ class Demo:
         if victim is None:
             return
         await asyncio.sleep(max(0.0, self.duration_s / 2 - self.now()))
-        before = self.router.table
+        before = self.table
         keys = sorted({r.key for r in self.results} | {req.key for req in self.requests[: self.sent]})
         self.cluster.kill(victim)
         self.kill = KillReport(victim.node_id, self.now())
         self.event(f"killed {victim.node_id} (engine and agent, SIGKILL); the brain drops it after 3 silent periods")
         while time.monotonic() < self.deadline:
-            table = self.router.table
+            table = self.table
             if table is not None and victim.node_id not in {n.node_id for n in llm_nodes(table)}:
                 if before is not None:
                     report = moved_keys(before, table, keys, victim.node_id)
@@ -630,12 +641,12 @@ class Demo:
                 text = (await plain.get(f"{node.url}/metrics")).text
             except Exception:
                 return
-            stats.kv_usage = _metric(text, "vllm:kv_cache_usage_perc")
+            stats.kv_usage = metric(text, "vllm:kv_cache_usage_perc")
 
         await asyncio.gather(*(one(n) for n in self.cluster.nodes))
 
     def _note_table(self) -> None:
-        table = self.router.table
+        table = self.table
         if table is None or table.order in self.tables:
             return
         self.tables.add(table.order)
@@ -647,16 +658,21 @@ class Demo:
             self.event(f"table {table.epoch}.{table.version}: {shown}")
             self._last_weights = weights
 
-    async def run(self) -> None:
+    async def run(self, client: Any = None) -> None:
+        """The replay through Prism's router, or through `client` (an `httpx.AsyncClient` whose base URL is
+        another router) when one is given."""
         import httpx
 
         from prismlb.router import AsyncPrismTransport
 
-        by_port = {n.engine_port: n.node_id for n in self.cluster.nodes}
-        inner = _NodeTagging(httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=4096)), by_port)
-        transport = AsyncPrismTransport(self.router, transport=inner)  # type: ignore[arg-type]
-        timeout = httpx.Timeout(60.0, connect=2.0)
-        async with httpx.AsyncClient(transport=transport, base_url="http://prism", timeout=timeout) as client:
+        if client is None:
+            assert self.router is not None
+            by_port = {n.engine_port: n.node_id for n in self.cluster.nodes}
+            inner = _NodeTagging(httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=4096)), by_port)
+            transport = AsyncPrismTransport(self.router, transport=inner)  # type: ignore[arg-type]
+            timeout = httpx.Timeout(60.0, connect=2.0)
+            client = httpx.AsyncClient(transport=transport, base_url="http://prism", timeout=timeout)
+        async with client:
             watch = asyncio.create_task(self._watch())
             killer = asyncio.create_task(self._killer())
             try:
@@ -676,7 +692,7 @@ class Demo:
     # --- view ---
 
     def rows(self) -> list[str]:
-        table = self.router.table
+        table = self.table
         weights = {n.node_id: n.weight for n in llm_nodes(table)}
         done = len(self.results)
         errors = sum(1 for r in self.results if r.error)
@@ -711,7 +727,7 @@ class Demo:
             if final:
                 self._drawn = 0
             return
-        weights = {n.node_id: n.weight for n in llm_nodes(self.router.table)}
+        weights = {n.node_id: n.weight for n in llm_nodes(self.table)}
         nodes = " | ".join(
             f"{n.node_id} w {_num(weights.get(n.node_id), '{:.2f}')} if {self.stats[n.node_id].inflight}"
             f" p99 {_num(percentile(self.stats[n.node_id].ttft_ms, 0.99), '{:.0f}ms')}"
@@ -731,8 +747,8 @@ class Demo:
                 except Exception:
                     continue
                 self.agent_counts[node.node_id] = {
-                    name: _metric(text, metric)
-                    for name, metric in (
+                    name: metric(text, metric_name)
+                    for name, metric_name in (
                         ("spans", "prism_agent_otlp_spans_received_total"),
                         ("server_spans", "prism_agent_join_server_spans_total"),
                         ("joined", "prism_agent_join_server_spans_joined_total"),
@@ -809,7 +825,7 @@ def summary(demo: Demo, wall_s: float, time_scale: float, load: float) -> list[s
             )
         else:
             lines.append(f"   kill: {kill.victim} at {kill.at_s:.1f} s; the brain had not dropped it by the end")
-    first, last = demo.first_table, demo.router.table
+    first, last = demo.first_table, demo.table
     if first is not None and last is not None:
         lines.append(
             f"   brain: routing tables {first.epoch}.{first.version} to {last.epoch}.{last.version} "

@@ -1,0 +1,374 @@
+"""Live bakeoff: Prism against the real SGLang Model Gateway and the real vLLM router, same cluster, same trace.
+
+Run: .venv/bin/python bench/live_routers.py   (about 6 minutes; the first run also installs the peers)
+
+The replay (`prism eval`, docs/results/) compares Prism with re-implementations of the other routers'
+policies. This runs the routers themselves: their released wheels, pinned below, installed by this script
+into their own virtualenv (`--venv`), so a claim against them rests on their code, not on a model of it.
+
+For each contender a fresh cluster of four emulated engines (`make demo`'s: h100, 2 × a100, l40s, vLLM-format
+KV events over ZeroMQ, the same `time_scale`) is started with `sim._demo.Cluster`, and the demo's load
+generator (`sim._demo.Demo`) sends the same requests at the same times: the first `--requests` of the
+Mooncake conversation trace, time-compressed to `--duration` seconds, text only (the SGLang gateway drops
+Prism's `X-Modality-Signature` header). Contenders:
+
+- Prism: brain, one agent per engine (eBPF off) and the router in-process, as the demo runs them.
+- SGLang Model Gateway (`sglang-router`), policies `cache_aware` and `power_of_two`.
+- vLLM router (`vllm-router`), `kv_aware` fed by the engines' KV events (`--kv-event-source`,
+  `--kv-event-model`), and `cache_aware`.
+
+Reported per contender: TTFT p50/p99 (the load generator's clock, to the first streamed chunk), the share of
+prompt tokens the engines served from their prefix caches (`usage.prompt_tokens_details.cached_tokens`),
+errors, requests not sent or unfinished at the time bound, each engine's share of the requests (from its
+`/metrics`), and the replay's wall clock. A peer that cannot be installed or started is reported as such and
+the others still run. Every child process is stopped on exit, on Ctrl-C and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from prismlb.router import Router, Settings
+from prismlb.sim._demo import (
+    DEFAULT_LOAD,
+    DEFAULT_NODES,
+    DRAIN_LIMIT_S,
+    SLOW_S,
+    TIME_SCALE_RANGE,
+    UNFINISHED,
+    Cluster,
+    Demo,
+    DemoRequest,
+    free_port,
+    llm_nodes,
+    load_requests,
+    metric,
+    percentile,
+    prefill_work_s,
+    prefix_cache_bound,
+    spawn,
+    stop,
+)
+from prismlb.sim._engine import MODEL_NAME
+
+PINS = {"sglang-router": "0.3.2", "vllm-router": "0.1.17"}
+"""The peers' wheels, pinned: the versions pip found current when this bakeoff was written."""
+DEFAULT_VENV = Path.home() / ".cache" / "prism-bench" / "live-routers"
+DEFAULT_REQUESTS = 800
+DEFAULT_DURATION_S = 40.0
+INSTALL_LIMIT_S = 600.0
+STARTUP_LIMIT_S = 30.0
+"""A router, or Prism's first routing table with every node, must be up within this."""
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    package: str | None
+    """The peer's wheel; None for Prism."""
+    module: str = ""
+    policy: str = ""
+
+
+CONTENDERS = (
+    Contender("prism", None, policy="brain weights + bounded load"),
+    Contender("sglang", "sglang-router", "sglang_router.launch_router", "cache_aware"),
+    Contender("sglang", "sglang-router", "sglang_router.launch_router", "power_of_two"),
+    Contender("vllm", "vllm-router", "vllm_router.launch_router", "kv_aware"),
+    Contender("vllm", "vllm-router", "vllm_router.launch_router", "cache_aware"),
+)
+
+
+@dataclass
+class Outcome:
+    contender: Contender
+    version: str = ""
+    problem: str | None = None
+    """Why it did not run (install or start-up), else None."""
+    answered: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    lost: int = 0
+    """Requests not sent, or unfinished, at the time bound."""
+    ttft_ms: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    shares: dict[str, float] = field(default_factory=dict)
+    wall_s: float | None = None
+
+
+# --- the peers --------------------------------------------------------------------------------------------
+
+
+def install_peers(venv: Path, packages: Sequence[str], out: Path) -> dict[str, str]:
+    """Each pinned peer into `venv` (created when missing); its installed version, or why it is missing.
+
+    One `pip install` per peer, so a peer that cannot be installed does not keep the other out."""
+    python = venv / "bin" / "python"
+    versions: dict[str, str] = {}
+    with out.open("ab") as log:
+        if not python.exists():
+            made = subprocess.run([sys.executable, "-m", "venv", str(venv)], stdout=log, stderr=log, timeout=120)
+            if made.returncode != 0:
+                return {p: f"! no virtualenv at {venv} (python -m venv failed)" for p in packages}
+        for package in packages:
+            pin = f"{package}=={PINS[package]}"
+            try:
+                done = subprocess.run(
+                    [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", pin],
+                    stdout=log,
+                    stderr=log,
+                    timeout=INSTALL_LIMIT_S,
+                )
+            except subprocess.TimeoutExpired:
+                versions[package] = f"! pip install {pin} ran past {INSTALL_LIMIT_S:.0f} s"
+                continue
+            if done.returncode != 0:
+                versions[package] = f"! pip install {pin} failed (see {out})"
+                continue
+            shown = subprocess.run(
+                [str(python), "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            versions[package] = shown.stdout.strip() or f"! {package} not importable after install"
+    return versions
+
+
+def peer_args(contender: Contender, cluster: Cluster, port: int) -> list[str]:
+    """The peer's command line (after its Python) for the cluster's engines, on loopback `port`."""
+    urls = [node.url for node in cluster.nodes]
+    args = ["-m", contender.module, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
+    args += ["--policy", contender.policy, "--prometheus-port", str(free_port())]
+    if contender.package == "vllm-router":
+        args += ["--log-level", "warning"]
+        if contender.policy == "kv_aware":
+            for node in cluster.nodes:
+                args += ["--kv-event-source", f"{node.url}=tcp://127.0.0.1:{node.kv_port}"]
+            args += ["--kv-event-model", MODEL_NAME]
+    else:
+        args += ["--log-level", "warn"]
+    return args
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, limit_s: float) -> bool:
+    """Whether GET `url` answers 200 within `limit_s` (False at once when `proc` exits)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return False
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return True
+        time.sleep(0.2)
+    return False
+
+
+def log_tail(path: Path, lines: int = 6) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+# --- one contender ----------------------------------------------------------------------------------------
+
+
+def engine_requests(cluster: Cluster) -> dict[str, float]:
+    """Requests each engine finished, from its `/metrics` (the same count whatever router sent them)."""
+    counts: dict[str, float] = {}
+    for node in cluster.nodes:
+        with contextlib.suppress(httpx.HTTPError):
+            text = httpx.get(f"{node.url}/metrics", timeout=2.0).text
+            counts[node.node_id] = metric(text, "vllm:e2e_request_latency_seconds_count") or 0.0
+    return counts
+
+
+def run_one(
+    contender: Contender,
+    version: str,
+    requests: Sequence[DemoRequest],
+    duration_s: float,
+    time_scale: float,
+    logs: Path,
+    python: Path,
+) -> Outcome:
+    """One contender on a fresh cluster; every process it started is stopped before it returns."""
+    outcome = Outcome(contender, version)
+    logs.mkdir(parents=True)
+    cluster = Cluster(DEFAULT_NODES, time_scale, logs, ebpf=False)
+    procs: list[subprocess.Popen[bytes]] = []
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: stop([*procs, *cluster.procs()]))
+        cluster.start(prism=contender.package is None)
+        for node in cluster.nodes:
+            if not wait_healthy(f"{node.url}/health", node.engine, STARTUP_LIMIT_S):
+                outcome.problem = f"engine {node.node_id} did not start: {cluster.log_tail(4)}"
+                return outcome
+        router: Router | None = None
+        client: httpx.AsyncClient | None = None
+        if contender.package is None:
+            router = stack.enter_context(Router.connect(cluster.address, settings=Settings(slow_s=SLOW_S * time_scale)))
+            wanted = {n.node_id for n in cluster.nodes}
+            ready_by = time.monotonic() + STARTUP_LIMIT_S
+            while {n.node_id for n in llm_nodes(router.table)} != wanted:
+                if cluster.failed() or time.monotonic() > ready_by:
+                    outcome.problem = f"no routing table with every node: {cluster.failed() or 'timed out'}"
+                    return outcome
+                time.sleep(0.1)
+        else:
+            port = free_port()
+            log = logs / "router.log"
+            peer = spawn(peer_args(contender, cluster, port), log, executable=str(python))
+            procs.append(peer)
+            if not wait_healthy(f"http://127.0.0.1:{port}/health", peer, STARTUP_LIMIT_S):
+                outcome.problem = f"did not start within {STARTUP_LIMIT_S:.0f} s: {log_tail(log)}"
+                return outcome
+            limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
+            timeout = httpx.Timeout(60.0, connect=2.0)
+            client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=timeout, limits=limits)
+        with (logs / "replay.log").open("w") as out:
+            deadline = time.monotonic() + duration_s + DRAIN_LIMIT_S + 5.0
+            demo = Demo(cluster, router, requests, duration_s, None, out, False, deadline)
+            demo.start = time.monotonic()
+            try:
+                asyncio.run(demo.run(client))
+            except RuntimeError as exc:  # a child failed mid-run: the results so far still count
+                outcome.problem = f"stopped early: {exc}"
+        counts = engine_requests(cluster)
+    ok = [r for r in demo.results if r.error is None]
+    outcome.answered = len(ok)
+    for r in demo.results:
+        if r.error is not None and r.error != UNFINISHED:
+            outcome.errors[r.error] = outcome.errors.get(r.error, 0) + 1
+    outcome.lost = demo.not_sent + sum(1 for r in demo.results if r.error == UNFINISHED)
+    outcome.ttft_ms = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    outcome.prompt_tokens = sum(r.prompt_tokens for r in ok)
+    outcome.cached_tokens = sum(r.cached_tokens for r in ok)
+    total = sum(counts.values())
+    outcome.shares = {k: v / total for k, v in counts.items()} if total else {}
+    if demo.results:
+        outcome.wall_s = max(r.end_s for r in demo.results) - min(r.sent_s for r in demo.results)
+    return outcome
+
+
+# --- the table --------------------------------------------------------------------------------------------
+
+
+def table(outcomes: Sequence[Outcome], nodes: Sequence[str]) -> list[str]:
+    """One markdown row per contender, ranked by TTFT p99 (those that did not run last)."""
+    head = "| router | version | policy | answered | errors | lost | TTFT p50 | TTFT p99 | cached | "
+    head += " | ".join(nodes) + " | wall |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def key(o: Outcome) -> float:
+        p99 = percentile(o.ttft_ms, 0.99)
+        return float("inf") if o.problem and not o.ttft_ms or p99 is None else p99
+
+    for o in sorted(outcomes, key=key):
+        c = o.contender
+        if o.problem and not o.ttft_ms:
+            lines.append(f"| {c.name} | {o.version} | {c.policy} | did not run: {o.problem.splitlines()[0]} |")
+            continue
+        p50, p99 = percentile(o.ttft_ms, 0.5), percentile(o.ttft_ms, 0.99)
+        cached = f"{o.cached_tokens / o.prompt_tokens:.1%}" if o.prompt_tokens else "-"
+        errors = sum(o.errors.values())
+        shares = " | ".join(f"{o.shares.get(n, 0.0):.0%}" for n in nodes)
+        lines.append(
+            f"| {c.name} | {o.version} | {c.policy} | {o.answered} | {errors} | {o.lost} | {p50:.0f} ms | "
+            f"{p99:.0f} ms | {cached} | {shares} | {o.wall_s or 0:.1f} s |"
+        )
+    return lines
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops the run as Ctrl-C does, through the same clean-up."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
+    parser.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, help="replay seconds")
+    parser.add_argument("--load", type=float, default=DEFAULT_LOAD, help="offered share of prefill capacity")
+    parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the peers' virtualenv")
+    parser.add_argument(
+        "--only", default="", help="comma-separated contenders to run (prism, sglang, vllm); all by default"
+    )
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    only = {name for name in args.only.split(",") if name}
+    contenders = [c for c in CONTENDERS if not only or c.name in only]
+    requests = load_requests(args.requests)
+    low, high = TIME_SCALE_RANGE
+    time_scale = min(high, max(low, args.load * args.duration / prefill_work_s(requests, DEFAULT_NODES)))
+    logs = Path(tempfile.mkdtemp(prefix="prism-live-routers-"))
+    print(
+        f"live bakeoff: {len(requests)} Mooncake conversation requests (trace 0-{requests[-1].at_s:.0f} s) in "
+        f"{args.duration:.0f} s on {', '.join(DEFAULT_NODES)} at time_scale {time_scale:.2f}; one infinite "
+        f"prefix cache would hit {prefix_cache_bound(requests):.1%}; logs in {logs}",
+        flush=True,
+    )
+    outcomes: list[Outcome] = []
+    status = 0
+    with _sigterm_interrupts():
+        try:
+            packages = sorted({c.package for c in contenders if c.package is not None})
+            versions = install_peers(args.venv, packages, logs / "pip.log") if packages else {}
+            for package, version in versions.items():
+                print(f"   {package}: {version}", flush=True)
+            for i, contender in enumerate(contenders):
+                label = f"{contender.name} {contender.policy}"
+                version = versions.get(contender.package, "") if contender.package else "this checkout"
+                if version.startswith("!"):
+                    outcomes.append(Outcome(contender, PINS.get(contender.package or "", ""), problem=version[2:]))
+                    print(f"   {label}: not installed ({version[2:]})", flush=True)
+                    continue
+                print(f"   {label}: running", flush=True)
+                outcome = run_one(
+                    contender,
+                    version,
+                    requests,
+                    args.duration,
+                    time_scale,
+                    logs / f"{i}-{contender.name}",
+                    args.venv / "bin" / "python",
+                )
+                outcomes.append(outcome)
+                if outcome.problem:
+                    print(f"   {label}: {outcome.problem}", flush=True)
+        except KeyboardInterrupt:
+            print("live bakeoff: interrupted; every process stopped", flush=True)
+            status = 130
+    nodes = [f"{gpu}-{i + 1}" for i, gpu in enumerate(DEFAULT_NODES)]
+    print()
+    for line in table(outcomes, nodes):
+        print(line)
+    for o in outcomes:
+        if o.errors:
+            kinds = ", ".join(f"{k} {v}" for k, v in sorted(o.errors.items()))
+            print(f"   {o.contender.name} {o.contender.policy} errors: {kinds}")
+    print(f"   total wall clock {time.monotonic() - started:.0f} s; logs in {logs}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
