@@ -127,7 +127,7 @@ def main() -> int:
                 planned[victim.name] += 1
                 restart_at[victim.name] = time.monotonic() + STEP_S
             elif phase == 2:
-                agents.extra = poison(honest[1], identity=keys is not None)
+                agents.inject(poison(honest[1], identity=keys is not None))
             elif phase == 3:
                 for brain in brains:
                     intrude(ctx, brain.ingest, keys)

@@ -7,6 +7,7 @@ library callers embed; only the agents are simulated (they send what an agent se
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import re
 import signal
@@ -184,7 +185,7 @@ def vector(node: str, seq: int) -> NodeVector:
 
 class Agents:
     """Simulated agents: each node's vector to every brain twice a period; one brain can be cut off (a
-    partition) or all paused (agents late after a restart); `extra` raw frames go out once, to every brain,
+    partition) or all paused (agents late after a restart); `inject`ed raw frames go out once, to every brain,
     on sockets of their own (with `keys`, under the key of `raw_as`, a node whose agent turned hostile)."""
 
     def __init__(
@@ -198,7 +199,7 @@ class Agents:
         self.nodes = list(nodes)
         self.paused = threading.Event()
         self.cut: set[int] = set()  # indices of brains partitioned from every agent
-        self.extra: list[list[bytes]] = []
+        self._extra: collections.deque[list[bytes]] = collections.deque()
         self._stop = threading.Event()
         # With CURVE a node's vectors must come over its own key: one sender per node and brain.
         self._senders = [
@@ -222,7 +223,7 @@ class Agents:
             if self.paused.is_set():
                 continue
             seq += 1
-            extra, self.extra = self.extra, []
+            extra = [self._extra.popleft() for _ in range(len(self._extra))]
             for index, senders in enumerate(self._senders):
                 if index in self.cut:
                     continue
@@ -231,6 +232,10 @@ class Agents:
                 for frames in extra:
                     with contextlib.suppress(zmq.Again):
                         self._raw[index].send_multipart(frames, flags=zmq.NOBLOCK)
+
+    def inject(self, frames: list[list[bytes]]) -> None:
+        """Send `frames` once, to every brain not cut off, with the next period's vectors."""
+        self._extra.extend(frames)
 
     def close(self) -> None:
         self._stop.set()

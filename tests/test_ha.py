@@ -45,7 +45,7 @@ def test_poison_vectors_are_refused_and_the_brain_keeps_publishing(live: Callabl
         assert wait_for(lambda: nodes_of(router) == {"n0", "n1"}, 30.0), "the brain publishes both nodes"
         routes = Routes(router)
         for _ in range(5):
-            agents.extra = poison("n1", identity=False)
+            agents.inject(poison("n1", identity=False))
             time.sleep(PERIOD_S)
         time.sleep(2 * PERIOD_S)
         routes.close()
