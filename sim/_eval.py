@@ -26,8 +26,9 @@ from prismlb.router import Settings
 from ._cluster import Kill, NodeSpec, Simulation
 from ._families import family_workload
 from ._model import PROFILES
+from ._tracefile import load_trace
 from ._types import Policy, RunResult, Workload
-from ._workload import LEVELS, WORKLOADS, infinite_cache_hit_rate, load, scale_to_utilisation
+from ._workload import LEVELS, WORKLOADS, infinite_cache_hit_rate, load, offered_utilisation, scale_to_utilisation
 
 PRISM = "prism"
 KILL_LEVEL = 0.8
@@ -39,7 +40,7 @@ MM_CLUSTER = (
 )
 
 
-def cluster_for(trace: str, workload: Workload | None = None) -> tuple[NodeSpec, ...]:
+def cluster_for(trace: str | Path, workload: Workload | None = None) -> tuple[NodeSpec, ...]:
     """The multimodal pools for `mm` and for a workload that carries media; the text pool otherwise."""
     has_media = workload is not None and any(r.media for r in workload.requests)
     return MM_CLUSTER if trace == "mm" or has_media else TEXT_CLUSTER
@@ -80,7 +81,8 @@ def policy_factories(block_tokens: int) -> dict[str, Callable[[], Policy]]:
 
 @dataclass(frozen=True, slots=True)
 class Case:
-    trace: str
+    trace: str | Path
+    """A shared trace or a workload family by name, or a trace file (`--trace`)."""
     policy: str
     utilisation: float
     seed: int
@@ -89,9 +91,12 @@ class Case:
 
 
 @lru_cache(maxsize=8)
-def _workload(trace: str, seed: int, limit: int | None) -> tuple[Workload, float]:
-    """A shared trace by name, or a workload family by `NAME[:seed]` (`--workload`, its own seed)."""
-    workload = load(trace, seed=seed, limit=limit) if trace in WORKLOADS else family_workload(trace, limit)
+def _workload(trace: str | Path, seed: int, limit: int | None) -> tuple[Workload, float]:
+    """A shared trace by name, a workload family by `NAME[:seed]` (`--workload`, its own seed), or a file."""
+    if isinstance(trace, Path):
+        workload = load_trace(trace, limit=limit)
+    else:
+        workload = load(trace, seed=seed, limit=limit) if trace in WORKLOADS else family_workload(trace, limit)
     return workload, infinite_cache_hit_rate(workload)
 
 
@@ -112,7 +117,13 @@ def run_case(case: Case) -> RunResult:
 
 
 def cases(
-    traces: Sequence[str], policies: Sequence[str], levels: Sequence[float], *, seed: int, limit: int | None, kill: bool
+    traces: Sequence[str | Path],
+    policies: Sequence[str],
+    levels: Sequence[float],
+    *,
+    seed: int,
+    limit: int | None,
+    kill: bool,
 ) -> list[Case]:
     out = [Case(t, p, u, seed, limit) for t in traces for u in levels for p in policies]
     if kill:
@@ -180,6 +191,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAME[:SEED]",
         help="a workload family (sim/_families.py), repeatable; the traces then run only if --traces names them",
     )
+    parser.add_argument(
+        "--trace",
+        action="append",
+        type=Path,
+        metavar="FILE",
+        help="a Mooncake-format JSON-lines file (docs/sim-workloads.md), named after its stem, repeatable; "
+        "the traces then run only if --traces names them",
+    )
     parser.add_argument("--no-kill", action="store_true", help="skip the node-kill runs")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=Path("docs/results"), help="where the report goes")
@@ -203,6 +222,9 @@ def _run(args: argparse.Namespace) -> int:
                 raise SystemExit(f"prism eval: {e}") from None
             print(f"{workload.name}: {len(workload.requests)} requests, prefix-hit bound {bound:.3f}")
         traces += args.workload
+    if args.trace:
+        traces = [] if args.traces == ",".join(WORKLOADS) and not args.workload else traces
+        traces += _trace_files(args.trace, traces, args.seed, args.limit)
     known = list(policy_factories(1))
     policies = known if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
     if set(policies) - set(known):
@@ -248,4 +270,21 @@ def _argv_echo(args: argparse.Namespace) -> list[str]:
     if args.no_kill:
         out.append("--no-kill")
     out += [f"--workload {spec}" for spec in args.workload or ()]
+    out += [f"--trace {path}" for path in args.trace or ()]
     return out
+
+
+def _trace_files(paths: Sequence[Path], taken: Sequence[str | Path], seed: int, limit: int | None) -> list[Path]:
+    """The `--trace` files, each read once here so that a bad line or two files of one name (results and report
+    files are named after the trace) stop `prism eval` before any run."""
+    names = {t for t in taken if isinstance(t, str)}
+    for path in paths:
+        if path.stem in names:
+            raise SystemExit(f"prism eval: two traces named {path.stem!r}; rename one of the files")
+        names.add(path.stem)
+        try:
+            workload, _ = _workload(path, seed, limit)
+            offered_utilisation(workload, 1.0)  # raises when there is no load to scale: no requests, or one instant
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"prism eval: {e}") from None
+    return list(paths)
