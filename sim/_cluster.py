@@ -225,6 +225,7 @@ class Simulation:
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self.ttft: list[tuple[str, float, float]] = []  # (slice, first token time, ttft s)
+        self.completed_ttft: dict[int, float] = {}  # request id -> ttft s, of the requests that completed
         self.failed_attempts = 0
         self.lost = 0
         self.cross_numa = 0
@@ -337,6 +338,8 @@ class Simulation:
             elif kind == "finished":
                 node.jobs.discard(job)
                 node.account(t, -1)
+                assert attempt.first_token_s is not None
+                self.completed_ttft[attempt.request.id] = attempt.first_token_s - attempt.request.arrival_s
                 self.policy.finished(node.spec.name, attempt.request, t, Outcome.OK)
                 done += 1
         if self.view.kv_subscribed and (node.model.stored or node.model.removed):
@@ -436,4 +439,5 @@ class Simulation:
             recovery_s=recovery,
             timeline=timeline,
             wall_s=wall_s,
+            ttft_s=self.completed_ttft,
         )

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import logging
 import multiprocessing
+import multiprocessing.pool
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from prismlb.router import Settings
 from ._cluster import Kill, NodeSpec, Simulation
 from ._families import family_workload
 from ._model import PROFILES
+from ._slo import Goodput, Probe, attainment, format_goodput, search
 from ._tracefile import load_trace
 from ._types import Policy, RunResult, Workload
 from ._workload import LEVELS, WORKLOADS, infinite_cache_hit_rate, load, offered_utilisation, scale_to_utilisation
@@ -132,23 +134,66 @@ def cases(
 
 
 def run_all(
-    todo: Sequence[Case], jobs: int = 1, progress: Callable[[RunResult], None] | None = None
+    todo: Sequence[Case],
+    jobs: int = 1,
+    progress: Callable[[RunResult], None] | None = None,
+    pool: multiprocessing.pool.Pool | None = None,
 ) -> list[RunResult]:
-    """Every case, in `jobs` processes; results in the order of `todo`."""
-    if jobs <= 1:
-        results = []
-        for case in todo:
-            results.append(run_case(case))
-            if progress is not None:
-                progress(results[-1])
-        return results
-    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-        results = []
-        for result in pool.imap(run_case, todo):
-            results.append(result)
-            if progress is not None:
-                progress(result)
-        return results
+    """Every case, in `jobs` processes (or in `pool`, which a caller with many small batches keeps, since each
+    new process spends seconds importing the replay); results in the order of `todo`."""
+    if pool is None and jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(jobs) as own:
+            return run_all(todo, jobs, progress, own)
+    results = []
+    for result in map(run_case, todo) if pool is None else pool.imap(run_case, todo):
+        results.append(result)
+        if progress is not None:
+            progress(result)
+    return results
+
+
+def request_rate(trace: str | Path, seed: int, limit: int | None, utilisation: float) -> float:
+    """Requests per second of the trace scaled to `utilisation` on its cluster, as `run_case` scales it."""
+    workload, _ = _workload(trace, seed, limit)
+    tokens, media = capacity(cluster_for(trace, workload))
+    scaled = scale_to_utilisation(workload, utilisation, tokens, encoder_s_per_media=media).requests
+    return len(scaled) / (scaled[-1].arrival_s - scaled[0].arrival_s)
+
+
+def goodput(
+    traces: Sequence[str | Path],
+    policies: Sequence[str],
+    *,
+    seed: int,
+    limit: int | None,
+    jobs: int = 1,
+    progress: Callable[[RunResult], None] | None = None,
+) -> list[Goodput]:
+    """Each policy's goodput on each trace (`_slo.search`), its probes run as cases through `run_all`."""
+
+    pool = multiprocessing.get_context("spawn").Pool(jobs) if jobs > 1 else None
+
+    def measure(probes: Sequence[Probe]) -> list[float]:
+        todo = [Case(trace, policy, utilisation, seed, limit) for trace, policy, utilisation in probes]
+        out = []
+        for case, result in zip(todo, run_all(todo, jobs, progress, pool), strict=True):
+            workload, _ = _workload(case.trace, seed, limit)
+            out.append(attainment(workload, result.ttft_s, cluster_for(case.trace, workload)))
+        return out
+
+    pairs = [(t, p) for t in traces for p in policies]
+    try:
+        found = search(pairs, measure)
+    finally:
+        if pool is not None:
+            pool.terminate()
+    rows = []
+    for trace, policy in pairs:
+        load, met, above, above_met = found[(trace, policy)]
+        workload, _ = _workload(trace, seed, limit)
+        rate = request_rate(trace, seed, limit, load) if load > 0 else 0.0
+        rows.append(Goodput(workload.name, policy, load, rate, met, above, above_met))
+    return rows
 
 
 def _levels(text: str) -> list[float]:
@@ -203,6 +248,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=Path("docs/results"), help="where the report goes")
     parser.add_argument("--no-report", action="store_true", help="print the tables only")
+    parser.add_argument(
+        "--goodput",
+        action="store_true",
+        help="instead of the levels: per trace and policy, the highest load with 90%% of requests within their "
+        "TTFT SLO (sim/_slo.py); prints its table only",
+    )
     parser.set_defaults(func=_run)
 
 
@@ -231,7 +282,6 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"prism eval: unknown policies {sorted(set(policies) - set(known))}; known: {', '.join(known)}"
         )
-    todo = cases(traces, policies, args.levels, seed=args.seed, limit=args.limit, kill=not args.no_kill)
     started = time.monotonic()
 
     def progress(r: RunResult) -> None:
@@ -243,6 +293,13 @@ def _run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+    if args.goodput:
+        rows = goodput(traces, policies, seed=args.seed, limit=args.limit, jobs=args.jobs, progress=progress)
+        print()
+        print(format_goodput(rows))
+        print(f"{len(rows)} searches in {time.monotonic() - started:.0f} s")
+        return 0
+    todo = cases(traces, policies, args.levels, seed=args.seed, limit=args.limit, kill=not args.no_kill)
     results = run_all(todo, args.jobs, progress)
     print()
     print(format_table(results))

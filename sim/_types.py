@@ -177,3 +177,6 @@ class RunResult:
     timeline: Sequence[tuple[float, float]]
     """(simulated s, TTFT P99 ms of requests that got their first token in that window), for plots."""
     wall_s: float
+    ttft_s: Mapping[int, float] = field(default_factory=dict)
+    """TTFT in seconds of each request that completed, by request id: per-request SLOs (`_slo`) need each
+    request's own value; a request that failed or broke off after its first token is absent."""

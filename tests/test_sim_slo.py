@@ -1,0 +1,119 @@
+"""Per-request TTFT SLOs, attainment and the goodput search of `prism eval --goodput`."""
+
+from __future__ import annotations
+
+import pytest
+
+from prismlb.cli import main
+from prismlb.sim._eval import MM_CLUSTER, TEXT_CLUSTER, Case, _workload, cluster_for, goodput, run_case
+from prismlb.sim._slo import (
+    GOODPUT_TARGET,
+    SEARCH_HIGH,
+    SEARCH_LOW,
+    SEARCH_STEPS,
+    Probe,
+    attainment,
+    pool_classes,
+    search,
+    slo_s,
+)
+from prismlb.sim._types import SimRequest, Workload
+from prismlb.wire import Slice
+
+
+def _request(rid: int, tokens: int, signature: str = "text", media: dict[str, int] | None = None) -> SimRequest:
+    return SimRequest(rid, float(rid), tokens, 10, (), signature=signature, media=media or {})
+
+
+def test_short_text_prompt_gets_the_slice_tau0() -> None:
+    # a100: 1000 tokens at 10,000 tokens/s = 0.1 s unloaded; 5 × 0.1 s is under the llm τ0 of 800 ms
+    assert slo_s(_request(1, 1000), pool_classes(TEXT_CLUSTER)) == pytest.approx(0.8)
+
+
+def test_long_text_prompt_gets_the_scaled_unloaded_ttft() -> None:
+    # a100: 10,000 tokens = 1.0 s unloaded, × 5
+    assert slo_s(_request(1, 10_000), pool_classes(TEXT_CLUSTER)) == pytest.approx(5.0)
+
+
+def test_media_encoders_count_on_the_slice_pool_class() -> None:
+    classes = pool_classes(MM_CLUSTER)
+    assert classes[Slice.VLM] == {"h100"} and classes[Slice.AV] == {"l40s"}
+    # vlm on h100: 2 images × 15 ms + 20,000 tokens / 20,000 tokens/s = 1.03 s, × 5
+    image = _request(1, 20_000, "image+text", {"image": 2})
+    assert slo_s(image, classes) == pytest.approx(5 * 1.03)
+    # av on l40s: one clip at 70 ms + 3000 tokens / 6000 tokens/s = 0.57 s, × 5
+    audio = _request(2, 3000, "audio+text", {"audio": 1})
+    assert slo_s(audio, classes) == pytest.approx(5 * 0.57)
+
+
+def test_a_mixed_pool_takes_its_slowest_class() -> None:
+    # no A100 in the multimodal cluster: text may run anywhere, and the L40S (6000 tokens/s) is the slowest
+    classes = pool_classes(MM_CLUSTER)
+    assert classes[Slice.LLM] == {"h100", "l40s"}
+    assert slo_s(_request(1, 6000), classes) == pytest.approx(5.0)
+
+
+def test_an_empty_pool_takes_its_fallback_classes() -> None:
+    # no vector-database host: rag falls back to llm's A100s (τ0 800 ms, and 20,000 tokens = 2 s × 5)
+    classes = pool_classes(TEXT_CLUSTER)
+    assert classes[Slice.RAG] == {"a100"}
+    assert slo_s(_request(1, 20_000, "rag+text"), classes) == pytest.approx(10.0)
+
+
+def test_attainment_counts_failed_and_unfinished_requests_as_misses() -> None:
+    requests = [_request(i, 1000) for i in range(4)]  # SLO 0.8 s each
+    workload = Workload("hand", requests, 16, "test")
+    assert attainment(workload, {0: 0.5, 1: 0.8, 2: 0.81}, TEXT_CLUSTER) == pytest.approx(0.5)
+    assert attainment(workload, {}, TEXT_CLUSTER) == 0.0
+
+
+def test_a_run_carries_the_ttft_of_each_completed_request() -> None:
+    result = run_case(Case("mooncake", "least-conn", 0.8, 1, 30))
+    workload, _ = _workload("mooncake", 1, 30)
+    assert len(result.ttft_s) == result.completed == len(workload.requests)
+    assert all(t > 0 for t in result.ttft_s.values())
+
+
+def test_search_brackets_the_edge_of_a_step() -> None:
+    probed: list[float] = []
+
+    def measure(probes: list[Probe]) -> list[float]:
+        probed.extend(u for _, _, u in probes)
+        return [1.0 if u <= 0.77 else 0.5 for _, _, u in probes]
+
+    found = search([("t", "a")], measure)
+    load, met, above, above_met = found[("t", "a")]
+    assert above is not None and load <= 0.77 < above
+    assert above - load == pytest.approx((SEARCH_HIGH - SEARCH_LOW) / 2**SEARCH_STEPS)
+    assert met == 1.0 and above_met == 0.5 and len(probed) == 2 + SEARCH_STEPS
+
+
+def test_search_reports_the_ends_when_every_or_no_load_passes() -> None:
+    found = search([("t", "easy"), ("t", "hard")], lambda ps: [1.0 if p == "easy" else 0.0 for _, p, _ in ps])
+    assert found[("t", "easy")] == (SEARCH_HIGH, 1.0, None, None)
+    assert found[("t", "hard")] == (0.0, 0.0, SEARCH_LOW, 0.0)
+
+
+def test_goodput_on_a_small_trace_is_deterministic_and_brackets_the_target() -> None:
+    rows = goodput(["mooncake"], ["prism", "least-conn"], seed=1, limit=60)
+    assert rows == goodput(["mooncake"], ["prism", "least-conn"], seed=1, limit=60)
+    workload, _ = _workload("mooncake", 1, 60)
+    nodes = cluster_for("mooncake", workload)
+    for row in rows:
+        assert row.utilisation > 0 and row.requests_per_s > 0
+        at = run_case(Case("mooncake", row.policy, row.utilisation, 1, 60))
+        assert attainment(workload, at.ttft_s, nodes) == row.attainment >= GOODPUT_TARGET
+        if row.above is None:
+            assert row.utilisation == SEARCH_HIGH
+        else:
+            over = run_case(Case("mooncake", row.policy, row.above, 1, 60))
+            assert attainment(workload, over.ttft_s, nodes) == row.above_attainment < GOODPUT_TARGET
+
+
+def test_prism_eval_goodput_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["eval", "--goodput", "--traces", "mooncake", "--limit", "30", "--policies", "prism,least-conn"]
+    assert main([*argv, "--no-report", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| workload | policy | goodput (utilisation) |" in out
+    assert "| mooncake | prism |" in out and "| mooncake | least-conn |" in out
+    assert "2 searches" in out
