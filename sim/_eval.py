@@ -81,6 +81,19 @@ def policy_factories(block_tokens: int) -> dict[str, Callable[[], Policy]]:
     }
 
 
+def _policy(name: str, block_tokens: int) -> Policy:
+    """A policy of `policy_factories`, or an ablation of Prism (`_ablations.VARIANTS`) by name, which it takes
+    as its policy name so that its results are told apart from the full Prism's."""
+    from ._ablations import VARIANTS
+
+    factories = policy_factories(block_tokens)
+    if name in factories:
+        return factories[name]()
+    policy = VARIANTS[name](block_tokens)
+    policy.name = name
+    return policy
+
+
 @dataclass(frozen=True, slots=True)
 class Case:
     trace: str | Path
@@ -112,7 +125,7 @@ def run_case(case: Case) -> RunResult:
     nodes = cluster_for(case.trace, workload)
     tokens, media = capacity(nodes)
     scaled = scale_to_utilisation(workload, case.utilisation, tokens, encoder_s_per_media=media)
-    policy = policy_factories(workload.block_tokens)[case.policy]()
+    policy = _policy(case.policy, workload.block_tokens)
     kill = Kill(nodes[len(nodes) // 2 - 1].name) if case.kill else None
     result = Simulation(scaled, policy, nodes, utilisation=case.utilisation, seed=case.seed, kill=kill).run()
     return dataclasses.replace(result, kv_hit_bound=bound)
@@ -254,6 +267,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="instead of the levels: per trace and policy, the highest load with 90%% of requests within their "
         "TTFT SLO (sim/_slo.py); prints its table only",
     )
+    parser.add_argument(
+        "--ablations",
+        action="store_true",
+        help="instead of the policies: the full Prism and each of its ablations (sim/_ablations.py) at the levels, "
+        "without kill runs; prints its table only",
+    )
     parser.set_defaults(func=_run)
 
 
@@ -276,6 +295,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.trace:
         traces = [] if args.traces == ",".join(WORKLOADS) and not args.workload else traces
         traces += _trace_files(args.trace, traces, args.seed, args.limit)
+    if args.ablations and (args.goodput or args.policies is not None):
+        raise SystemExit("prism eval: --ablations runs its own variants, without --goodput or --policies")
     known = list(policy_factories(1))
     policies = known if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
     if set(policies) - set(known):
@@ -298,6 +319,15 @@ def _run(args: argparse.Namespace) -> int:
         print()
         print(format_goodput(rows))
         print(f"{len(rows)} searches in {time.monotonic() - started:.0f} s")
+        return 0
+    if args.ablations:
+        from ._ablations import VARIANTS, format_ablations
+
+        todo = cases(traces, [PRISM, *VARIANTS], args.levels, seed=args.seed, limit=args.limit, kill=False)
+        results = run_all(todo, args.jobs, progress)
+        print()
+        print(format_ablations(results))
+        print(f"{len(results)} runs in {time.monotonic() - started:.0f} s")
         return 0
     todo = cases(traces, policies, args.levels, seed=args.seed, limit=args.limit, kill=not args.no_kill)
     results = run_all(todo, args.jobs, progress)

@@ -10,6 +10,9 @@ runs are deterministic). All of it runs on the simulation's clock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
 from prismlb.brain import BrainConfig
@@ -18,6 +21,8 @@ from prismlb.router import PREFIX_TOKENS, Lease, Outcome, Request, Router, Setti
 from ._types import ClusterView, Policy, SimRequest
 from ._types import Outcome as SimOutcome
 
+if TYPE_CHECKING:
+    from prismlb.brain import Brain
 
 
 def affinity_key(request: SimRequest, block_tokens: int) -> int:
@@ -30,7 +35,11 @@ def affinity_key(request: SimRequest, block_tokens: int) -> int:
 
 
 class PrismPolicy(Policy):
-    """The brain and `gateways` routers, on simulated time."""
+    """The brain and `gateways` routers, on simulated time.
+
+    `brain` builds the brain (default: the library's `Brain`) and `sessions=False` sends every request without
+    its session: the seams the ablations (`_ablations`) switch parts of Prism off with. `train_steps=0` skips
+    training, for a brain whose predictor has nothing to train."""
 
     name = "prism"
 
@@ -42,18 +51,21 @@ class PrismPolicy(Policy):
         settings: Settings | None = None,
         train_interval_s: float = 30.0,
         train_steps: int = 4,
+        brain: Callable[[BrainConfig], Brain] | None = None,
+        sessions: bool = True,
     ) -> None:
         from prismlb.brain import Brain
 
         self.config = BrainConfig(admin_port=0, stale_periods=3.0)
         self.tick_s = self.config.cycle_s
         torch.manual_seed(0)
-        self.brain = Brain(self.config)
+        self.brain = (brain or Brain)(self.config)
         self.now = 0.0
         self.routers = [Router(settings=settings, clock=self._clock) for _ in range(gateways)]
         self.block_tokens = block_tokens
         self.train_interval_s = train_interval_s
         self.train_steps = train_steps
+        self.sessions = sessions
         self._next_train = train_interval_s
         self._leases: dict[int, Lease] = {}
 
@@ -63,7 +75,7 @@ class PrismPolicy(Policy):
     def tick(self, view: ClusterView, now: float) -> None:
         self.now = now
         self.brain.ingest(list(view.vectors()), now)
-        if now >= self._next_train:
+        if self.train_steps and now >= self._next_train:
             self._next_train = now + self.train_interval_s
             self.brain.predictor.train_step(float("inf"), max_steps=self.train_steps)
         table = self.brain.tick(now, now)
@@ -80,7 +92,7 @@ class PrismPolicy(Policy):
         placed = Request(
             key=affinity_key(request, self.block_tokens),
             modality=request.signature,
-            session=request.session,
+            session=request.session if self.sessions else None,
             cost=max(1, request.input_tokens),
         )
         lease = router.request(placed, exclude=exclude)

@@ -1,0 +1,148 @@
+"""Ablations: Prism with one part switched off, replayed beside the full Prism (`prism eval --ablations`).
+
+Each variant is the replay's Prism (`_prism.PrismPolicy` with the replay's settings) but for the one part its
+docstring names, switched off through a seam of the replay (a brain subclass, a policy argument), never
+through a branch in the library: what a variant loses against the full Prism is what that part earns.
+`VARIANTS` lists them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import msgspec
+
+from prismlb.brain import Brain, BrainConfig, NodeState
+from prismlb.brain._predictor import PredictorConfig
+from prismlb.router import Settings
+from prismlb.wire import Slice, TableNode
+
+from ._eval import PRISM, PRISM_SETTINGS
+from ._prism import PrismPolicy
+from ._report import MISSING, _md_table, format_ms, format_pct
+from ._types import Policy, RunResult
+
+
+class EwmaPredictor:
+    """An exponentially weighted moving average of each node's observed P99, with the `Predictor`'s
+    `observe`/`predict`/`forget` (all the brain's loop calls) and its EWMA factor.
+
+    Unlike `Predictor`, it predicts from a node's first observed P99 on (the `Predictor` waits for a full input
+    sequence of `steps` windows, whichever of its predictors it uses), and it has nothing to train."""
+
+    def __init__(self, alpha: float = PredictorConfig().ewma_alpha) -> None:
+        self.alpha = alpha
+        self._ewma_ms: dict[str, float] = {}
+
+    def observe(self, node_id: str, features_row: Sequence[float], p99_ms: float | None) -> None:
+        """Fold one window's P99 into the node's average; a window without requests (None) leaves it."""
+        if p99_ms is None:
+            return
+        before = self._ewma_ms.get(node_id)
+        self._ewma_ms[node_id] = p99_ms if before is None else self.alpha * p99_ms + (1.0 - self.alpha) * before
+
+    def predict(self, node_ids: Iterable[str]) -> dict[str, float | None]:
+        """The average per node, None for a node without an observed P99."""
+        return {node_id: self._ewma_ms.get(node_id) for node_id in node_ids}
+
+    def forget(self, node_id: str) -> None:
+        self._ewma_ms.pop(node_id, None)
+
+
+class EwmaBrain(Brain):
+    """The brain with `EwmaPredictor` in place of the LSTM-Attention predictor (and its baselines)."""
+
+    def __init__(self, config: BrainConfig) -> None:
+        super().__init__(config)
+        # a replay's brain only observes, predicts and forgets (no training thread, checkpoint or metrics scrape)
+        self.predictor = EwmaPredictor()  # type: ignore[assignment]
+
+
+class NoPredictorBrain(Brain):
+    """The brain without predictions: `compute_weights` falls back to each node's observed TTFT P99."""
+
+    def predict(self) -> None:
+        self.predictions = {}
+
+
+class FlatWeightsBrain(Brain):
+    """The brain publishing weight 1.0 for every table entry (membership, loads and predictions unchanged)."""
+
+    def _weights(self, states: dict[str, NodeState]) -> dict[Slice, list[TableNode]]:
+        return {
+            slice_: [msgspec.structs.replace(entry, weight=1.0) for entry in entries]
+            for slice_, entries in super()._weights(states).items()
+        }
+
+
+class NoHealthBrain(Brain):
+    """The brain weighing every node as perfectly healthy (quality 1.0): weights are s(τ̂) alone.
+
+    The weights are computed on copies of the states with quality 1.0, so the registry's smoothed quality (which
+    the next vector's quality is averaged with) stays the real one; the held weights (hysteresis) go back."""
+
+    def _weights(self, states: dict[str, NodeState]) -> dict[Slice, list[TableNode]]:
+        healthy = {node_id: dataclasses.replace(state, quality=1.0) for node_id, state in states.items()}
+        try:
+            return super()._weights(healthy)
+        finally:
+            for node_id, copy in healthy.items():
+                states[node_id].weights = copy.weights
+
+
+def defaults(block_tokens: int) -> Policy:
+    """Prism's router with the library's `Settings()`, what an embedding user gets: switched off are the replay's
+    settings (prefill-work load, prefix memory, balance 1.05, the 120 s slow first token)."""
+    return PrismPolicy(block_tokens=block_tokens, settings=Settings())
+
+
+def flat_weights(block_tokens: int) -> Policy:
+    """Every published weight 1.0: health, alarms and latency sensitivity no longer shape the ring."""
+    return PrismPolicy(block_tokens=block_tokens, settings=PRISM_SETTINGS, brain=FlatWeightsBrain)
+
+
+def ewma(block_tokens: int) -> Policy:
+    """The LSTM-Attention predictor replaced by an EWMA of each node's observed P99 (`EwmaPredictor`)."""
+    return PrismPolicy(block_tokens=block_tokens, settings=PRISM_SETTINGS, brain=EwmaBrain, train_steps=0)
+
+
+def no_predictor(block_tokens: int) -> Policy:
+    """No predictions: the weights' τ̂ is each node's observed TTFT P99 (`NoPredictorBrain`)."""
+    return PrismPolicy(block_tokens=block_tokens, settings=PRISM_SETTINGS, brain=NoPredictorBrain, train_steps=0)
+
+
+def no_health(block_tokens: int) -> Policy:
+    """Health and alarms ignored (quality 1.0 for every node): the weights are latency sensitivity alone."""
+    return PrismPolicy(block_tokens=block_tokens, settings=PRISM_SETTINGS, brain=NoHealthBrain)
+
+
+def no_sessions(block_tokens: int) -> Policy:
+    """Requests carry no session: a conversation is kept together by its prefix key and prefix memory only."""
+    return PrismPolicy(block_tokens=block_tokens, settings=PRISM_SETTINGS, sessions=False)
+
+
+VARIANTS: dict[str, Callable[[int], Policy]] = {
+    "defaults": defaults,
+    "flat-weights": flat_weights,
+    "ewma": ewma,
+    "no-predictor": no_predictor,
+    "no-health": no_health,
+    "no-sessions": no_sessions,
+}
+"""Every ablation by name; each builds its policy from the workload's KV block size."""
+
+
+def format_ablations(results: Sequence[RunResult]) -> str:
+    """One Markdown table: each run's TTFT P99 and KV hit rate, and its P99 over the full Prism's on the same
+    trace and level (above 1: the part switched off was earning its keep)."""
+    full = {(r.trace, r.utilisation): r.slices["all"].ttft_p99_ms for r in results if r.policy == PRISM}
+    rows = []
+    for r in results:
+        p99 = r.slices["all"].ttft_p99_ms
+        reference = full.get((r.trace, r.utilisation))
+        ratio = f"{p99 / reference:.2f}" if reference and math.isfinite(p99) else MISSING
+        rows.append([r.policy, r.trace, f"{r.utilisation:.0%}", format_ms(p99), format_pct(r.kv_hit_rate), ratio])
+    header = ["variant", "trace", "level", "TTFT p99 ms", "KV hit %", "p99 / full Prism"]
+    return _md_table(header, rows, text_columns=(0, 1, 2))

@@ -1,0 +1,139 @@
+"""Each ablation switches off what it claims and nothing runs differently without `--ablations`."""
+
+from __future__ import annotations
+
+import pytest
+
+from prismlb.brain import Brain, BrainConfig
+from prismlb.cli import main
+from prismlb.router import Settings
+from prismlb.sim._ablations import (
+    VARIANTS,
+    EwmaBrain,
+    EwmaPredictor,
+    FlatWeightsBrain,
+    NoHealthBrain,
+    NoPredictorBrain,
+    defaults,
+    no_sessions,
+)
+from prismlb.sim._cluster import Simulation
+from prismlb.sim._eval import PRISM_SETTINGS, TEXT_CLUSTER, capacity, policy_factories
+from prismlb.sim._families import family_workload
+from prismlb.sim._prism import PrismPolicy
+from prismlb.sim._workload import scale_to_utilisation
+from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector, RoutingTable
+
+CONFIG = BrainConfig(admin_port=0, stale_periods=3.0)
+
+
+def vector(node_id: str, seq: int, p99_ms: float | None, **metrics: float) -> NodeVector:
+    return NodeVector(
+        node_id=node_id,
+        host=node_id,
+        endpoint=f"http://{node_id}:8000",
+        zone="z1",
+        seq=seq,
+        sample_time_unix_s=1000.0 + seq,
+        period_s=1.0,
+        metrics=NodeMetrics(**metrics),  # type: ignore[arg-type]
+        latency={} if p99_ms is None else {"engine": ModalityLatency(requests=10, ttft_p99_ms=p99_ms)},
+    )
+
+
+def table(brain: Brain, vectors: list[NodeVector]) -> RoutingTable:
+    brain.ingest(vectors, 1.0)
+    built = brain.cycle(1.0)
+    assert built is not None
+    return built
+
+
+def weights(built: RoutingTable) -> dict[str, float]:
+    return {n.node_id: n.weight for s in built.slices for n in s.nodes}
+
+
+def test_every_variant_is_listed_with_a_docstring() -> None:
+    assert list(VARIANTS) == ["defaults", "flat-weights", "ewma", "no-predictor", "no-health", "no-sessions"]
+    assert all(factory.__doc__ for factory in VARIANTS.values())
+    assert not set(VARIANTS) & set(policy_factories(16))
+
+
+def test_flat_weights_publish_every_entry_at_one() -> None:
+    vectors = [vector("slow", 1, 4000.0, cpu_util_ratio=0.45), vector("fast", 2, 200.0)]
+    assert min(weights(table(Brain(CONFIG), vectors)).values()) < 1.0
+    flat = table(FlatWeightsBrain(CONFIG), vectors)
+    assert [n.weight for s in flat.slices for n in s.nodes] and all(
+        n.weight == 1.0 for s in flat.slices for n in s.nodes
+    )
+
+
+def test_no_health_weighs_by_latency_alone_and_keeps_the_real_quality() -> None:
+    vectors = [vector("sick", 1, 400.0, cpu_util_ratio=0.45), vector("well", 2, 400.0)]
+    full = weights(table(Brain(CONFIG), vectors))
+    assert full["sick"] < full["well"]
+    brain = NoHealthBrain(CONFIG)
+    ablated = weights(table(brain, vectors))
+    assert ablated["sick"] == ablated["well"] == full["well"]
+    assert brain.registry.nodes["sick"].quality < 1.0 and brain.registry.nodes["sick"].weights
+
+
+def test_ewma_predictor_follows_the_formula() -> None:
+    predictor = EwmaPredictor(alpha=0.5)
+    for p99 in (100.0, None, 300.0, 500.0):
+        predictor.observe("a", (), p99)
+    assert predictor.predict(["a", "b"]) == {"a": 350.0, "b": None}  # 100, 100, 0.5·300 + 0.5·100, 0.5·500 + 0.5·200
+    predictor.forget("a")
+    assert predictor.predict(["a"]) == {"a": None}
+
+
+def test_ewma_brain_predicts_the_ewma_of_the_observed_p99() -> None:
+    brain = EwmaBrain(CONFIG)
+    for seq, p99 in enumerate((100.0, 300.0, 500.0), 1):
+        brain.ingest([vector("a", seq, p99)], float(seq))
+        brain.observe_window()
+    brain.predict()
+    assert set(brain.predictions["a"].values()) == {350.0}  # a first prediction is taken unsmoothed
+
+
+def test_no_predictor_brain_has_no_predictions_where_the_full_brain_has() -> None:
+    full, ablated = Brain(CONFIG), NoPredictorBrain(CONFIG)
+    for brain in (full, ablated):
+        for seq in range(1, 21):  # more than the predictor's 16-window input sequence
+            brain.ingest([vector("a", seq, 100.0 + seq)], float(seq))
+            brain.observe_window()
+        brain.predict()
+    assert full.predictions["a"] and ablated.predictions == {}
+
+
+def test_defaults_take_the_librarys_settings() -> None:
+    policy = defaults(16)
+    try:
+        assert isinstance(policy, PrismPolicy) and policy.routers[0].settings == Settings() != PRISM_SETTINGS
+    finally:
+        policy.close()
+
+
+def test_no_sessions_sends_no_session_to_the_router() -> None:
+    workload = family_workload("sessions", 60)
+    assert any(r.session for r in workload.requests)
+    scaled = scale_to_utilisation(workload, 0.5, capacity(TEXT_CLUSTER)[0])
+    remembered = {}
+    for name, policy in (("full", policy_factories(workload.block_tokens)["prism"]()), ("ablated", no_sessions(16))):
+        assert isinstance(policy, PrismPolicy)
+        Simulation(scaled, policy, TEXT_CLUSTER, utilisation=0.5, seed=1).run()
+        remembered[name] = len(policy.routers[0]._sessions)
+    assert remembered["full"] > 0 and remembered["ablated"] == 0
+
+
+def test_eval_ablations_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["eval", "--ablations", "--traces", "mooncake", "--limit", "100", "--levels", "80%", "--no-report"]
+    assert main([*argv, "--jobs", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "| variant | trace | level | TTFT p99 ms | KV hit % | p99 / full Prism |" in printed
+    assert printed.count("| mooncake | 80% |") == 1 + len(VARIANTS)
+    for name in ("prism", *VARIANTS):
+        assert f"| {name} | mooncake | 80% |" in printed
+    prism_row = next(line for line in printed.splitlines() if line.startswith("| prism | mooncake"))
+    assert prism_row.endswith("| 1.00 |")
+    with pytest.raises(SystemExit, match="--ablations"):
+        main([*argv, "--goodput"])
