@@ -200,7 +200,27 @@ class _Worker:
                 self.healthy, self.health_fails = False, 0
 
 
-class SGLangCacheAware(Policy):
+class WorkerOutcomes:
+    """sgl-router's per-worker accounting, shared by the routers forked from it: requests in flight per worker
+    (its load), and each attempt's outcome fed to the worker's circuit breaker when the attempt ends (an
+    attempt refused at the instant of dispatch is a failure, a completed one a success)."""
+
+    workers: dict[str, _Worker]
+    _sent_at: dict[int, float]
+
+    def dispatched(self, node: str, request: SimRequest, now: float) -> None:
+        self.workers[node].load += 1
+        self._sent_at[request.id] = now
+
+    def finished(self, node: str, request: SimRequest, now: float, outcome: Outcome) -> None:
+        worker = self.workers[node]
+        worker.load = max(0, worker.load - 1)
+        refused = self._sent_at.pop(request.id, None) == now and outcome is Outcome.CONNECT_ERROR
+        if refused or outcome is Outcome.OK:
+            worker.outcome(not refused, now)
+
+
+class SGLangCacheAware(WorkerOutcomes, Policy):
     """sgl-router `cache_aware` with the launcher's defaults, health checker and circuit breaker."""
 
     name = "sglang"
@@ -249,17 +269,6 @@ class SGLangCacheAware(Policy):
         if selected is not None and selected not in available:
             self.tree.remove(selected)
         return allowed[0]
-
-    def dispatched(self, node: str, request: SimRequest, now: float) -> None:
-        self.workers[node].load += 1
-        self._sent_at[request.id] = now
-
-    def finished(self, node: str, request: SimRequest, now: float, outcome: Outcome) -> None:
-        worker = self.workers[node]
-        worker.load = max(0, worker.load - 1)
-        refused = self._sent_at.pop(request.id, None) == now and outcome is Outcome.CONNECT_ERROR
-        if refused or outcome is Outcome.OK:
-            worker.outcome(not refused, now)
 
     def tick(self, view: ClusterView, now: float) -> None:
         for name in self.names:

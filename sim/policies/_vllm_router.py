@@ -32,8 +32,8 @@ Simplifications and mappings:
 from __future__ import annotations
 
 from .._cluster import KV_EVENT_DELAY_S
-from .._types import ClusterView, Outcome, Policy, SimRequest
-from ._sglang import HEALTH_CHECK_INTERVAL_S, _Worker
+from .._types import ClusterView, Policy, SimRequest
+from ._sglang import HEALTH_CHECK_INTERVAL_S, WorkerOutcomes, _Worker
 
 SPECULATIVE_TTL_S = 2.0
 
@@ -87,7 +87,7 @@ class BlockIndex:
                 del self.holders[block]
 
 
-class VllmKvAware(Policy):
+class VllmKvAware(WorkerOutcomes, Policy):
     """vllm-router `kv_aware` with `KvAwareConfig`'s defaults and sgl-router's health checks and breakers."""
 
     name = "vllm-kv-aware"
@@ -139,14 +139,3 @@ class VllmKvAware(Policy):
 
     def _least_loaded(self, candidates: list[str]) -> str:
         return min(candidates, key=lambda n: self.workers[n].load)
-
-    def dispatched(self, node: str, request: SimRequest, now: float) -> None:
-        self.workers[node].load += 1
-        self._sent_at[request.id] = now
-
-    def finished(self, node: str, request: SimRequest, now: float, outcome: Outcome) -> None:
-        worker = self.workers[node]
-        worker.load = max(0, worker.load - 1)
-        refused = self._sent_at.pop(request.id, None) == now and outcome is Outcome.CONNECT_ERROR
-        if refused or outcome is Outcome.OK:
-            worker.outcome(not refused, now)
