@@ -471,6 +471,7 @@ def test_lost_events_are_counted_and_tracing_goes_on() -> None:
     is either delivered or counted as lost, and tracing goes on."""
     require_ebpf()
     count = 1_500
+    cpus = sorted(os.sched_getaffinity(0))
     with socket.create_server(("127.0.0.1", 0), backlog=512) as listener:
         port = listener.getsockname()[1]
         tracer = _open(ports=(port,), page_cnt=1)
@@ -481,14 +482,25 @@ def test_lost_events_are_counted_and_tracing_goes_on() -> None:
         while tracer.poll(10):  # drain the full buffers
             pass
         with _polled(tracer) as seen:
-            # The kernel reports what it dropped in front of the next event it can write: make one.
-            with socket.create_connection(listener.getsockname(), timeout=5) as sock:
-                listener.accept()[0].close()
-                four_tuple = _tuple(sock)
-            seen.one("established", "client", four_tuple)
-            seen.one("closed", "client", four_tuple)
+            # The kernel reports what a CPU's buffer dropped in front of the next event that CPU writes: make one
+            # connection on every CPU (loopback handles a packet on the sending CPU).
+            try:
+                for cpu in cpus:
+                    os.sched_setaffinity(0, {cpu})
+                    with socket.create_connection(listener.getsockname(), timeout=5) as sock:
+                        listener.accept()[0].close()
+                        four_tuple = _tuple(sock)
+                    seen.one("established", "client", four_tuple)
+                    seen.one("closed", "client", four_tuple)
+            finally:
+                os.sched_setaffinity(0, cpus)
             # per connection: client ESTABLISHED and CLOSED, server CLOSED (never read or written, so no pid)
-            assert _wait(lambda: tracer.events_total + tracer.lost_events == 3 * (count + 1))
+            expected = 3 * (count + len(cpus))
+            assert _wait(lambda: tracer.events_total + tracer.lost_events == expected), (
+                tracer.events_total,
+                tracer.lost_events,
+                expected,
+            )
         assert tracer.lost_events > 0
 
 
