@@ -71,13 +71,14 @@ PRISM_SETTINGS = Settings(load="prefill", balance=1.05, prefix_memory=100_000, s
 def policy_factories(block_tokens: int) -> dict[str, Callable[[], Policy]]:
     """Prism first, then the baselines, by name."""
     from ._prism import PrismPolicy
-    from .policies import BASELINES, DynamoKvRouter, VllmKvAware
+    from .policies import BASELINES, AIBrixPrefixCache, DynamoKvRouter, VllmKvAware
 
     return {
         PRISM: lambda: PrismPolicy(block_tokens=block_tokens, settings=PRISM_SETTINGS),
         **BASELINES,
         "dynamo-kv": lambda: DynamoKvRouter(block_tokens=block_tokens),
         "vllm-kv-aware": VllmKvAware,
+        "aibrix-prefix": lambda: AIBrixPrefixCache(block_tokens=block_tokens),
     }
 
 

@@ -11,6 +11,7 @@ import pytest
 from prismlb.sim._types import ClusterView, EngineStats, KvEvent, Outcome, Policy, SimNode, SimRequest, Workload
 from prismlb.sim.policies import (
     BASELINES,
+    AIBrixPrefixCache,
     DynamoKvRouter,
     LeastConnections,
     LLMDScorer,
@@ -19,6 +20,7 @@ from prismlb.sim.policies import (
     SGLangCacheAware,
     VllmKvAware,
 )
+from prismlb.sim.policies._aibrix import PrefixHashTable
 from prismlb.sim.policies._llmd import PrefixIndex
 from prismlb.sim.policies._nginx_hash import ring_points
 from prismlb.sim.policies._sglang import PrefixTree
@@ -100,9 +102,9 @@ def test_baselines_are_named_by_their_key() -> None:
         assert make().name == name
 
 
-@pytest.mark.parametrize("name", sorted(BASELINES))
-def test_every_baseline_respects_exclude(name: str) -> None:
-    policy, view = started(BASELINES[name](), ("a", "b", "c", "d"))
+@pytest.mark.parametrize("make", [*BASELINES.values(), AIBrixPrefixCache], ids=[*BASELINES, "aibrix-prefix"])
+def test_every_baseline_respects_exclude(make: Callable[[], Policy]) -> None:
+    policy, view = started(make(), ("a", "b", "c", "d"))
     policy.tick(view, 0.0)
     for i in range(40):
         for exclude in (frozenset({"a"}), frozenset({"a", "b", "c"}), frozenset({"b", "d"})):
@@ -521,3 +523,104 @@ def test_kv_routers_run_in_a_replay_with_a_kill_and_receive_delayed_events() -> 
     holders = policy.index.overlap((1, 2, 3))
     assert holders and "n1" not in {e.node for _, e in delivered if e.time_s > 4.0}
     assert sum(len(e.stored) for _, e in delivered) >= 40  # every request's own last block was cached somewhere
+
+
+# --- AIBrix prefix-cache ----------------------------------------------------------------------------------------
+
+
+def aibrix(holders: dict[str, tuple[int, ...]], running: dict[str, int]) -> AIBrixPrefixCache:
+    """AIBrix's router on pods a-d, its index holding `holders` and the gateway counting `running` requests."""
+    policy = AIBrixPrefixCache(block_tokens=512)
+    policy.start(FakeView(("a", "b", "c", "d")), 0.0)
+    for pod, blocks in holders.items():
+        policy.index.add(blocks, pod, 0.0)
+    for pod, n in running.items():
+        policy.workers[pod].load = n
+    return policy
+
+
+def test_aibrix_prefix_percent_is_matched_text_tokens_over_the_prompt_text() -> None:
+    policy = AIBrixPrefixCache(block_tokens=512)
+    partial = SimRequest(1, 0.0, 2000, 8, (1, 2, 3, 4))  # the last 512-token block holds 464 tokens
+    assert [policy.match_percent(partial, n) for n in (1, 3, 4)] == [25, 76, 100]  # 512, 1536, 2000 of 2000
+    media = SimRequest(2, 0.0, 2048 + 1000, 8, (1, 2, 3, 4), "image+text", {"image": 1}, 1000)
+    assert policy.match_percent(media, 2) == 50  # 1024 of the 2048 text tokens
+    assert policy.index.capacity == 200_000 * 4 // (4 * 512) == 390
+
+
+def test_aibrix_prefix_picks_the_best_match_then_fewest_running_within_mean_plus_one_stddev() -> None:
+    held = {"a": (1, 2, 3, 4), "b": (1, 2, 3), "d": (1, 2)}  # 100%, 75%, 50% of req(1, (1, 2, 3, 4))
+    # running 2, 1, 1, 2: mean 1.5, sample stddev sqrt(4 * 0.25 / 3) = 0.58, bound 2.08: a is within it
+    assert aibrix(held, {"a": 2, "b": 1, "c": 1, "d": 2}).choose(req(1, (1, 2, 3, 4)), 1.0, frozenset()) == "a"
+    # running 5, 0, 4, 3: mean 3, the sample stddev sqrt(14 / 3) = 2.16 gives 5.16 and keeps a (the population's,
+    # sqrt(14 / 4) = 1.87, would not)
+    assert aibrix(held, {"a": 5, "b": 0, "c": 4, "d": 3}).choose(req(1, (1, 2, 3, 4)), 1.0, frozenset()) == "a"
+    # a and b both at 100%: fewer running requests first
+    tied = {"a": (1, 2, 3, 4), "b": (1, 2, 3, 4)}
+    assert aibrix(tied, {"a": 2, "b": 1, "c": 1, "d": 2}).choose(req(1, (1, 2, 3, 4)), 1.0, frozenset()) == "b"
+    # running 9, 2, 1, 1 (range 8, not above 8: balanced): mean 3.25, stddev sqrt(44.75 / 3) = 3.86, bound 7.11;
+    # a (100%) is beyond it, b (75%) is the next best
+    assert aibrix(held, {"a": 9, "b": 2, "c": 1, "d": 1}).choose(req(1, (1, 2, 3, 4)), 1.0, frozenset()) == "b"
+    # only a matches and it is beyond the bound (4 > 2.25 + 1.26): the fewest running requests instead
+    alone = {"a": (1, 2, 3, 4)}
+    assert aibrix(alone, {"a": 4, "b": 2, "c": 1, "d": 2}).choose(req(1, (1, 2, 3, 4)), 1.0, frozenset()) == "c"
+
+
+def test_aibrix_prefix_matches_only_among_the_least_loaded_when_running_requests_differ_by_more_than_8() -> None:
+    held = {"a": (1, 2, 3, 4), "b": (1, 2, 3), "d": (1, 2)}
+    # range 9 > 8: candidates are c and d (1 running each); d holds the first two blocks, a and b are not asked
+    assert aibrix(held, {"a": 10, "b": 2, "c": 1, "d": 1}).choose(req(1, (1, 2, 3, 4)), 1.0, frozenset()) == "d"
+    # c alone has the fewest and matches nothing: the least running requests over every ready pod
+    assert aibrix(held, {"a": 10, "b": 2, "c": 1, "d": 2}).choose(req(1, (1, 2, 3, 4)), 1.0, frozenset()) == "c"
+
+
+def test_aibrix_prefix_indexes_its_own_placements_and_a_walk_drops_pods_missing_a_block() -> None:
+    policy, view = started(AIBrixPrefixCache(), ("a", "b", "c", "d"))
+    first = send(policy, view, req(0, (1, 2, 3)), 0.0)[0]  # nothing indexed, all idle: a seeded draw
+    assert all(send(policy, view, req(i, (1, 2, 3, 10 + i)), 0.1 * i) == [first] for i in range(1, 5))
+    table = PrefixHashTable(capacity=10)
+    table.add((1, 2, 3), "a", 0.0)
+    table.add((1, 3), "b", 0.0)  # b misses block 2: out of the walk there
+    table.add((2, 3), "c", 0.0)  # c misses block 1: never in
+    assert table.match((1, 2, 3), ["a", "b", "c"]) == {"a": 3, "b": 1}
+    assert table.match((1, 2, 3), ["b", "c"]) == {"b": 1}  # a is no candidate: the walk ends at block 2
+
+
+def test_aibrix_prefix_index_is_one_lru_by_last_write_with_a_20_minute_ttl() -> None:
+    table = PrefixHashTable(capacity=3)
+    table.add((1, 2), "a", 0.0)
+    table.add((1, 2), "b", 1.0)  # rewritten: both pods, written at 1.0
+    table.add((7,), "c", 2.0)
+    assert table.match((1, 2), ["a", "b"]) == {"a": 2, "b": 2}  # a read does not refresh block 1
+    table.add((8,), "c", 3.0)  # a fourth hash: block 1, the least recently written, goes
+    assert list(table.entries) == [2, 7, 8]
+    assert table.match((1, 2), ["a", "b"]) == {}  # block 2 is still there, but the chain breaks at block 1
+    table.expire(1201.0, 1200.0)  # block 2 was written 1200 s ago: not more than 20 min
+    assert list(table.entries) == [2, 7, 8]
+    table.expire(1201.5, 1200.0)
+    assert list(table.entries) == [7, 8]
+
+
+def test_aibrix_prefix_drops_a_pod_after_five_failed_readiness_probes() -> None:
+    policy, view = started(AIBrixPrefixCache(), ("a", "b", "c", "d"))
+    assert isinstance(policy, AIBrixPrefixCache)
+    view.dead.add("b")
+    for t in range(16):
+        policy.tick(view, float(t))
+    assert "b" in policy.ready  # probes at 0, 5, 10, 15 s failed: four
+    for t in range(16, 21):
+        policy.tick(view, float(t))
+    assert "b" not in policy.ready
+    assert all("b" not in send(policy, view, req(i), 21.0) for i in range(20))
+    view.dead.clear()
+    for t in range(21, 26):
+        policy.tick(view, float(t))
+    assert "b" in policy.ready  # one success at 25 s
+
+
+def test_aibrix_prefix_runs_in_a_replay_with_a_kill() -> None:
+    from prismlb.sim._eval import Case, run_case
+
+    result = run_case(Case("mooncake", "aibrix-prefix", 0.8, 1, 300, kill=True))
+    assert result.policy == "aibrix-prefix" and result.killed_node == "a100-3"
+    assert result.completed >= 290 and result.kv_hit_rate > 0.0

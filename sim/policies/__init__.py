@@ -3,6 +3,7 @@
 from collections.abc import Callable
 
 from .._types import Policy
+from ._aibrix import AIBrixPrefixCache
 from ._dynamo import DynamoKvRouter
 from ._least_conn import LeastConnections
 from ._llmd import CHART_WEIGHTS, LLMDScorer
@@ -23,6 +24,7 @@ BASELINES: dict[str, Callable[[], Policy]] = {
 
 __all__ = [
     "BASELINES",
+    "AIBrixPrefixCache",
     "DynamoKvRouter",
     "LLMDScorer",
     "LeastConnections",
