@@ -3,16 +3,18 @@
 Passive health follows nginx's `max_fails` / `fail_timeout`: `max_fails` failed attempts (connect failures,
 errors, timeouts) within `fail_timeout` make the endpoint unavailable for `fail_timeout`; a success clears
 the count (and ends the down time, should a request reach the endpoint while every endpoint was down).
-The circuit breaker follows the design article: a timeout, or a first token that took `slow_s` (300 ms) or
+The circuit breaker follows the design article: a timeout, or a first token that took `slow_s` or
 more, counts as a timeout; `open_after` (3) in a row open the circuit, and after `open_s` (5 s) without
 requests it turns half-open and admits `half_open_trials` trial requests: a success closes it, any failure
-opens it again.
+opens it again. As in Envoy's outlier detection (`max_ejection_percent`), at most `max_open_share` of the
+router's endpoints (and at least one) have open circuits at once: when every endpoint is slow, the cluster is
+overloaded rather than one endpoint broken, and opening every circuit would only take capacity away.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 
@@ -80,15 +82,19 @@ class EndpointState:
         "load",
         "opened_at",
         "outcomes",
+        "peers",
         "settings",
         "state",
         "timeouts",
         "trials",
     )
 
-    def __init__(self, label: str, settings: Settings) -> None:
+    def __init__(
+        self, label: str, settings: Settings, peers: Callable[[], Collection[EndpointState]] | None = None
+    ) -> None:
         self.label = label
         self.settings = settings
+        self.peers = peers  # every endpoint state of the router, for the cap on open circuits (None: alone)
         self.inflight = 0
         self.load = 0  # what bounded load compares: requests in flight, or their prefill work (Settings.load)
         self.gated = False  # unavailable now, or recently: admits() decides
@@ -183,6 +189,10 @@ class EndpointState:
         elif outcome in _TIMEOUTS:
             self.timeouts += 1
             if self.timeouts >= self.settings.open_after:
+                if not self._may_open():
+                    self.timeouts = 0
+                    _log.debug("endpoint %s circuit kept closed: the share of open circuits is at its cap", self.label)
+                    return
                 self.state, self.opened_at, self.timeouts = Circuit.OPEN, now, 0
                 _log.warning(
                     "endpoint %s circuit open after %d timeouts in a row (first token >= %g s or timed out)",
@@ -190,3 +200,11 @@ class EndpointState:
                     self.settings.open_after,
                     self.settings.slow_s,
                 )
+
+    def _may_open(self) -> bool:
+        """Whether one more open circuit stays within `max_open_share` of the router's endpoints (one at least)."""
+        if self.peers is None:
+            return True
+        peers = self.peers()
+        opened = sum(1 for state in peers if state.state is Circuit.OPEN)
+        return opened < max(1, int(self.settings.max_open_share * len(peers)))

@@ -99,7 +99,11 @@ class Router:
         self._states: dict[str, EndpointState] = {}
         self._counters: dict[str, InFlight] = {}
         self._sessions = SessionTable(self.settings.session_ttl_s, self.settings.max_sessions)
-        self._memory = PrefixMemory(self.settings.prefix_memory) if self.settings.prefix_memory else None
+        self._memory = (
+            PrefixMemory(self.settings.prefix_memory)
+            if self.settings.prefix_memory and self.settings.load == "prefill"
+            else None
+        )
         self._has_table = threading.Event()
         self._drop_refused: tuple[tuple[str, int, int], float] | None = None  # (table, first refused at)
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -186,7 +190,7 @@ class Router:
                 used_states.add(label)
                 state = self._states.get(label)
                 if state is None:
-                    state = self._states[label] = EndpointState(label, self.settings)
+                    state = self._states[label] = EndpointState(label, self.settings, self._peer_states)
                 return state
 
             def counter_for(name: str) -> InFlight:
@@ -537,6 +541,10 @@ class Router:
     def sessions(self) -> int:
         """Sessions remembered now (expired ones included until trimmed)."""
         return len(self._sessions)
+
+    def _peer_states(self) -> Collection[EndpointState]:
+        """Every endpoint's state, for the cap on open circuits (read under the accounting lock)."""
+        return self._states.values()
 
     def status(self) -> dict[str, EndpointStatus]:
         """Each endpoint of the current table by label: in flight, available, circuit, outcome counts."""

@@ -9,32 +9,41 @@ LOAD_MODES = ("requests", "prefill")
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """Every knob of a Router; the defaults are nginx's (passive health) and the design article's (breaker)."""
+    """Every knob of a Router. Passive health has nginx's defaults and the breaker the design article's; the
+    placement knobs (load, prefix memory, balance) were chosen across every workload of the cluster replay at
+    once (`bench/knobs.py`, docs/eval.md)."""
 
-    load: str = "requests"
+    load: str = "prefill"
     """What bounded load balances. "requests": a request counts 1 while it is in flight, plus the brain's
     load estimates (requests running and waiting). "prefill": a request counts its `Request.cost` (its prompt
     tokens) from when it is sent until its first token: the prefill work this caller has queued on each
     endpoint, which is what a new request's time to first token waits behind (the brain's estimates, which
     count requests, are left out)."""
-    prefix_memory: int = 0
-    """Affinity keys remembered with the entry this router last sent each to and its cost (0: off; needs
-    `load="prefill"`). A remembered key goes back to that entry while the entry's queued prefill work, less the
+    prefix_memory: int = 100_000
+    """Affinity keys remembered with the entry this router last sent each to and its cost (0: off; used with
+    `load="prefill"` only). A remembered key goes back to that entry while the entry's queued prefill work, less the
     tokens the request should find cached there (the smaller of its cost and the last one), is under the
     bound: a conversation follows its cache, also after the bound once moved it off its ring owner."""
-    balance: float = 1.25
+    balance: float = 1.05
     """Bounded-load factor c: an entry takes a request only while its load stays under c × its weighted share
     of the slice's load (Mirrokni et al.); 0 turns the bound off."""
     max_fails: int = 1
     """nginx `max_fails`: failed attempts within `fail_timeout_s` that make an endpoint unavailable (0: never)."""
     fail_timeout_s: float = 10.0
     """nginx `fail_timeout`: the window failures are counted in, and how long the endpoint is then unavailable."""
-    slow_s: float = 0.3
-    """A first token (or streamed response head) this late counts as a timeout for the circuit breaker."""
+    slow_s: float = 10.0
+    """A first token (or streamed response head) this late counts as a timeout for the circuit breaker. The
+    design article's 300 ms suits short interactive prompts; a healthy GPU takes seconds to prefill a long
+    prompt under load, and across the replay's workloads thresholds from 10 s up are alike while 1 s and
+    300 ms cost tail latency (`bench/knobs.py`)."""
     open_after: int = 3
     """Timeouts in a row that open an endpoint's circuit."""
     open_s: float = 5.0
     """Seconds an open circuit gets no requests before it turns half-open and admits trial requests."""
+    max_open_share: float = 0.1
+    """Share of the router's endpoints that may have open circuits at once (at least one may), Envoy's
+    `max_ejection_percent`: when most endpoints are slow the cluster is overloaded, and opening their circuits
+    would only take capacity away."""
     half_open_trials: int = 1
     """Trial requests a half-open circuit admits at a time; a successful one closes it, a failed one reopens it."""
     connect_tries: int = 2
@@ -59,14 +68,16 @@ class Settings:
     def __post_init__(self) -> None:
         if self.load not in LOAD_MODES:
             raise ValueError(f"load must be one of {', '.join(LOAD_MODES)}, got {self.load!r}")
-        if self.prefix_memory < 0 or (self.prefix_memory and self.load != "prefill"):
-            raise ValueError(f"prefix_memory must be 0, or positive with load='prefill', got {self.prefix_memory}")
+        if self.prefix_memory < 0:
+            raise ValueError(f"prefix_memory must be 0 (off) or positive, got {self.prefix_memory}")
         if not (self.balance == 0 or self.balance >= 1):
             raise ValueError(f"balance must be 0 (off) or at least 1, got {self.balance}")
         for name in ("max_fails", "open_after", "half_open_trials", "connect_tries", "max_sessions", "base_points"):
             low = 0 if name == "max_fails" else 1
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
+        if not 0.0 <= self.max_open_share <= 1.0:
+            raise ValueError(f"max_open_share must be within [0, 1], got {self.max_open_share}")
         if not 0.0 <= self.max_drop_share <= 1.0:
             raise ValueError(f"max_drop_share must be within [0, 1], got {self.max_drop_share}")
         if self.max_ring_points < 1 or self.drop_hold_s < 0:

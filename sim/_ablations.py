@@ -1,6 +1,6 @@
 """Ablations: Prism with one part switched off, replayed beside the full Prism (`prism eval --ablations`).
 
-Each variant is the replay's Prism (`_prism.PrismPolicy` with the replay's settings) but for the one part its
+Each variant is the replay's Prism (`_prism.PrismPolicy` with the library's settings) but for the one part its
 docstring names, switched off through a seam of the replay (a brain subclass, a policy argument), never
 through a branch in the library: what a variant loses against the full Prism is what that part earns.
 `VARIANTS` lists them all.
@@ -16,10 +16,9 @@ import msgspec
 
 from prismlb.brain import Brain, BrainConfig, NodeState
 from prismlb.brain._predictor import PredictorConfig
-from prismlb.router import Settings
 from prismlb.wire import Slice, TableNode
 
-from ._eval import PRISM, PRISM_SETTINGS
+from ._eval import PRISM
 from ._prism import PrismPolicy
 from ._report import MISSING, _md_table, format_ms, format_pct
 from ._types import Policy, RunResult
@@ -92,39 +91,32 @@ class NoHealthBrain(Brain):
                 states[node_id].weights = copy.weights
 
 
-def defaults(block_tokens: int) -> Policy:
-    """Prism's router with the library's `Settings()`, what an embedding user gets: switched off are the replay's
-    settings (prefill-work load, prefix memory, balance 1.05, the 120 s slow first token)."""
-    return PrismPolicy(block_tokens=block_tokens, settings=Settings())
-
-
 def flat_weights(block_tokens: int) -> Policy:
     """Every published weight 1.0: health, alarms and latency sensitivity no longer shape the ring."""
-    return PrismPolicy(block_tokens=block_tokens, settings=PRISM_SETTINGS, brain=FlatWeightsBrain)
+    return PrismPolicy(block_tokens=block_tokens, brain=FlatWeightsBrain)
 
 
 def ewma(block_tokens: int) -> Policy:
     """The LSTM-Attention predictor replaced by an EWMA of each node's observed P99 (`EwmaPredictor`)."""
-    return PrismPolicy(block_tokens=block_tokens, settings=PRISM_SETTINGS, brain=EwmaBrain, train_steps=0)
+    return PrismPolicy(block_tokens=block_tokens, brain=EwmaBrain, train_steps=0)
 
 
 def no_predictor(block_tokens: int) -> Policy:
     """No predictions: the weights' τ̂ is each node's observed TTFT P99 (`NoPredictorBrain`)."""
-    return PrismPolicy(block_tokens=block_tokens, settings=PRISM_SETTINGS, brain=NoPredictorBrain, train_steps=0)
+    return PrismPolicy(block_tokens=block_tokens, brain=NoPredictorBrain, train_steps=0)
 
 
 def no_health(block_tokens: int) -> Policy:
     """Health and alarms ignored (quality 1.0 for every node): the weights are latency sensitivity alone."""
-    return PrismPolicy(block_tokens=block_tokens, settings=PRISM_SETTINGS, brain=NoHealthBrain)
+    return PrismPolicy(block_tokens=block_tokens, brain=NoHealthBrain)
 
 
 def no_sessions(block_tokens: int) -> Policy:
     """Requests carry no session: a conversation is kept together by its prefix key and prefix memory only."""
-    return PrismPolicy(block_tokens=block_tokens, settings=PRISM_SETTINGS, sessions=False)
+    return PrismPolicy(block_tokens=block_tokens, sessions=False)
 
 
 VARIANTS: dict[str, Callable[[int], Policy]] = {
-    "defaults": defaults,
     "flat-weights": flat_weights,
     "ewma": ewma,
     "no-predictor": no_predictor,

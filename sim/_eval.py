@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from prismlb.router import Settings
-
 from ._cluster import Kill, NodeSpec, Simulation
 from ._families import family_workload
 from ._model import PROFILES
@@ -56,25 +54,13 @@ def capacity(nodes: Sequence[NodeSpec]) -> tuple[float, dict[str, float]]:
     return tokens, media
 
 
-PRISM_SETTINGS = Settings(load="prefill", balance=1.05, prefix_memory=100_000, slow_s=120.0)
-"""The replay's router settings (docs/eval.md has the runs behind each choice):
-- bounded load over prefill work: each request counts its prompt tokens until its first token;
-- prefix memory: a conversation goes back to the node it last went to while its expected cache hit there
-  covers that node's extra queue (Mooncake's KV hit rate 8.8% to 13.5%);
-- balance factor 1.05 instead of the library's 1.25: at 80–95% load the queue a request waits in decides its
-  tail, and the tighter bound costs Mooncake a tenth of its cache hits (9.9% to 8.8%) while cutting P99;
-- the circuit breaker counts a first token after 120 s as a timeout, not the article's 300 ms (meant for
-  interactive requests): a healthy A100 takes seconds to prefill the traces' longest prompts, and under the
-  replay's overload every node's first tokens are late, which would open every circuit at once."""
-
-
 def policy_factories(block_tokens: int) -> dict[str, Callable[[], Policy]]:
     """Prism first, then the baselines, by name."""
     from ._prism import PrismPolicy
     from .policies import BASELINES, AIBrixPrefixCache, DynamoKvRouter, VllmKvAware
 
     return {
-        PRISM: lambda: PrismPolicy(block_tokens=block_tokens, settings=PRISM_SETTINGS),
+        PRISM: lambda: PrismPolicy(block_tokens=block_tokens),
         **BASELINES,
         "dynamo-kv": lambda: DynamoKvRouter(block_tokens=block_tokens),
         "vllm-kv-aware": VllmKvAware,

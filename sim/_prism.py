@@ -35,7 +35,8 @@ def affinity_key(request: SimRequest, block_tokens: int) -> int:
 
 
 class PrismPolicy(Policy):
-    """The brain and `gateways` routers, on simulated time.
+    """The brain and `gateways` routers, on simulated time; the routers take the library's `Settings()` unless
+    `settings` says otherwise (`bench/knobs.py` sweeps them).
 
     `brain` builds the brain (default: the library's `Brain`) and `sessions=False` sends every request without
     its session: the seams the ablations (`_ablations`) switch parts of Prism off with. `train_steps=0` skips

@@ -14,6 +14,9 @@ from prismlb.wire import RoutingTable, SliceTable, TableNode
 
 WEIGHTS = st.sampled_from([0.05, 0.25, 0.5, 0.75, 1.0])
 
+REQUESTS_1_25 = Settings(load="requests", balance=1.25)
+"""Bounded load over requests in flight and the brain's estimates, with c = 1.25 (Mirrokni et al.'s bounds)."""
+
 
 def table(nodes: list[TableNode]) -> RoutingTable:
     return RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="llm", nodes=nodes)])
@@ -55,7 +58,7 @@ def run(router: Router, steps: list[int | None]) -> list[str]:
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(nodes=clusters(loads=False), keys=st.lists(st.integers(0, 40), min_size=1, max_size=120))
 def test_with_balance_1_25_no_endpoint_exceeds_its_bound(nodes: list[TableNode], keys: list[int]) -> None:
-    router = Router.from_table(table(nodes))
+    router = Router.from_table(table(nodes), settings=REQUESTS_1_25)
     weight = {n.node_id: n.weight for n in nodes}
     total_weight = sum(weight.values())
     load = dict.fromkeys(weight, 0)
@@ -74,7 +77,7 @@ def test_with_balance_1_25_no_endpoint_exceeds_its_bound(nodes: list[TableNode],
 def test_the_chosen_endpoint_was_under_its_bound_with_the_brains_load_estimates(
     nodes: list[TableNode], steps: list[int | None]
 ) -> None:
-    router = Router.from_table(table(nodes))
+    router = Router.from_table(table(nodes), settings=REQUESTS_1_25)
     weight = {n.node_id: n.weight for n in nodes}
     base = {n.node_id: n.load or 0.0 for n in nodes}
     total_weight = sum(weight.values())
@@ -141,12 +144,12 @@ def test_balance_zero_turns_the_bound_off() -> None:
 def test_the_brains_load_estimates_steer_new_requests() -> None:
     # n0 owns the key, but the brain says it is far busier than its share: the key goes to the next probe.
     idle = [TableNode(node_id=f"n{i}", endpoint=f"n{i}:8000", weight=1.0) for i in range(3)]
-    owner = Router.from_table(table(idle)).route("key").node_id
+    owner = Router.from_table(table(idle), settings=REQUESTS_1_25).route("key").node_id
     busy = [
         TableNode(node_id=n.node_id, endpoint=n.endpoint, weight=1.0, load=30.0 if n.node_id == owner else 1.0)
         for n in idle
     ]
-    assert Router.from_table(table(busy)).route("key").node_id != owner
+    assert Router.from_table(table(busy), settings=REQUESTS_1_25).route("key").node_id != owner
 
 
 def test_prefill_load_counts_prompt_tokens_until_the_first_token() -> None:
@@ -170,7 +173,7 @@ def test_prefill_load_counts_prompt_tokens_until_the_first_token() -> None:
 
 def test_prefill_load_ignores_the_brains_request_counts_and_ends_cleanly_without_a_first_token() -> None:
     nodes = [TableNode(node_id=f"n{i}", endpoint=f"n{i}:8000", weight=1.0, load=1000.0 * i) for i in range(4)]
-    by_requests = Router.from_table(table(nodes))
+    by_requests = Router.from_table(table(nodes), settings=Settings(load="requests"))
     by_prefill = Router.from_table(table(nodes), settings=Settings(load="prefill"))
     keys = range(2000)
     busiest = sum(by_requests.route(k).node_id == "n3" for k in keys)
@@ -191,7 +194,7 @@ def test_request_cost_and_load_mode_are_validated() -> None:
 
 def test_prefix_memory_keeps_a_key_where_its_cache_is() -> None:
     nodes = [TableNode(node_id=f"n{i}", endpoint=f"n{i}:8000", weight=1.0) for i in range(4)]
-    plain = Router.from_table(table(nodes), settings=Settings(load="prefill", balance=1.05))
+    plain = Router.from_table(table(nodes), settings=Settings(prefix_memory=0))
     remembering = Router.from_table(table(nodes), settings=Settings(load="prefill", balance=1.05, prefix_memory=100))
     key = 777
     for router in (plain, remembering):
@@ -220,4 +223,4 @@ def test_prefix_memory_gives_way_when_the_saving_does_not_cover_the_queue() -> N
     excluded = router.request(Request(key=5, cost=2_000), exclude=[turn.node_id])
     assert excluded.node_id != turn.node_id
     with pytest.raises(ValueError, match="prefix_memory"):
-        Settings(prefix_memory=10)  # remembering costs needs load="prefill"
+        Settings(prefix_memory=-1)

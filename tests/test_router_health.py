@@ -135,6 +135,21 @@ def test_a_failed_trial_opens_the_circuit_again() -> None:
     assert trial.node_id == "b" and r.status()["b"].circuit is Circuit.OPEN
 
 
+@pytest.mark.parametrize(("share", "opened"), [(0.1, 1), (0.25, 2), (1.0, 8)])
+def test_open_circuits_are_capped_at_a_share_of_the_endpoints(share: float, opened: int) -> None:
+    """Every endpoint timing out (an overloaded cluster, not a broken endpoint) opens at most `max_open_share` of
+    the circuits (one at least); the rest stay closed and keep taking requests."""
+    ids = [f"n{i}" for i in range(8)]
+    r = Router.from_table(table(llm(*ids)), settings=Settings(max_fails=0, max_open_share=share))
+    for node_id in ids:
+        key = key_owned_by(r, node_id)
+        for _ in range(3):
+            assert fail(r, key, Outcome.TIMEOUT) == node_id
+    states = r.status()
+    assert sum(states[i].circuit is Circuit.OPEN for i in ids) == opened
+    assert sum(states[i].available for i in ids) == 8 - opened
+
+
 @pytest.fixture
 def listener() -> Iterator[socket.socket]:
     sock = socket.socket()

@@ -14,11 +14,10 @@ from prismlb.sim._ablations import (
     FlatWeightsBrain,
     NoHealthBrain,
     NoPredictorBrain,
-    defaults,
     no_sessions,
 )
 from prismlb.sim._cluster import Simulation
-from prismlb.sim._eval import PRISM_SETTINGS, TEXT_CLUSTER, capacity, policy_factories
+from prismlb.sim._eval import PRISM, TEXT_CLUSTER, capacity, policy_factories
 from prismlb.sim._families import family_workload
 from prismlb.sim._prism import PrismPolicy
 from prismlb.sim._workload import scale_to_utilisation
@@ -53,7 +52,7 @@ def weights(built: RoutingTable) -> dict[str, float]:
 
 
 def test_every_variant_is_listed_with_a_docstring() -> None:
-    assert list(VARIANTS) == ["defaults", "flat-weights", "ewma", "no-predictor", "no-health", "no-sessions"]
+    assert list(VARIANTS) == ["flat-weights", "ewma", "no-predictor", "no-health", "no-sessions"]
     assert all(factory.__doc__ for factory in VARIANTS.values())
     assert not set(VARIANTS) & set(policy_factories(16))
 
@@ -105,12 +104,13 @@ def test_no_predictor_brain_has_no_predictions_where_the_full_brain_has() -> Non
     assert full.predictions["a"] and ablated.predictions == {}
 
 
-def test_defaults_take_the_librarys_settings() -> None:
-    policy = defaults(16)
+def test_prism_and_every_ablation_run_the_librarys_settings() -> None:
+    policies = [policy_factories(16)[PRISM](), *(variant(16) for variant in VARIANTS.values())]
     try:
-        assert isinstance(policy, PrismPolicy) and policy.routers[0].settings == Settings() != PRISM_SETTINGS
+        assert all(isinstance(p, PrismPolicy) and p.routers[0].settings == Settings() for p in policies)
     finally:
-        policy.close()
+        for policy in policies:
+            policy.close()
 
 
 def test_no_sessions_sends_no_session_to_the_router() -> None:
