@@ -32,11 +32,12 @@ VARIANTS: dict[str, dict[str, object]] = {
     "balance off": {"balance": 0.0},
     "prefix memory off": {"prefix_memory": 0},
     "load = requests": {"load": "requests", "prefix_memory": 0},
+    "slow first token 300 ms": {"slow_s": 0.3},
     "slow first token 1 s": {"slow_s": 1.0},
     "slow first token 10 s": {"slow_s": 10.0},
     "slow first token 30 s": {"slow_s": 30.0},
     "slow first token 120 s": {"slow_s": 120.0},
-    "open circuits uncapped": {"max_open_share": 1.0},
+    "300 ms, open circuits uncapped": {"slow_s": 0.3, "max_open_share": 1.0},
 }
 """Each variant's changes to `Settings()`."""
 
