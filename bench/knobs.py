@@ -36,6 +36,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "slow first token 1 s": {"slow_s": 1.0},
     "slow first token 10 s": {"slow_s": 10.0},
     "slow first token 30 s": {"slow_s": 30.0},
+    "slow first token 60 s": {"slow_s": 60.0},
     "slow first token 120 s": {"slow_s": 120.0},
     "300 ms, open circuits uncapped": {"slow_s": 0.3, "max_open_share": 1.0},
 }
