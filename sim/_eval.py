@@ -32,6 +32,11 @@ from ._workload import LEVELS, WORKLOADS, infinite_cache_hit_rate, load, offered
 
 PRISM = "prism"
 KILL_LEVEL = 0.8
+QUICK_LIMIT = 1000
+"""Requests per workload in `prism eval --quick`."""
+QUICK_FAMILIES = ("tenants:1", "sessions:1", "agentic:1", "multimodal:1")
+"""The workload families `--quick` adds to the shared traces: shared prompts, growing conversations, long
+shared contexts and mixed modalities."""
 
 TEXT_CLUSTER = tuple(NodeSpec(f"a100-{i}", "a100", i % 2) for i in range(8))
 MM_CLUSTER = (
@@ -245,6 +250,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "the traces then run only if --traces names them",
     )
     parser.add_argument("--no-kill", action="store_true", help="skip the node-kill runs")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a few minutes' version: every shared trace and the families {', '.join(QUICK_FAMILIES)}, "
+        f"{QUICK_LIMIT} requests each, 80%% load and the kill runs; prints the tables only (no report)",
+    )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=Path("docs/results"), help="where the report goes")
     parser.add_argument("--no-report", action="store_true", help="print the tables only")
@@ -266,12 +277,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from ._report import format_table, write_report
 
+    if args.quick:
+        _quick(args)
     traces = [t.strip() for t in args.traces.split(",") if t.strip()]
     unknown = sorted(set(traces) - set(WORKLOADS))
     if unknown:
         raise SystemExit(f"prism eval: unknown traces {unknown}; known: {', '.join(WORKLOADS)}")
     if args.workload:
-        traces = [] if args.traces == ",".join(WORKLOADS) else traces
+        traces = [] if args.traces == ",".join(WORKLOADS) and not args.quick else traces
         for spec in args.workload:
             try:
                 workload, bound = _workload(spec, args.seed, args.limit)
@@ -326,6 +339,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"report: {', '.join(str(p) for p in paths if p.suffix == '.md')}")
     print(f"{len(results)} runs in {time.monotonic() - started:.0f} s")
     return 0
+
+
+def _quick(args: argparse.Namespace) -> None:
+    """`--quick`: the quick families beside the shared traces, `QUICK_LIMIT` requests and the kill level unless
+    the command line says otherwise, and no report files (a short run must not overwrite the full one's)."""
+    args.workload = [*(args.workload or ()), *(f for f in QUICK_FAMILIES if f not in (args.workload or ()))]
+    args.limit = QUICK_LIMIT if args.limit is None else args.limit
+    args.levels = [KILL_LEVEL] if args.levels == list(LEVELS.values()) else args.levels
+    args.no_report = True
 
 
 def _argv_echo(args: argparse.Namespace) -> list[str]:

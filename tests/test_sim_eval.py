@@ -43,3 +43,16 @@ def test_capacity_and_a_kill_run() -> None:
     assert result.killed_node == "a100-3" and result.killed_at_s is not None
     assert result.kv_hit_bound > 0 and result.requests == 300
     assert result.completed + (result.requests - result.completed) == 300
+
+
+def test_quick_runs_the_shared_traces_and_the_quick_families_at_the_kill_level_without_a_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["eval", "--quick", "--limit", "30", "--policies", "least-conn", "--jobs", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for workload in ("mooncake", "azure-code", "azure-conv", "mm", "tenants-1", "sessions-1", "agentic-1"):
+        assert f"## {workload} · 80% utilisation\n" in printed, workload
+        assert f"## {workload} · 80% utilisation · " in printed, f"{workload}: no kill run"
+    assert "50% utilisation" not in printed and "95% utilisation" not in printed
+    assert not list(tmp_path.iterdir()), "a quick run writes no report"
