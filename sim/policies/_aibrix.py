@@ -58,6 +58,7 @@ import random
 from collections import OrderedDict
 
 from .._types import ClusterView, Policy, SimRequest
+from ._readiness import Readiness
 from ._sglang import CHARS_PER_TOKEN, WorkerOutcomes, _Worker
 
 PREFIX_CACHE_BLOCK_SIZE = 4
@@ -138,31 +139,18 @@ class AIBrixPrefixCache(WorkerOutcomes, Policy):
         self._rng = random.Random(seed)
         self.names: list[str] = []
         self.workers: dict[str, _Worker] = {}
+        self.readiness = Readiness(READINESS_PERIOD_S, READINESS_FAILURE_THRESHOLD)
         self.ready: set[str] = set()
-        self._probe_fails: dict[str, int] = {}
-        self._next_probe = 0.0
         self._sent_at: dict[int, float] = {}
 
     def start(self, view: ClusterView, now: float) -> None:
         self.names = [n.name for n in view.nodes]
         self.workers = {n: _Worker() for n in self.names}
-        self.ready = set(self.names)
-        self._probe_fails = dict.fromkeys(self.names, 0)
-        self._next_probe = now
+        self.ready = self.readiness.start(self.names, now)
 
     def tick(self, view: ClusterView, now: float) -> None:
         self.index.expire(now, EVICTION_DURATION_S)
-        if now < self._next_probe:
-            return
-        for name in self.names:
-            if view.stats(name) is not None:
-                self._probe_fails[name] = 0
-                self.ready.add(name)
-            else:
-                self._probe_fails[name] += 1
-                if self._probe_fails[name] >= READINESS_FAILURE_THRESHOLD:
-                    self.ready.discard(name)
-        self._next_probe += READINESS_PERIOD_S
+        self.readiness.tick(view, now)
 
     @staticmethod
     def hashes(request: SimRequest) -> int:

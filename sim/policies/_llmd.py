@@ -40,6 +40,7 @@ import random
 from collections import OrderedDict
 
 from .._types import ClusterView, EngineStats, Policy, SimRequest
+from ._readiness import Readiness
 
 ISSUE_WEIGHTS = (2.0, 2.0, 3.0)
 """(prefix, queue, KV utilisation) as issue #7 names them."""
@@ -116,33 +117,22 @@ class LLMDScorer(Policy):
         self._rng = random.Random(seed)
         self.names: list[str] = []
         self.metrics: dict[str, EngineStats] = {}
+        self.readiness = Readiness(READINESS_PERIOD_S, READINESS_FAILURE_THRESHOLD)
         self.ready: set[str] = set()
-        self._probe_fails: dict[str, int] = {}
-        self._next_probe = 0.0
         self._next_cleanup = 0.0
 
     def start(self, view: ClusterView, now: float) -> None:
         self.names = [n.name for n in view.nodes]
         self.metrics = dict.fromkeys(self.names, _NO_METRICS)
-        self.ready = set(self.names)
-        self._probe_fails = dict.fromkeys(self.names, 0)
-        self._next_probe = now
+        self.ready = self.readiness.start(self.names, now)
         self._next_cleanup = now + POD_CLEANUP_INTERVAL_S
 
     def tick(self, view: ClusterView, now: float) -> None:
-        probe = now >= self._next_probe
         for name in self.names:
             stats = view.stats(name)
             if stats is not None:
                 self.metrics[name] = stats
-            if probe:
-                self._probe_fails[name] = 0 if stats is not None else self._probe_fails[name] + 1
-                if stats is not None:
-                    self.ready.add(name)
-                elif self._probe_fails[name] >= READINESS_FAILURE_THRESHOLD:
-                    self.ready.discard(name)
-        if probe:
-            self._next_probe += READINESS_PERIOD_S
+        self.readiness.tick(view, now)
         if now >= self._next_cleanup:
             for pod in [p for p in self.index.lru if p not in self.ready]:
                 self.index.remove_pod(pod)
