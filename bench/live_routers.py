@@ -20,7 +20,9 @@ Prism's `X-Modality-Signature` header). Contenders:
 Reported per contender: TTFT p50/p99 (the load generator's clock, to the first streamed chunk), the share of
 prompt tokens the engines served from their prefix caches (`usage.prompt_tokens_details.cached_tokens`),
 errors, requests not sent or unfinished at the time bound, each engine's share of the requests (from its
-`/metrics`), and the replay's wall clock. A peer that cannot be installed or started is reported as such and
+`/metrics`), and the replay's wall clock. Then the replay (`prism eval`'s simulation) runs each contender's
+model on the same requests, cluster and offered load, and a second table sets live and replayed TTFT p99 and
+rank side by side, saying which pairs of contenders the two order differently. A peer that cannot be installed or started is reported as such and
 the others still run. Every child process is stopped on exit, on Ctrl-C and on SIGTERM.
 """
 
@@ -80,15 +82,19 @@ class Contender:
     """The peer's wheel; None for Prism."""
     module: str = ""
     policy: str = ""
+    replay: str | None = None
+    """The `prism eval` policy that models this contender, if any."""
 
 
 CONTENDERS = (
-    Contender("prism", None, policy="brain weights + bounded load"),
-    Contender("sglang", "sglang-router", "sglang_router.launch_router", "cache_aware"),
+    Contender("prism", None, policy="brain weights + bounded load", replay="prism"),
+    Contender("sglang", "sglang-router", "sglang_router.launch_router", "cache_aware", "sglang"),
     Contender("sglang", "sglang-router", "sglang_router.launch_router", "power_of_two"),
-    Contender("vllm", "vllm-router", "vllm_router.launch_router", "kv_aware"),
-    Contender("vllm", "vllm-router", "vllm_router.launch_router", "cache_aware"),
+    Contender("vllm", "vllm-router", "vllm_router.launch_router", "kv_aware", "vllm-kv-aware"),
+    Contender("vllm", "vllm-router", "vllm_router.launch_router", "cache_aware", "sglang"),
 )
+"""The vLLM router began as a fork of SGLang's; its `cache_aware` is the same approximate-tree policy, so the
+replay's `sglang` model stands for both. `power_of_two` has no replay model."""
 
 
 @dataclass
@@ -294,6 +300,55 @@ def table(outcomes: Sequence[Outcome], nodes: Sequence[str]) -> list[str]:
     return lines
 
 
+def replay_p99_ms(contenders: Sequence[Contender], requests: int, load: float) -> dict[str, float]:
+    """TTFT p99 of each replay model on the same trace prefix, cluster and offered prefill load as the live
+    runs (prompts at their trace size, where the live engines shrink them and slow down to match the load)."""
+    import torch
+
+    from prismlb.sim._cluster import NodeSpec
+    from prismlb.sim._eval import replay
+    from prismlb.sim._workload import load as load_trace
+
+    torch.set_num_threads(1)
+    workload = load_trace("mooncake", seed=1, limit=requests)
+    nodes = [NodeSpec(f"{gpu}-{i + 1}", gpu, 0) for i, gpu in enumerate(DEFAULT_NODES)]  # type: ignore[arg-type]
+    out = {}
+    for name in dict.fromkeys(c.replay for c in contenders if c.replay is not None):
+        out[name] = replay(workload, name, nodes, load, seed=1).slices["all"].ttft_p99_ms
+    return out
+
+
+def agreement(outcomes: Sequence[Outcome], replayed: dict[str, float]) -> list[str]:
+    """A table of each modelled contender's live and replayed TTFT p99 and rank, and whether every pair of
+    contenders with different replay models is ordered the same way live and in the replay."""
+    modelled = [o for o in outcomes if o.contender.replay in replayed and o.ttft_ms]
+    live = {id(o): percentile(o.ttft_ms, 0.99) or 0.0 for o in modelled}
+    by_live = sorted(modelled, key=lambda o: live[id(o)])
+    by_replay = sorted(modelled, key=lambda o: replayed[o.contender.replay or ""])
+    lines = [
+        "| contender | live TTFT p99 | live rank | replay model | replay TTFT p99 | replay rank |",
+        "|---|---|---|---|---|---|",
+    ]
+    for o in by_live:
+        c = o.contender
+        lines.append(
+            f"| {c.name} {c.policy} | {live[id(o)]:.0f} ms | {by_live.index(o) + 1} | {c.replay} | "
+            f"{replayed[c.replay or '']:.0f} ms | {by_replay.index(o) + 1} |"
+        )
+    pairs = [
+        (a, b) for i, a in enumerate(modelled) for b in modelled[i + 1 :] if a.contender.replay != b.contender.replay
+    ]
+    disagree = [
+        f"{a.contender.name} {a.contender.policy} / {b.contender.name} {b.contender.policy}"
+        for a, b in pairs
+        if (live[id(a)] < live[id(b)]) != (replayed[a.contender.replay or ""] < replayed[b.contender.replay or ""])
+    ]
+    verdict = "agree" if not disagree else f"disagree on {len(disagree)} of {len(pairs)}: {'; '.join(disagree)}"
+    lines.append("")
+    lines.append(f"Live and replay orderings of contenders with different models {verdict}.")
+    return lines
+
+
 def _interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -372,6 +427,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if o.errors:
             kinds = ", ".join(f"{k} {v}" for k, v in sorted(o.errors.items()))
             print(f"   {o.contender.name} {o.contender.policy} errors: {kinds}")
+    if status == 0:
+        replayed = replay_p99_ms(contenders, args.requests, args.load)
+        print()
+        for line in agreement(outcomes, replayed):
+            print(line)
     print(f"   total wall clock {time.monotonic() - started:.0f} s; logs in {logs}")
     return status
 

@@ -127,14 +127,28 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
 
 
 def format_ablations(results: Sequence[RunResult]) -> str:
-    """One Markdown table: each run's TTFT P99 and KV hit rate, and its P99 over the full Prism's on the same
-    trace and level (above 1: the part switched off was earning its keep)."""
-    full = {(r.trace, r.utilisation): r.slices["all"].ttft_p99_ms for r in results if r.policy == PRISM}
-    rows = []
-    for r in results:
-        p99 = r.slices["all"].ttft_p99_ms
-        reference = full.get((r.trace, r.utilisation))
-        ratio = f"{p99 / reference:.2f}" if reference and math.isfinite(p99) else MISSING
-        rows.append([r.policy, r.trace, f"{r.utilisation:.0%}", format_ms(p99), format_pct(r.kv_hit_rate), ratio])
-    header = ["variant", "trace", "level", "TTFT p99 ms", "KV hit %", "p99 / full Prism"]
-    return _md_table(header, rows, text_columns=(0, 1, 2))
+    """One Markdown table, a row per workload and level: the full Prism's TTFT P99 and KV hit rate, and each
+    variant's P99 over it (above 1: the part switched off was earning its keep); a last row with each variant's
+    geometric mean over the rows."""
+    variants = [v for v in VARIANTS if any(r.policy == v for r in results)]
+    runs = {(r.trace, r.utilisation, r.policy): r for r in results}
+    keys = list(dict.fromkeys((r.trace, r.utilisation) for r in results))
+    rows: list[list[str]] = []
+    logs: dict[str, list[float]] = {v: [] for v in variants}
+    for trace, level in keys:
+        full = runs.get((trace, level, PRISM))
+        reference = math.nan if full is None else full.slices["all"].ttft_p99_ms
+        cells = []
+        for variant in variants:
+            run = runs.get((trace, level, variant))
+            p99 = math.nan if run is None else run.slices["all"].ttft_p99_ms
+            ratio = p99 / reference if reference > 0 and math.isfinite(p99) and math.isfinite(reference) else None
+            if ratio is not None and ratio > 0:
+                logs[variant].append(math.log(ratio))
+            cells.append(MISSING if ratio is None else f"{ratio:.2f}")
+        hit = MISSING if full is None else format_pct(full.kv_hit_rate)
+        rows.append([trace, f"{level:.0%}", format_ms(reference), hit, *cells])
+    means = [f"{math.exp(sum(logs[v]) / len(logs[v])):.2f}" if logs[v] else MISSING for v in variants]
+    rows.append(["geometric mean", "", "", "", *means])
+    header = ["workload", "level", "Prism TTFT p99 ms", "Prism KV hit %", *(f"{v} p99 / Prism" for v in variants)]
+    return _md_table(header, rows, text_columns=(0, 1))

@@ -23,7 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ._cluster import Kill, NodeSpec, Simulation
-from ._families import family_workload
+from ._families import PRESETS, family_workload
 from ._model import PROFILES
 from ._slo import Goodput, Probe, attainment, format_goodput, search
 from ._tracefile import load_trace
@@ -32,6 +32,13 @@ from ._workload import LEVELS, WORKLOADS, infinite_cache_hit_rate, load, offered
 
 PRISM = "prism"
 KILL_LEVEL = 0.8
+ABLATION_LEVEL = 0.8
+"""The load of the ablation runs in a full `prism eval` (`--ablations` alone runs them at `--levels`)."""
+EVAL_FAMILIES = tuple(f"{name}:{seed}" for name in PRESETS for seed in (1, 2))
+"""The workload families a plain `prism eval` adds to the shared traces: every preset, two seeds each."""
+SEARCH_LIMIT = 2000
+"""Requests per workload in the goodput search unless `--limit` says otherwise: a search replays each workload
+seven to ten times per policy."""
 QUICK_LIMIT = 1000
 """Requests per workload in `prism eval --quick`."""
 QUICK_FAMILIES = ("tenants:1", "sessions:1", "agentic:1", "multimodal:1")
@@ -97,7 +104,7 @@ class Case:
     kill: bool = False
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=32)
 def _workload(trace: str | Path, seed: int, limit: int | None) -> tuple[Workload, float]:
     """A shared trace by name, a workload family by `NAME[:seed]` (`--workload`, its own seed), or a file."""
     if isinstance(trace, Path):
@@ -115,12 +122,26 @@ def run_case(case: Case) -> RunResult:
     logging.getLogger("prism").setLevel(logging.ERROR)
     workload, bound = _workload(case.trace, case.seed, case.limit)
     nodes = cluster_for(case.trace, workload)
-    tokens, media = capacity(nodes)
-    scaled = scale_to_utilisation(workload, case.utilisation, tokens, encoder_s_per_media=media)
-    policy = _policy(case.policy, workload.block_tokens)
     kill = Kill(nodes[len(nodes) // 2 - 1].name) if case.kill else None
-    result = Simulation(scaled, policy, nodes, utilisation=case.utilisation, seed=case.seed, kill=kill).run()
+    result = replay(workload, case.policy, nodes, case.utilisation, seed=case.seed, kill=kill)
     return dataclasses.replace(result, kv_hit_bound=bound)
+
+
+def replay(
+    workload: Workload,
+    policy: str,
+    nodes: Sequence[NodeSpec],
+    utilisation: float,
+    *,
+    seed: int,
+    kill: Kill | None = None,
+) -> RunResult:
+    """The workload scaled to `utilisation` of the nodes' prefill capacity, replayed through the named policy
+    (`policy_factories` or an ablation): what every `prism eval` run is, on any cluster."""
+    tokens, media = capacity(nodes)
+    scaled = scale_to_utilisation(workload, utilisation, tokens, encoder_s_per_media=media)
+    chosen = _policy(policy, workload.block_tokens)
+    return Simulation(scaled, chosen, nodes, utilisation=utilisation, seed=seed, kill=kill).run()
 
 
 def cases(
@@ -173,10 +194,13 @@ def goodput(
     limit: int | None,
     jobs: int = 1,
     progress: Callable[[RunResult], None] | None = None,
+    pool: multiprocessing.pool.Pool | None = None,
 ) -> list[Goodput]:
-    """Each policy's goodput on each trace (`_slo.search`), its probes run as cases through `run_all`."""
-
-    pool = multiprocessing.get_context("spawn").Pool(jobs) if jobs > 1 else None
+    """Each policy's goodput on each trace (`_slo.search`), its probes run as cases through `run_all` (in
+    `pool` when given)."""
+    if pool is None and jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(jobs) as own:
+            return goodput(traces, policies, seed=seed, limit=limit, jobs=jobs, progress=progress, pool=own)
 
     def measure(probes: Sequence[Probe]) -> list[float]:
         todo = [Case(trace, policy, utilisation, seed, limit) for trace, policy, utilisation in probes]
@@ -187,17 +211,14 @@ def goodput(
         return out
 
     pairs = [(t, p) for t in traces for p in policies]
-    try:
-        found = search(pairs, measure)
-    finally:
-        if pool is not None:
-            pool.terminate()
+    found = search(pairs, measure)
     rows = []
     for trace, policy in pairs:
-        load, met, above, above_met = found[(trace, policy)]
+        f = found[(trace, policy)]
         workload, _ = _workload(trace, seed, limit)
-        rate = request_rate(trace, seed, limit, load) if load > 0 else 0.0
-        rows.append(Goodput(workload.name, policy, load, rate, met, above, above_met))
+        rate = request_rate(trace, seed, limit, f.load) if f.load > 0 else 0.0
+        curve = tuple((request_rate(trace, seed, limit, u), value) for u, value in f.probes)
+        rows.append(Goodput(workload.name, policy, f.load, rate, f.attainment, f.above, f.above_attainment, curve))
     return rows
 
 
@@ -228,18 +249,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="replay traces against Prism and the baselines in a cluster simulation",
         description=__doc__.splitlines()[0],
     )
-    parser.add_argument("--traces", default=",".join(WORKLOADS), help="comma-separated (default: all)")
+    parser.add_argument(
+        "--traces",
+        default=None,
+        help="comma-separated shared traces (default: all of them, with every workload family preset at seeds "
+        "1 and 2, unless --workload or --trace is given)",
+    )
     parser.add_argument("--policies", default=None, help="comma-separated (default: prism and every baseline)")
     parser.add_argument("--levels", type=_levels, default=list(LEVELS.values()), help="e.g. 50%%,80%%,95%%")
     parser.add_argument("--seed", type=int, default=1, help="seed of the multimodal sample (default 1)")
     parser.add_argument(
-        "--limit", type=_limit, default=None, help="requests per trace, at least 10 (default: whole trace; mm: 6000)"
+        "--limit",
+        type=_limit,
+        default=None,
+        help="requests per workload, at least 10 (default: whole traces, mm 6000, families 4000; "
+        f"the goodput search {SEARCH_LIMIT})",
     )
     parser.add_argument(
         "--workload",
         action="append",
         metavar="NAME[:SEED]",
-        help="a workload family (sim/_families.py), repeatable; the traces then run only if --traces names them",
+        help="a workload family (sim/_families.py), repeatable; the shared traces then run only if --traces names them",
     )
     parser.add_argument(
         "--trace",
@@ -247,14 +277,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=Path,
         metavar="FILE",
         help="a Mooncake-format JSON-lines file (docs/sim-workloads.md), named after its stem, repeatable; "
-        "the traces then run only if --traces names them",
+        "the shared traces then run only if --traces names them",
     )
     parser.add_argument("--no-kill", action="store_true", help="skip the node-kill runs")
     parser.add_argument(
         "--quick",
         action="store_true",
         help=f"a few minutes' version: every shared trace and the families {', '.join(QUICK_FAMILIES)}, "
-        f"{QUICK_LIMIT} requests each, 80%% load and the kill runs; prints the tables only (no report)",
+        f"{QUICK_LIMIT} requests each, 80%% load, the kill runs, goodput and ablations; no report files",
     )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=Path("docs/results"), help="where the report goes")
@@ -262,47 +292,60 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--goodput",
         action="store_true",
-        help="instead of the levels: per trace and policy, the highest load with 90%% of requests within their "
-        "TTFT SLO (sim/_slo.py); prints its table only",
+        help="only the goodput search (per workload and policy, the highest load with 90%% of requests within "
+        "their TTFT SLO, sim/_slo.py), or with --ablations only those two; prints the tables only",
     )
     parser.add_argument(
         "--ablations",
         action="store_true",
-        help="instead of the policies: the full Prism and each of its ablations (sim/_ablations.py) at the levels, "
-        "without kill runs; prints its table only",
+        help="only the ablations (the full Prism and each variant of sim/_ablations.py) at --levels, or with "
+        "--goodput only those two; prints the tables only",
     )
+    parser.add_argument("--no-goodput", action="store_true", help="skip the goodput search")
+    parser.add_argument("--no-ablations", action="store_true", help="skip the ablations")
     parser.set_defaults(func=_run)
 
 
+def _traces(args: argparse.Namespace) -> list[str | Path]:
+    """The workloads to replay: the named shared traces (all by default), then `--workload` families and
+    `--trace` files; with neither of those nor `--traces`, every shared trace and `EVAL_FAMILIES`."""
+    shared = list(WORKLOADS) if args.traces is None else [t.strip() for t in args.traces.split(",") if t.strip()]
+    unknown = sorted(set(shared) - set(WORKLOADS))
+    if unknown:
+        raise SystemExit(f"prism eval: unknown traces {unknown}; known: {', '.join(WORKLOADS)}")
+    if args.traces is None and (args.workload or args.trace):
+        shared = []
+    families = list(args.workload or ())
+    if args.traces is None and not args.workload and not args.trace:
+        families = list(EVAL_FAMILIES)
+    for spec in families:
+        try:
+            workload, bound = _workload(spec, args.seed, args.limit)
+        except ValueError as e:
+            raise SystemExit(f"prism eval: {e}") from None
+        print(f"{workload.name}: {len(workload.requests)} requests, prefix-hit bound {bound:.3f}")
+    files = _trace_files(args.trace or (), [*shared, *families], args.seed, args.limit)
+    return [*shared, *families, *files]
+
+
 def _run(args: argparse.Namespace) -> int:
+    from ._ablations import VARIANTS, format_ablations
     from ._report import format_table, write_report
 
     if args.quick:
         _quick(args)
-    traces = [t.strip() for t in args.traces.split(",") if t.strip()]
-    unknown = sorted(set(traces) - set(WORKLOADS))
-    if unknown:
-        raise SystemExit(f"prism eval: unknown traces {unknown}; known: {', '.join(WORKLOADS)}")
-    if args.workload:
-        traces = [] if args.traces == ",".join(WORKLOADS) and not args.quick else traces
-        for spec in args.workload:
-            try:
-                workload, bound = _workload(spec, args.seed, args.limit)
-            except ValueError as e:
-                raise SystemExit(f"prism eval: {e}") from None
-            print(f"{workload.name}: {len(workload.requests)} requests, prefix-hit bound {bound:.3f}")
-        traces += args.workload
-    if args.trace:
-        traces = [] if args.traces == ",".join(WORKLOADS) and not args.workload else traces
-        traces += _trace_files(args.trace, traces, args.seed, args.limit)
-    if args.ablations and (args.goodput or args.policies is not None):
-        raise SystemExit("prism eval: --ablations runs its own variants, without --goodput or --policies")
+    traces = _traces(args)
     known = list(policy_factories(1))
     policies = known if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
     if set(policies) - set(known):
         raise SystemExit(
             f"prism eval: unknown policies {sorted(set(policies) - set(known))}; known: {', '.join(known)}"
         )
+    levels = not (args.goodput or args.ablations)
+    search = (args.goodput or levels) and not args.no_goodput
+    ablations = (args.ablations or levels) and not args.no_ablations and PRISM in policies
+    if args.ablations and PRISM not in policies:
+        raise SystemExit("prism eval: --ablations compares Prism's variants with Prism; --policies must name prism")
     started = time.monotonic()
 
     def progress(r: RunResult) -> None:
@@ -314,36 +357,46 @@ def _run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    if args.goodput:
-        rows = goodput(traces, policies, seed=args.seed, limit=args.limit, jobs=args.jobs, progress=progress)
-        print()
-        print(format_goodput(rows))
-        print(f"{len(rows)} searches in {time.monotonic() - started:.0f} s")
-        return 0
-    if args.ablations:
-        from ._ablations import VARIANTS, format_ablations
-
-        todo = cases(traces, [PRISM, *VARIANTS], args.levels, seed=args.seed, limit=args.limit, kill=False)
-        results = run_all(todo, args.jobs, progress)
-        print()
-        print(format_ablations(results))
-        print(f"{len(results)} runs in {time.monotonic() - started:.0f} s")
-        return 0
-    todo = cases(traces, policies, args.levels, seed=args.seed, limit=args.limit, kill=not args.no_kill)
-    results = run_all(todo, args.jobs, progress)
+    level_cases = cases(traces, policies, args.levels, seed=args.seed, limit=args.limit, kill=not args.no_kill)
+    todo = level_cases if levels else []
+    ablation_levels = [ABLATION_LEVEL] if levels else args.levels
+    variant_cases = cases(traces, [PRISM, *VARIANTS], ablation_levels, seed=args.seed, limit=args.limit, kill=False)
+    if ablations:
+        todo = list(dict.fromkeys([*todo, *variant_cases]))
+    pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
+    try:
+        by_case = dict(zip(todo, run_all(todo, args.jobs, progress, pool), strict=True))
+        limit = SEARCH_LIMIT if args.limit is None else args.limit
+        rows = (
+            goodput(traces, policies, seed=args.seed, limit=limit, jobs=args.jobs, progress=progress, pool=pool)
+            if search
+            else []
+        )
+    finally:
+        if pool is not None:
+            pool.terminate()
+    results = [by_case[c] for c in level_cases] if levels else []
+    ablation = format_ablations([by_case[c] for c in variant_cases]) if ablations else None
     print()
-    print(format_table(results))
-    if not args.no_report:
+    if results:
+        print(format_table(results) + "\n")
+    if search:
+        print(format_goodput(rows) + "\n")
+    if ablation is not None:
+        print(ablation + "\n")
+    if levels and not args.no_report:
         command = " ".join(["prism eval", *_argv_echo(args)])
-        paths = write_report(results, args.out, command=command)
+        paths = write_report(results, args.out, command=command, goodput=rows, ablations=ablation)
         print(f"report: {', '.join(str(p) for p in paths if p.suffix == '.md')}")
-    print(f"{len(results)} runs in {time.monotonic() - started:.0f} s")
+    searches = f" and {len(rows)} goodput searches" if search else ""
+    print(f"{len(by_case)} runs{searches} in {time.monotonic() - started:.0f} s")
     return 0
 
 
 def _quick(args: argparse.Namespace) -> None:
     """`--quick`: the quick families beside the shared traces, `QUICK_LIMIT` requests and the kill level unless
     the command line says otherwise, and no report files (a short run must not overwrite the full one's)."""
+    args.traces = ",".join(WORKLOADS) if args.traces is None else args.traces
     args.workload = [*(args.workload or ()), *(f for f in QUICK_FAMILIES if f not in (args.workload or ()))]
     args.limit = QUICK_LIMIT if args.limit is None else args.limit
     args.levels = [KILL_LEVEL] if args.levels == list(LEVELS.values()) else args.levels
@@ -353,7 +406,7 @@ def _quick(args: argparse.Namespace) -> None:
 def _argv_echo(args: argparse.Namespace) -> list[str]:
     """The options that differ from the defaults, as they would be typed."""
     out = []
-    if args.traces != ",".join(WORKLOADS):
+    if args.traces is not None:
         out.append(f"--traces {args.traces}")
     if args.policies is not None:
         out.append(f"--policies {args.policies}")
@@ -365,6 +418,10 @@ def _argv_echo(args: argparse.Namespace) -> list[str]:
         out.append(f"--limit {args.limit}")
     if args.no_kill:
         out.append("--no-kill")
+    if args.no_goodput:
+        out.append("--no-goodput")
+    if args.no_ablations:
+        out.append("--no-ablations")
     out += [f"--workload {spec}" for spec in args.workload or ()]
     out += [f"--trace {path}" for path in args.trace or ()]
     return out

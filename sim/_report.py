@@ -21,6 +21,7 @@ from matplotlib.ticker import LogFormatter
 
 from prismlb.wire import Slice
 
+from ._slo import GOODPUT_TARGET, SEARCH_HIGH, SEARCH_LOW, Goodput
 from ._types import RunResult
 
 PRISM = "prism"
@@ -70,7 +71,7 @@ def _ordered(items: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def _policies(runs: Sequence[RunResult]) -> list[str]:
+def _policies(runs: Sequence[RunResult] | Sequence[Goodput]) -> list[str]:
     """Prism first, then the other policies in the order they came."""
     names = _ordered(r.policy for r in runs)
     return sorted(names, key=lambda name: name != PRISM)
@@ -194,9 +195,9 @@ def headline(results: Sequence[RunResult]) -> str:
     return _md_table(header, rows, text_columns=(0, 2))
 
 
-def _axes(title: str) -> tuple[Figure, Axes]:
+def _axes(title: str, size: tuple[float, float] = _FIGSIZE) -> tuple[Figure, Axes]:
     """A figure on Agg's canvas, with fixed size and resolution, and its one axes."""
-    figure = Figure(figsize=_FIGSIZE, dpi=_DPI)
+    figure = Figure(figsize=size, dpi=_DPI)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     axes.set_title(title)
@@ -210,12 +211,26 @@ def _log_y(axes: Axes) -> None:
     axes.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
 
 
-def _save(figure: Figure, axes: Axes, path: Path) -> Path:
+def _save(figure: Figure, axes: Axes, path: Path, legend_columns: int = 1) -> Path:
     if axes.get_legend_handles_labels()[0]:
-        axes.legend(fontsize="small")
+        axes.legend(fontsize="small" if legend_columns == 1 else "x-small", ncols=legend_columns)
     figure.tight_layout()
     figure.savefig(path, format="png", metadata={"Software": None})
     return path
+
+
+def _bars(axes: Axes, colours: Mapping[str, str], values: Mapping[str, Sequence[tuple[int, float]]]) -> None:
+    """Grouped bars: per policy (in `colours`' order, its colour) a bar at each (group index, height)."""
+    width = 0.8 / len(colours)
+    for i, policy in enumerate(colours):
+        bars = values.get(policy, ())
+        axes.bar(
+            [x - 0.4 + (i + 0.5) * width for x, _ in bars],
+            [h for _, h in bars],
+            width,
+            color=colours[policy],
+            label=policy,
+        )
 
 
 def _p99_plot(trace: str, runs: Sequence[RunResult], colours: Mapping[str, str], path: Path) -> Path:
@@ -237,16 +252,8 @@ def _kv_plot(trace: str, runs: Sequence[RunResult], colours: Mapping[str, str], 
     """KV hit rate per policy at each utilisation level (bars), the infinite-cache bound as a line per level."""
     figure, axes = _axes(f"{trace}: KV-cache hit rate")
     levels = sorted({r.utilisation for r in runs})
-    width = 0.8 / len(colours)
-    for i, policy in enumerate(colours):
-        bars = [(levels.index(r.utilisation), r.kv_hit_rate) for r in runs if r.policy == policy]
-        axes.bar(
-            [x - 0.4 + (i + 0.5) * width for x, _ in bars],
-            [100 * hit for _, hit in bars],
-            width,
-            color=colours[policy],
-            label=policy,
-        )
+    hits = {p: [(levels.index(r.utilisation), 100 * r.kv_hit_rate) for r in runs if r.policy == p] for p in colours}
+    _bars(axes, colours, hits)
     bounds = [100 * max(r.kv_hit_bound for r in runs if r.utilisation == u) for u in levels]
     xs = range(len(levels))
     starts, ends = [x - 0.45 for x in xs], [x + 0.45 for x in xs]
@@ -302,14 +309,116 @@ def _trace_page(
     return "\n\n".join(parts) + "\n"
 
 
-def _summary_page(results: Sequence[RunResult], command: str) -> str:
+def _goodput_cell(row: Goodput) -> str:
+    """A goodput as utilisation: "≥" when the top of the search passed, "<" when its bottom missed."""
+    if row.utilisation == 0:
+        return f"< {100 * SEARCH_LOW:.0f}%"
+    return f"{'≥ ' if row.above is None else ''}{100 * row.utilisation:.0f}%"
+
+
+def _goodput_ratio(rows: Sequence[Goodput]) -> tuple[str, float | None]:
+    """(best baseline's name, Prism's goodput over its) on one workload; None when either is missing or 0."""
+    prism = next((r for r in rows if r.policy == PRISM), None)
+    baselines = [r for r in rows if r.policy != PRISM]
+    best = max(baselines, key=lambda r: r.utilisation, default=None)
+    if prism is None or best is None or best.utilisation == 0:
+        return (MISSING if best is None else best.policy), None
+    return best.policy, prism.utilisation / best.utilisation
+
+
+def goodput_summary(rows: Sequence[Goodput]) -> str:
+    """Goodput per workload (rows) and policy (columns) as utilisation, the best baseline and Prism's ratio to
+    it, and a closing line counting Prism's wins, ties and losses with their geometric mean."""
+    policies = _policies(rows)
+    header = ["workload", *policies, "best baseline", "Prism / best"]
+    table, ratios = [], []
+    for trace in _ordered(r.trace for r in rows):
+        on = [r for r in rows if r.trace == trace]
+        cells = {r.policy: _goodput_cell(r) for r in on}
+        best, ratio = _goodput_ratio(on)
+        if ratio is not None:
+            ratios.append(ratio)
+        table.append(
+            [trace, *(cells.get(p, MISSING) for p in policies), best, MISSING if ratio is None else f"{ratio:.2f}×"]
+        )
+    text = _md_table(header, table, text_columns=(0, len(header) - 2))
+    if ratios:
+        wins = sum(1 for r in ratios if r > 1.02)
+        losses = sum(1 for r in ratios if r < 1 / 1.02)
+        mean = math.exp(sum(math.log(r) for r in ratios if r > 0) / len(ratios)) if all(r > 0 for r in ratios) else 0.0
+        text += (
+            f"\n\nPrism's goodput over the best baseline's, on {len(ratios)} workloads: ahead by more than 2% on "
+            f"{wins}, behind by more than 2% on {losses}, within 2% on {len(ratios) - wins - losses}; geometric "
+            f"mean {mean:.2f}×."
+        )
+    return text
+
+
+def _goodput_plot(rows: Sequence[Goodput], colours: Mapping[str, str], path: Path) -> Path:
+    """Goodput bars: one group per workload, one bar per policy, log y (none drawn: below the search's floor)."""
+    traces = _ordered(r.trace for r in rows)
+    title = f"Goodput: highest load with ≥ {GOODPUT_TARGET:.0%} of requests within their TTFT SLO"
+    figure, axes = _axes(title, (14.0, 5.0))
+    loads = {p: [(traces.index(r.trace), 100 * r.utilisation) for r in rows if r.policy == p] for p in colours}
+    _bars(axes, colours, loads)
+    axes.set_xticks(range(len(traces)), traces, rotation=45, ha="right")
+    _log_y(axes)
+    axes.set_ylim(100 * SEARCH_LOW / 2, 100 * SEARCH_HIGH * 1.2)
+    axes.set_ylabel("goodput (utilisation %)")
+    return _save(figure, axes, path, legend_columns=5)
+
+
+def _attainment_plot(rows: Sequence[Goodput], colours: Mapping[str, str], path: Path) -> Path:
+    """SLO attainment against arrival rate, one panel per workload, one line per policy through the goodput
+    search's probes; the target as a dashed line."""
+    traces = _ordered(r.trace for r in rows)
+    columns = 3
+    lines = math.ceil(len(traces) / columns)
+    figure = Figure(figsize=(14.0, 3.0 * lines + 0.6), dpi=_DPI)
+    FigureCanvasAgg(figure)
+    for n, trace in enumerate(traces):
+        axes = figure.add_subplot(lines, columns, n + 1)
+        axes.set_title(trace, fontsize="medium")
+        for row in rows:
+            if row.trace == trace and row.curve:
+                axes.plot(
+                    *zip(*((x, 100 * y) for x, y in row.curve)), marker=".", color=colours[row.policy], label=row.policy
+                )
+        axes.axhline(100 * GOODPUT_TARGET, color="black", linestyle="--", linewidth=0.8)
+        axes.set_xscale("log")
+        axes.set_ylim(0, 102)
+        axes.set_xlabel("arrival rate (requests/s)", fontsize="small")
+        axes.set_ylabel("SLO attainment %", fontsize="small")
+    handles, labels = figure.axes[0].get_legend_handles_labels() if figure.axes else ([], [])
+    if handles:
+        figure.legend(handles, labels, loc="lower center", ncols=min(len(labels), 10), fontsize="small")
+    figure.tight_layout(rect=(0, 0.6 / (3.0 * lines + 0.6), 1, 1))
+    figure.savefig(path, format="png", metadata={"Software": None})
+    return path
+
+
+def _summary_page(
+    results: Sequence[RunResult], command: str, goodput: Sequence[Goodput], ablations: str | None, plots: Sequence[Path]
+) -> str:
     index = "\n".join(f"- [{t}]({t}.md)" for t in _ordered(r.trace for r in results))
-    return (
-        f"# Replay summary\n\nCommand:\n\n```\n{command}\n```\n\n"
-        f"TTFT p99 and KV-cache hit rate at {100 * HEADLINE_UTILISATION:.0f}% utilisation, Prism against the "
-        f"baseline with the lowest p99 (ratio below 1: Prism is faster).\n\n{headline(results)}\n\n"
-        f"## Traces\n\n{index}\n"
+    parts = [f"# Replay summary\n\nCommand:\n\n```\n{command}\n```"]
+    if goodput:
+        parts.append(
+            "## Goodput\n\nPer workload and policy, the highest load (offered prefill work without cache hits, "
+            f"over the cluster's prefill capacity) at which at least {GOODPUT_TARGET:.0%} of requests met their "
+            "TTFT SLO, max(τ0 of the slice, 5 × the request's unloaded TTFT) (sim/_slo.py, docs/eval.md); searched "
+            f"from {100 * SEARCH_LOW:.0f}% to {100 * SEARCH_HIGH:.0f}%. Ratio above 1: Prism serves more load "
+            f"within the SLO than the best baseline.\n\n{goodput_summary(goodput)}"
+        )
+        parts.append("\n\n".join(f"![{p.stem}]({p.name})" for p in plots))
+    parts.append(
+        f"## TTFT p99 at {100 * HEADLINE_UTILISATION:.0f}% utilisation\n\nPrism against the baseline with the "
+        f"lowest p99 (ratio below 1: Prism is faster).\n\n{headline(results)}"
     )
+    if ablations:
+        parts.append(f"## Ablations at {100 * HEADLINE_UTILISATION:.0f}% utilisation\n\n{ablations}")
+    parts.append(f"## Workloads\n\n{index}")
+    return "\n\n".join(parts) + "\n"
 
 
 def write_report(
@@ -318,8 +427,12 @@ def write_report(
     *,
     command: str,
     notes: Mapping[str, str] | None = None,
+    goodput: Sequence[Goodput] = (),
+    ablations: str | None = None,
 ) -> list[Path]:
-    """Write `<trace>.md` (with `notes[trace]`), its PNGs and `summary.md`."""
+    """Write `<trace>.md` (with `notes[trace]`) and its PNGs, and `summary.md`, which leads with the goodput
+    table and its plots (`goodput.png`, `attainment.png`) when `goodput` is given, then the 80% headline and
+    the `ablations` table."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     for trace in _ordered(r.trace for r in results):
@@ -328,6 +441,14 @@ def write_report(
         page = out_dir / f"{trace}.md"
         page.write_text(_trace_page(trace, runs, command, (notes or {}).get(trace), plots), encoding="utf-8")
         written += [page, *plots.values()]
+    summary_plots = []
+    if goodput:
+        colours = {policy: f"C{i % 10}" for i, policy in enumerate(_policies(goodput))}
+        with matplotlib.rc_context(_RC):
+            summary_plots = [
+                _goodput_plot(goodput, colours, out_dir / "goodput.png"),
+                _attainment_plot(goodput, colours, out_dir / "attainment.png"),
+            ]
     summary = out_dir / "summary.md"
-    summary.write_text(_summary_page(results, command), encoding="utf-8")
-    return [*written, summary]
+    summary.write_text(_summary_page(results, command, goodput, ablations, summary_plots), encoding="utf-8")
+    return [*written, *summary_plots, summary]

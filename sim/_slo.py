@@ -41,11 +41,18 @@ SLO_SCALE = 5.0
 """TTFT SLO as a multiple of the request's unloaded TTFT on its pool's slowest class (DistServe, Mooncake)."""
 GOODPUT_TARGET = 0.9
 """Share of requests that must meet their SLO for a load to count towards goodput (DistServe's 90%)."""
-SEARCH_LOW = 0.1
-SEARCH_HIGH = 1.5
-"""The goodput search's range of utilisation (offered prefill work over prefill capacity)."""
-SEARCH_STEPS = 6
-"""Bisection steps after the two ends: the found load is within (HIGH − LOW) / 2^6 ≈ 2.2 points of the edge."""
+SEARCH_START = 0.8
+"""The goodput search's first probe (utilisation: offered prefill work, without cache reuse, over prefill
+capacity); it then doubles or halves."""
+SEARCH_DOUBLINGS = (-3, 4)
+"""How far it doubles and halves: from SEARCH_START × 2^-3 = 10% to SEARCH_START × 2^4 = 1280%. The top is far
+above 100% because utilisation counts prompts without their cache hits: a workload whose prompts hit the cache
+93% of the time offers a node a tenth of its nominal prefill work."""
+SEARCH_LOW = SEARCH_START * 2.0 ** SEARCH_DOUBLINGS[0]
+SEARCH_HIGH = SEARCH_START * 2.0 ** SEARCH_DOUBLINGS[1]
+SEARCH_STEPS = 5
+"""Bisection steps (of the load's logarithm) once a doubling brackets the edge: the found load is within a factor
+2^(1/2^5) ≈ 1.022 of the lowest failing load probed."""
 
 
 def slice_of(request: SimRequest) -> Slice:
@@ -113,50 +120,88 @@ class Goodput:
     above: float | None
     """The lowest load searched that missed the target (None: SEARCH_HIGH passed)."""
     above_attainment: float | None
+    curve: tuple[tuple[float, float], ...] = ()
+    """Every probe of the search as (arrival rate in requests/s, attainment), by rate: the attainment curve."""
 
 
 Pair = tuple[str | Path, str]
 """(trace, policy): a trace key as `prism eval` takes it (name, family spec or file) and a policy name."""
 Probe = tuple[str | Path, str, float]
 """(trace, policy, utilisation) to run."""
-Found = tuple[float, float, float | None, float | None]
-"""(found load, its attainment, load above, its attainment): see `search`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """One pair's search: the highest passing load and the lowest failing one, and every probe."""
+
+    load: float
+    """The highest load probed that passed; 0 when none did."""
+    attainment: float
+    """Its attainment (SEARCH_LOW's when none passed)."""
+    above: float | None
+    """The lowest load probed that failed; None when SEARCH_HIGH passed."""
+    above_attainment: float | None
+    probes: tuple[tuple[float, float], ...]
+    """(utilisation, attainment) of every probe, by utilisation."""
+
+
+def _load(doubling: float) -> float:
+    return SEARCH_START * 2.0**doubling
+
+
+def _next(results: dict[float, float]) -> float | None:
+    """The next doubling exponent to probe for one pair given its results so far (exponent → attainment), or
+    None when its search is done."""
+    passed = [e for e, value in results.items() if value >= GOODPUT_TARGET]
+    failed = [e for e, value in results.items() if value < GOODPUT_TARGET]
+    low, high = SEARCH_DOUBLINGS
+    if not results:
+        return 0.0
+    if not failed:
+        top = max(passed)
+        return top + 1 if top < high else None
+    if not passed:
+        bottom = min(failed)
+        return bottom - 1 if bottom > low else None
+    below, above = max(passed), min(e for e in failed if e > max(passed))
+    bisections = sum(1 for e in results if not float(e).is_integer())
+    return (below + above) / 2 if bisections < SEARCH_STEPS else None
 
 
 def search(pairs: Sequence[Pair], measure: Callable[[Sequence[Probe]], Sequence[float]]) -> dict[Pair, Found]:
-    """Bisect each (trace, policy) pair's utilisation for the highest at which attainment ≥ GOODPUT_TARGET.
+    """Per (trace, policy) pair, the highest utilisation at which attainment ≥ GOODPUT_TARGET.
 
-    `measure` runs a batch of probes and returns their attainments in order; all pairs advance together, one
-    batch per step, so the runs of a step go through the replay's process pool at once. The steps and the
-    points probed depend only on the outcomes, so a deterministic replay gives a deterministic search.
-    Returns per pair (found load, its attainment, load above, its attainment); the invariant is that the found
-    load passed and the load above failed, or the found load is SEARCH_HIGH (above None), or nothing passed
-    (found load 0, with SEARCH_LOW as the load above).
+    Each pair starts at SEARCH_START and doubles (or halves) until the target flips or the range
+    (SEARCH_DOUBLINGS) ends, then bisects the bracketing doubling SEARCH_STEPS times in log scale. Probes stay
+    near each pair's edge, where a replay is cheap: low loads stretch the simulated time, which Prism's brain
+    ticks through. `measure` runs a batch of probes and returns their attainments in order; all pairs advance
+    together, one batch per step, so a step's runs go through the replay's process pool at once. The points
+    probed depend only on the outcomes, so a deterministic replay gives a deterministic search. Attainment is
+    assumed to fall with load: the found load is the highest passing one below the lowest failing one.
     """
-    ends = measure([(t, p, u) for t, p in pairs for u in (SEARCH_LOW, SEARCH_HIGH)])
-    state: dict[Pair, list[float]] = {}
-    done: dict[Pair, Found] = {}
-    for i, pair in enumerate(pairs):
-        low, high = ends[2 * i], ends[2 * i + 1]
-        if high >= GOODPUT_TARGET:
-            done[pair] = (SEARCH_HIGH, high, None, None)
-        elif low < GOODPUT_TARGET:
-            done[pair] = (0.0, low, SEARCH_LOW, low)
-        else:
-            state[pair] = [SEARCH_LOW, low, SEARCH_HIGH, high]
-    for _ in range(SEARCH_STEPS):
-        if not state:
+    results: dict[Pair, dict[float, float]] = {pair: {} for pair in pairs}
+    while True:
+        todo = [(pair, e) for pair in pairs if (e := _next(results[pair])) is not None]
+        if not todo:
             break
-        todo = list(state)
-        mids = [(state[p][0] + state[p][2]) / 2 for p in todo]
-        for pair, mid, value in zip(todo, mids, measure([(t, p, m) for (t, p), m in zip(todo, mids)]), strict=True):
-            if value >= GOODPUT_TARGET:
-                state[pair][0:2] = [mid, value]
-            else:
-                state[pair][2:4] = [mid, value]
-    for pair, (lo, lo_value, hi, hi_value) in state.items():
-        done[pair] = (lo, lo_value, hi, hi_value)
-    return {pair: done[pair] for pair in pairs}
+        values = measure([(t, p, _load(e)) for (t, p), e in todo])
+        for (pair, e), value in zip(todo, values, strict=True):
+            results[pair][e] = value
+    out = {}
+    for pair in pairs:
+        probes = results[pair]
+        passed = [e for e, value in probes.items() if value >= GOODPUT_TARGET]
+        failed = [e for e, value in probes.items() if value < GOODPUT_TARGET]
+        found = max(passed, default=None)
+        above = min(failed, default=None)
+        out[pair] = Found(
+            0.0 if found is None else _load(found),
+            probes[min(probes) if found is None else found],
+            None if above is None else _load(above),
+            None if above is None else probes[above],
+            tuple((_load(e), probes[e]) for e in sorted(probes)),
+        )
+    return out
 
 
 def format_goodput(rows: Sequence[Goodput]) -> str:

@@ -134,8 +134,8 @@ def scale_to_utilisation(
     encoder_s_per_media: Mapping[str, float] | None = None,
 ) -> Workload:
     """The workload with arrival times stretched or compressed so its offered utilisation is `utilisation`."""
-    if not 0 < utilisation <= 2:
-        raise ValueError(f"utilisation must be in (0, 2], not {utilisation}")
+    if not (0 < utilisation and math.isfinite(utilisation)):
+        raise ValueError(f"utilisation must be a positive number, not {utilisation}")
     factor = offered_utilisation(workload, capacity_tokens_per_s, encoder_s_per_media=encoder_s_per_media) / utilisation
     requests = [replace(r, arrival_s=r.arrival_s * factor) for r in workload.requests]
     source = f"{workload.source}; arrivals ×{factor:.6g} for utilisation {utilisation:g}"

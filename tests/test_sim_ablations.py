@@ -14,12 +14,14 @@ from prismlb.sim._ablations import (
     FlatWeightsBrain,
     NoHealthBrain,
     NoPredictorBrain,
+    format_ablations,
     no_sessions,
 )
 from prismlb.sim._cluster import Simulation
 from prismlb.sim._eval import PRISM, TEXT_CLUSTER, capacity, policy_factories
 from prismlb.sim._families import family_workload
 from prismlb.sim._prism import PrismPolicy
+from prismlb.sim._types import RunResult, SliceStats
 from prismlb.sim._workload import scale_to_utilisation
 from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector, RoutingTable
 
@@ -37,6 +39,28 @@ def vector(node_id: str, seq: int, p99_ms: float | None, **metrics: float) -> No
         period_s=1.0,
         metrics=NodeMetrics(**metrics),  # type: ignore[arg-type]
         latency={} if p99_ms is None else {"engine": ModalityLatency(requests=10, ttft_p99_ms=p99_ms)},
+    )
+
+
+def _result(policy: str, p99_ms: float) -> RunResult:
+    return RunResult(
+        trace="t",
+        policy=policy,
+        utilisation=0.8,
+        seed=1,
+        requests=10,
+        completed=10,
+        failed_attempts=0,
+        slices={"all": SliceStats(10, p99_ms / 2, p99_ms, 0.9)},
+        kv_hit_rate=0.5,
+        kv_hit_bound=0.6,
+        load_max_over_mean=1.0,
+        cross_numa_share=0.0,
+        killed_node=None,
+        killed_at_s=None,
+        recovery_s=None,
+        timeline=[],
+        wall_s=0.1,
     )
 
 
@@ -129,11 +153,23 @@ def test_eval_ablations_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["eval", "--ablations", "--traces", "mooncake", "--limit", "100", "--levels", "80%", "--no-report"]
     assert main([*argv, "--jobs", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "| variant | trace | level | TTFT p99 ms | KV hit % | p99 / full Prism |" in printed
-    assert printed.count("| mooncake | 80% |") == 1 + len(VARIANTS)
-    for name in ("prism", *VARIANTS):
-        assert f"| {name} | mooncake | 80% |" in printed
-    prism_row = next(line for line in printed.splitlines() if line.startswith("| prism | mooncake"))
-    assert prism_row.endswith("| 1.00 |")
-    with pytest.raises(SystemExit, match="--ablations"):
-        main([*argv, "--goodput"])
+    header = next(line for line in printed.splitlines() if line.startswith("| workload | level |"))
+    assert header.split(" | ")[2:4] == ["Prism TTFT p99 ms", "Prism KV hit %"]
+    assert all(f"{name} p99 / Prism" in header for name in VARIANTS)
+    row = next(line for line in printed.splitlines() if line.startswith("| mooncake | 80% |"))
+    ratios = [float(cell) for cell in row.strip("| ").split(" | ")[4:]]
+    assert len(ratios) == len(VARIANTS) and all(r > 0 for r in ratios)
+    assert "| geometric mean |" in printed and "Goodput:" not in printed and "goodput searches" not in printed
+    with pytest.raises(SystemExit, match="--policies must name prism"):
+        main([*argv, "--policies", "least-conn"])
+
+
+def test_format_ablations_divides_each_variant_by_the_full_prism() -> None:
+    text = format_ablations([_result("prism", 1000.0), _result("flat-weights", 900.0), _result("ewma", 1500.0)])
+    lines = text.splitlines()
+    assert (
+        lines[0]
+        == "| workload | level | Prism TTFT p99 ms | Prism KV hit % | flat-weights p99 / Prism | ewma p99 / Prism |"
+    )
+    assert lines[2] == "| t | 80% | 1000 | 50.0 | 0.90 | 1.50 |"
+    assert lines[3] == "| geometric mean |  |  |  | 0.90 | 1.50 |"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
 from prismlb.cli import main
-from prismlb.sim._eval import MM_CLUSTER, TEXT_CLUSTER, Case, capacity, cases, run_case
+from prismlb.sim._eval import MM_CLUSTER, TEXT_CLUSTER, Case, _traces, capacity, cases, run_case
+from prismlb.sim._families import PRESETS
+from prismlb.sim._workload import WORKLOADS
 
 
 def test_reduced_eval_writes_the_report_and_is_deterministic(
@@ -21,13 +24,15 @@ def test_reduced_eval_writes_the_report_and_is_deterministic(
     assert "## mooncake · 80% utilisation · a100-3 killed" in printed
     one = tmp_path / "one"
     assert {p.name for p in one.glob("*.md")} == {"mooncake.md", "mm.md", "summary.md"}
-    for png in ("mooncake-p99.png", "mooncake-kv.png", "mooncake-kill.png", "mm-p99.png"):
+    for png in ("mooncake-p99.png", "mooncake-kv.png", "mooncake-kill.png", "mm-p99.png", "goodput.png"):
         assert (one / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (one / "summary.md").read_text()
     assert "prism eval --traces mooncake,mm --levels 80% --limit 300" in summary and "| mooncake |" in summary
+    assert summary.index("## Goodput") < summary.index("## TTFT p99") < summary.index("## Ablations")
+    assert "| mooncake | 80% |" in summary.split("## Ablations")[1], "the ablations ran on every workload"
     assert main([*argv, "--out", str(tmp_path / "two")]) == 0
-    for name in ("mooncake.md", "mm.md", "summary.md"):
-        assert (one / name).read_text() == (tmp_path / "two" / name).read_text()
+    for name in ("mooncake.md", "mm.md", "summary.md", "goodput.png", "attainment.png"):
+        assert (one / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
 
 
 def test_cases_cover_every_policy_level_and_kill() -> None:
@@ -56,3 +61,14 @@ def test_quick_runs_the_shared_traces_and_the_quick_families_at_the_kill_level_w
         assert f"## {workload} · 80% utilisation · " in printed, f"{workload}: no kill run"
     assert "50% utilisation" not in printed and "95% utilisation" not in printed
     assert not list(tmp_path.iterdir()), "a quick run writes no report"
+
+
+def test_a_plain_eval_replays_the_shared_traces_and_every_family_preset_at_two_seeds() -> None:
+    args = argparse.Namespace(traces=None, workload=None, trace=None, seed=1, limit=20)
+    traces = _traces(args)
+    assert traces[: len(WORKLOADS)] == list(WORKLOADS)
+    assert traces[len(WORKLOADS) :] == [f"{name}:{seed}" for name in PRESETS for seed in (1, 2)]
+    args.workload = ["rag:3"]
+    assert _traces(args) == ["rag:3"], "a named family replaces the default set"
+    args.traces = "mm"
+    assert _traces(args) == ["mm", "rag:3"]

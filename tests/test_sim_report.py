@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from prismlb.sim._report import format_ms, format_pct, format_table, headline, write_report
+from prismlb.sim._report import format_ms, format_pct, format_table, goodput_summary, headline, write_report
+from prismlb.sim._slo import SEARCH_HIGH, Goodput
 from prismlb.sim._types import RunResult, SliceStats
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -139,3 +140,42 @@ def test_write_report_writes_markdown_and_valid_pngs(tmp_path: Path) -> None:
 
     second = report(tmp_path / "b")
     assert [p.read_bytes() for p in first] == [p.read_bytes() for p in second]
+
+
+def goodput_rows() -> list[Goodput]:
+    def row(trace: str, policy: str, load: float, above: float | None = 1.0) -> Goodput:
+        curve = ((load * 10, 0.95), (load * 20, 0.5)) if load else ((1.0, 0.2),)
+        return Goodput(trace, policy, load, load * 10, 0.95, above, 0.5, curve)
+
+    return [
+        row("mooncake", "prism", 0.6),
+        row("mooncake", "least-conn", 0.4),
+        row("mooncake", "round-robin", 0.0),
+        row("azure-code", "prism", 0.3),
+        row("azure-code", "least-conn", 0.5),
+        row("azure-code", "round-robin", SEARCH_HIGH, None),
+    ]
+
+
+def test_goodput_summary_ranks_prism_against_the_best_baseline() -> None:
+    text = goodput_summary(goodput_rows())
+    lines = text.splitlines()
+    assert lines[0] == "| workload | prism | least-conn | round-robin | best baseline | Prism / best |"
+    assert lines[2] == "| mooncake | 60% | 40% | < 10% | least-conn | 1.50× |"
+    assert lines[3] == f"| azure-code | 30% | 50% | ≥ {100 * SEARCH_HIGH:.0f}% | round-robin | 0.02× |"
+    assert "ahead by more than 2% on 1, behind by more than 2% on 1, within 2% on 0" in text
+    assert f"geometric mean {(1.5 * 0.3 / SEARCH_HIGH) ** 0.5:.2f}×" in text
+
+
+def test_write_report_leads_the_summary_with_goodput_and_its_plots(tmp_path: Path) -> None:
+    paths = write_report(results(), tmp_path, command="prism eval", goodput=goodput_rows(), ablations="| a |")
+    assert (tmp_path / "goodput.png").read_bytes()[:8] == PNG_MAGIC
+    assert (tmp_path / "attainment.png").read_bytes()[:8] == PNG_MAGIC
+    assert tmp_path / "goodput.png" in paths and tmp_path / "attainment.png" in paths
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.index("## Goodput") < summary.index("## TTFT p99") < summary.index("## Ablations")
+    assert "![goodput](goodput.png)" in summary and "| a |" in summary
+    again = tmp_path / "again"
+    write_report(results(), again, command="prism eval", goodput=goodput_rows(), ablations="| a |")
+    for name in ("goodput.png", "attainment.png", "summary.md"):
+        assert (tmp_path / name).read_bytes() == (again / name).read_bytes()

@@ -10,6 +10,7 @@ from prismlb.sim._slo import (
     GOODPUT_TARGET,
     SEARCH_HIGH,
     SEARCH_LOW,
+    SEARCH_START,
     SEARCH_STEPS,
     Probe,
     attainment,
@@ -79,19 +80,29 @@ def test_search_brackets_the_edge_of_a_step() -> None:
 
     def measure(probes: list[Probe]) -> list[float]:
         probed.extend(u for _, _, u in probes)
-        return [1.0 if u <= 0.77 else 0.5 for _, _, u in probes]
+        return [1.0 if u <= 2.5 else 0.5 for _, _, u in probes]
 
-    found = search([("t", "a")], measure)
-    load, met, above, above_met = found[("t", "a")]
-    assert above is not None and load <= 0.77 < above
-    assert above - load == pytest.approx((SEARCH_HIGH - SEARCH_LOW) / 2**SEARCH_STEPS)
-    assert met == 1.0 and above_met == 0.5 and len(probed) == 2 + SEARCH_STEPS
+    found = search([("t", "a")], measure)[("t", "a")]
+    assert found.above is not None and found.load <= 2.5 < found.above
+    assert found.above / found.load == pytest.approx(2 ** (1 / 2**SEARCH_STEPS))
+    assert found.attainment == 1.0 and found.above_attainment == 0.5
+    # up from the start by doublings (0.8, 1.6, 3.2), then the bisections of [1.6, 3.2]
+    assert probed[:3] == pytest.approx([SEARCH_START, 2 * SEARCH_START, 4 * SEARCH_START])
+    assert len(probed) == 3 + SEARCH_STEPS and all(1.6 < u < 3.2 for u in probed[3:])
+    assert [u for u, _ in found.probes] == sorted(probed)
+
+
+def test_search_goes_down_by_halving_when_the_start_fails() -> None:
+    found = search([("t", "a")], lambda ps: [1.0 if u <= 0.3 else 0.0 for _, _, u in ps])[("t", "a")]
+    assert found.load <= 0.3 < found.above and 0.2 <= found.load and found.above <= 0.4
 
 
 def test_search_reports_the_ends_when_every_or_no_load_passes() -> None:
     found = search([("t", "easy"), ("t", "hard")], lambda ps: [1.0 if p == "easy" else 0.0 for _, p, _ in ps])
-    assert found[("t", "easy")] == (SEARCH_HIGH, 1.0, None, None)
-    assert found[("t", "hard")] == (0.0, 0.0, SEARCH_LOW, 0.0)
+    easy, hard = found[("t", "easy")], found[("t", "hard")]
+    assert (easy.load, easy.attainment, easy.above) == (pytest.approx(SEARCH_HIGH), 1.0, None)
+    assert (hard.load, hard.attainment, hard.above) == (0.0, 0.0, pytest.approx(SEARCH_LOW))
+    assert len(easy.probes) == 5 and len(hard.probes) == 4 and SEARCH_LOW == pytest.approx(0.1)
 
 
 def test_goodput_on_a_small_trace_is_deterministic_and_brackets_the_target() -> None:
@@ -103,8 +114,9 @@ def test_goodput_on_a_small_trace_is_deterministic_and_brackets_the_target() -> 
         assert row.utilisation > 0 and row.requests_per_s > 0
         at = run_case(Case("mooncake", row.policy, row.utilisation, 1, 60))
         assert attainment(workload, at.ttft_s, nodes) == row.attainment >= GOODPUT_TARGET
+        assert row.curve and all(rate > 0 for rate, _ in row.curve)
         if row.above is None:
-            assert row.utilisation == SEARCH_HIGH
+            assert row.utilisation == pytest.approx(SEARCH_HIGH)
         else:
             over = run_case(Case("mooncake", row.policy, row.above, 1, 60))
             assert attainment(workload, over.ttft_s, nodes) == row.above_attainment < GOODPUT_TARGET
@@ -116,4 +128,4 @@ def test_prism_eval_goodput_end_to_end(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     assert "| workload | policy | goodput (utilisation) |" in out
     assert "| mooncake | prism |" in out and "| mooncake | least-conn |" in out
-    assert "2 searches" in out
+    assert "2 goodput searches" in out

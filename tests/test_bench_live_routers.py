@@ -1,0 +1,49 @@
+"""bench/live_routers.py's replay check: each contender's replay model on the live run's requests and cluster,
+and the verdict on whether live and replay order the contenders alike."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    path = Path(__file__).resolve().parent.parent / "bench" / "live_routers.py"
+    spec = importlib.util.spec_from_file_location("live_routers", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["live_routers"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def outcome(bench: ModuleType, contender: object, p99_ms: float) -> object:
+    return bench.Outcome(contender, "v", answered=100, ttft_ms=[p99_ms] * 100)
+
+
+def test_agreement_names_the_pairs_ordered_differently(bench: ModuleType) -> None:
+    prism, sglang, power, kv, cache = bench.CONTENDERS
+    live = [outcome(bench, prism, 900), outcome(bench, sglang, 1200), outcome(bench, kv, 700)]
+    live += [outcome(bench, power, 5000), outcome(bench, cache, 1100)]
+    replayed = {"prism": 1000.0, "sglang": 1500.0, "vllm-kv-aware": 800.0}
+    lines = bench.agreement(live, replayed)
+    assert lines[2].startswith("| vllm kv_aware | 700 ms | 1 | vllm-kv-aware | 800 ms | 1 |")
+    assert not any("power_of_two" in line for line in lines), "no replay model: not in the comparison"
+    assert lines[-1] == "Live and replay orderings of contenders with different models agree."
+    replayed["vllm-kv-aware"] = 1200.0
+    verdict = bench.agreement(live, replayed)[-1]
+    assert verdict == (
+        "Live and replay orderings of contenders with different models disagree on 1 of 5: "
+        "prism brain weights + bounded load / vllm kv_aware."
+    )
+
+
+def test_replay_models_run_on_the_live_cluster(bench: ModuleType) -> None:
+    p99 = bench.replay_p99_ms(bench.CONTENDERS, 60, 0.6)
+    assert set(p99) == {"prism", "sglang", "vllm-kv-aware"}
+    assert all(value > 0 for value in p99.values())
