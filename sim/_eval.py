@@ -1,11 +1,13 @@
-"""`prism eval`: every policy on every trace at named utilisation levels, plus a node kill per trace.
+"""`prism eval`: every policy on every workload at named utilisation levels and with a node killed, each
+policy's goodput at the TTFT SLO, and Prism's ablations, in one run.
 
-Clusters (docs/sim.md): text traces run on eight A100-class nodes (the article's LLM pool); the multimodal mix
-runs on the article's pools sized to the mix's prefill work (images about 68%, audio and video about 32%):
-three H100s (NVLink, HBM3: the image pool) and five L40S (AV1, CUDA Graphs: the audio/video pool). Load is
-scaled so the offered prefill work (prompt tokens without any cache reuse, plus media encoders) is the named
-share of the cluster's prefill capacity. The kill runs take the 80% load and kill one node half-way through
-the trace.
+A plain `prism eval` replays the shared traces and every workload family preset at two seeds
+(`EVAL_FAMILIES`); `--goodput`, `--ablations` and the `--no-*` options narrow it. Clusters (docs/sim.md): text
+traces run on eight A100-class nodes (the article's LLM pool); the multimodal workloads run on the article's
+pools sized to the mix's prefill work (images about 68%, audio and video about 32%): three H100s (NVLink,
+HBM3: the image pool) and five L40S (AV1, CUDA Graphs: the audio/video pool). Load is scaled so the offered
+prefill work (prompt tokens without any cache reuse, plus media encoders) is the named share of the cluster's
+prefill capacity. The kill runs take the 80% load and kill one node half-way through the workload.
 """
 
 from __future__ import annotations
