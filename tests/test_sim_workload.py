@@ -176,7 +176,7 @@ def test_utilisation_without_encoders_is_prompt_tokens_over_capacity_and_span() 
 
 def test_bad_arguments_raise_value_error(workloads: dict[str, Workload]) -> None:
     w = workloads["azure-code"]
-    for utilisation in (0.0, -0.5, 2.5, math.nan):
+    for utilisation in (0.0, -0.5, math.inf, math.nan):
         with pytest.raises(ValueError, match="utilisation"):
             scale_to_utilisation(w, utilisation, 1e5)
     for capacity in (0.0, -1.0, math.nan):
