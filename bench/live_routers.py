@@ -157,19 +157,20 @@ def install_peers(venv: Path, packages: Sequence[str], out: Path) -> dict[str, s
     return versions
 
 
-def peer_args(contender: Contender, cluster: Cluster, port: int) -> list[str]:
-    """The peer's command line (after its Python) for the cluster's engines, on loopback `port`."""
+def peer_args(contender: Contender, cluster: Cluster, port: int, debug: bool = False) -> list[str]:
+    """The peer's command line (after its Python) for the cluster's engines, on loopback `port`; `debug` has it
+    log each routing decision (the vLLM router's `KV prefix decision` lines) into its log."""
     urls = [node.url for node in cluster.nodes]
     args = ["-m", contender.module, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
     args += ["--policy", contender.policy, "--prometheus-port", str(free_port())]
     if contender.package == "vllm-router":
-        args += ["--log-level", "warning"]
+        args += ["--log-level", "debug" if debug else "warning"]
         if contender.policy == "kv_aware":
             for node in cluster.nodes:
                 args += ["--kv-event-source", f"{node.url}=tcp://127.0.0.1:{node.kv_port}"]
             args += ["--kv-event-model", MODEL_NAME]
     else:
-        args += ["--log-level", "warn"]
+        args += ["--log-level", "debug" if debug else "warn"]
     return args
 
 
@@ -211,6 +212,7 @@ def run_one(
     time_scale: float,
     logs: Path,
     python: Path,
+    debug: bool = False,
 ) -> Outcome:
     """One contender on a fresh cluster; every process it started is stopped before it returns."""
     outcome = Outcome(contender, version)
@@ -238,7 +240,7 @@ def run_one(
         else:
             port = free_port()
             log = logs / "router.log"
-            peer = spawn(peer_args(contender, cluster, port), log, executable=str(python))
+            peer = spawn(peer_args(contender, cluster, port, debug), log, executable=str(python))
             procs.append(peer)
             if not wait_healthy(f"http://127.0.0.1:{port}/health", peer, STARTUP_LIMIT_S):
                 outcome.problem = f"did not start within {STARTUP_LIMIT_S:.0f} s: {log_tail(log)}"
@@ -381,6 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--only", default="", help="comma-separated contenders to run (prism, sglang, vllm); all by default"
     )
+    parser.add_argument(
+        "--peer-debug", action="store_true", help="the peers log every routing decision (in their router.log)"
+    )
     args = parser.parse_args(argv)
     started = time.monotonic()
     only = {name for name in args.only.split(",") if name}
@@ -419,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     time_scale,
                     logs / f"{i}-{contender.name}",
                     args.venv / "bin" / "python",
+                    args.peer_debug,
                 )
                 outcomes.append(outcome)
                 if outcome.problem:

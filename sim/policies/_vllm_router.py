@@ -8,6 +8,10 @@ and `src/kv_index/index.rs` (`KVBlockIndex`: `on_block_stored`, `on_block_remove
 2ec0ff0c55df8a5c9955b3c675760c08fac9e2ec, `src/policies/mod.rs` (`get_healthy_worker_indices`: healthy and
 circuit breaker closed or half-open).
 
+This is that source's policy, not the released wheel's: `vllm-router` 0.1.17, which `bench/live_routers.py`
+runs, logs every decision as a `prefix_cost` choice (new prefill tokens after a credited cached prefix) and
+spreads load where this model piles it (docs/benchmarks.md, "Live against the replay").
+
 Per attempt, among the available workers (one alone is returned at once):
 - each worker's score is the number of the request's leading blocks it holds without a gap (a worker missing
   block `i` scores at most `i`), from the index the KV events keep: `BlockStored` adds the worker to a block,
