@@ -17,7 +17,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -206,7 +206,10 @@ class Simulation:
         kill: Kill | None = None,
         vector_period_s: float = 1.0,
         gateways_numa: Sequence[int] = (0, 1),
+        slo_s: Callable[[SimRequest], float] | None = None,
     ) -> None:
+        """`slo_s` gives each request's TTFT SLO in seconds for the slices' `slo_attainment` (default: its
+        slice's τ0, `brain.TAU0_MS`)."""
         if not nodes:
             raise ValueError("a cluster needs at least one node")
         if not workload.requests:
@@ -225,6 +228,8 @@ class Simulation:
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self.ttft: list[tuple[str, float, float]] = []  # (slice, first token time, ttft s)
+        self.met: list[bool] = []  # per entry of `ttft`: within the request's SLO
+        self.slo_s = slo_s
         self.completed_ttft: dict[int, float] = {}  # request id -> ttft s, of the requests that completed
         self.failed_attempts = 0
         self.lost = 0
@@ -333,6 +338,8 @@ class Simulation:
                 attempt.first_token_s = t
                 ttft = t - attempt.request.arrival_s
                 self.ttft.append((attempt.slice_name, t, ttft))
+                slo = TAU0_MS[Slice(attempt.slice_name)] / 1000 if self.slo_s is None else self.slo_s(attempt.request)
+                self.met.append(ttft <= slo)
                 node.first_tokens.append((t, attempt.slice_name, ttft))
                 self.policy.first_token(node.spec.name, attempt.request, t)
             elif kind == "finished":
@@ -398,15 +405,13 @@ class Simulation:
 
     def _result(self, end: float, wall_s: float) -> RunResult:
         slices: dict[str, SliceStats] = {}
-        groups: dict[str, list[float]] = {"all": [t for _, _, t in self.ttft]}
-        for slice_name, _, t in self.ttft:
-            groups.setdefault(slice_name, []).append(t)
+        groups: dict[str, list[tuple[float, bool]]] = {"all": []}
+        for (slice_name, _, t), met in zip(self.ttft, self.met, strict=True):
+            groups["all"].append((t, met))
+            groups.setdefault(slice_name, []).append((t, met))
         for name, values in groups.items():
-            ms = [v * 1000 for v in values]
-            if name == "all":
-                within = sum(t * 1000 <= TAU0_MS[Slice(s)] for s, _, t in self.ttft)
-            else:
-                within = sum(v <= TAU0_MS[Slice(name)] for v in ms)
+            ms = [t * 1000 for t, _ in values]
+            within = sum(met for _, met in values)
             slices[name] = SliceStats(
                 len(ms), percentile(ms, 0.5), percentile(ms, 0.99), within / len(ms) if ms else math.nan
             )

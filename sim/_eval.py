@@ -27,7 +27,7 @@ from pathlib import Path
 from ._cluster import Kill, NodeSpec, Simulation
 from ._families import PRESETS, family_workload
 from ._model import PROFILES
-from ._slo import Goodput, Probe, attainment, format_goodput, search
+from ._slo import Goodput, Probe, attainment, format_goodput, pool_classes, search, slo_s
 from ._tracefile import load_trace
 from ._types import Policy, RunResult, Workload
 from ._workload import LEVELS, WORKLOADS, infinite_cache_hit_rate, load, offered_utilisation, scale_to_utilisation
@@ -139,11 +139,15 @@ def replay(
     kill: Kill | None = None,
 ) -> RunResult:
     """The workload scaled to `utilisation` of the nodes' prefill capacity, replayed through the named policy
-    (`policy_factories` or an ablation): what every `prism eval` run is, on any cluster."""
+    (`policy_factories` or an ablation), its SLO attainment against each request's own SLO (`_slo.slo_s`):
+    what every `prism eval` run is, on any cluster."""
     tokens, media = capacity(nodes)
     scaled = scale_to_utilisation(workload, utilisation, tokens, encoder_s_per_media=media)
     chosen = _policy(policy, workload.block_tokens)
-    return Simulation(scaled, chosen, nodes, utilisation=utilisation, seed=seed, kill=kill).run()
+    classes = pool_classes(nodes)
+    return Simulation(
+        scaled, chosen, nodes, utilisation=utilisation, seed=seed, kill=kill, slo_s=lambda r: slo_s(r, classes)
+    ).run()
 
 
 def cases(

@@ -143,7 +143,8 @@ class SliceStats:
     ttft_p50_ms: float
     ttft_p99_ms: float
     slo_attainment: float
-    """Share of the slice's requests whose TTFT was within the slice's τ0 (`brain.TAU0_MS`)."""
+    """Share of the slice's requests with a first token whose TTFT was within their SLO: in `prism eval` each
+    request's own (`_slo.slo_s`), in a bare `Simulation` the slice's τ0 (`brain.TAU0_MS`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,3 +129,13 @@ def test_prism_eval_goodput_end_to_end(capsys: pytest.CaptureFixture[str]) -> No
     assert "| workload | policy | goodput (utilisation) |" in out
     assert "| mooncake | prism |" in out and "| mooncake | least-conn |" in out
     assert "2 goodput searches" in out
+
+
+def test_the_tables_slo_attainment_is_against_each_requests_own_slo() -> None:
+    workload, _ = _workload("mooncake", 1, 80)
+    nodes = cluster_for("mooncake", workload)
+    result = run_case(Case("mooncake", "least-conn", 1.2, 1, 80))
+    assert result.completed == result.requests == len(result.ttft_s)
+    expected = attainment(workload, result.ttft_s, nodes)
+    assert 0 < expected < 1, "a load where some requests miss and some meet their SLO"
+    assert result.slices["all"].slo_attainment == pytest.approx(expected)
