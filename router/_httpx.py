@@ -3,8 +3,9 @@ routes through Prism unchanged: `httpx.Client(transport=PrismTransport(router))`
 
 The affinity key is the `X-Prism-Affinity-Key` header, else `prefix_key(text=...)` of the JSON body's
 conversation (chat `messages` in order, or a completion `prompt`); the modality is the `X-Modality-Signature`
-header, else the kinds of the messages' content parts; session, context signature and request class come from
-their headers. The request goes to the endpoint's scheme, host and port (its path prefix, if any, before the
+header, else the kinds of the messages' content parts; the cost (what `load="prefill"` balances) is the
+conversation's estimated tokens (`prompt_cost`); session, context signature and request class come from their
+headers. The request goes to the endpoint's scheme, host and port (its path prefix, if any, before the
 request's path). A connect failure is retried on the next probe; the lease ends when the response is closed,
 and for `"stream": true` requests the response head counts as the first token.
 """
@@ -20,7 +21,7 @@ from typing import Any
 import httpx
 
 from ._health import Outcome
-from ._keys import BLOCK_SIZE, PREFIX_TOKENS, prefix_key
+from ._keys import BLOCK_SIZE, PREFIX_TOKENS, TEXT_BYTES_PER_TOKEN, prefix_key
 from ._lease import Lease
 from ._request import Request
 from ._router import Router
@@ -91,7 +92,16 @@ def describe(request: httpx.Request, block_size: int, prefix_tokens: int) -> tup
         key = prefix_key(text=text, block_size=block_size, prefix_tokens=prefix_tokens)
     modality = described.modality or ("+".join(sorted(kinds)) if kinds else None)
     streamed = isinstance(body, dict) and body.get("stream") is True
-    return replace(described, key=key, modality=modality), streamed
+    return replace(described, key=key, modality=modality, cost=prompt_cost(text)), streamed
+
+
+def prompt_cost(text: str | None) -> int:
+    """`Request.cost` of a prompt given as text: its estimated tokens (UTF-8 bytes over TEXT_BYTES_PER_TOKEN,
+    the estimate `prefix_key` cuts text blocks by), at least 1. With the default `load="prefill"` this is what
+    bounded load balances, so a caller routing through the transports needs no tokenizer of its own."""
+    if not text:
+        return 1
+    return max(1, -(-len(text.encode()) // TEXT_BYTES_PER_TOKEN))
 
 
 def outcome_of(exc: BaseException) -> Outcome:

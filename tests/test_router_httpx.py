@@ -26,7 +26,7 @@ from prismlb.router import (
     ShedError,
     prefix_key,
 )
-from prismlb.router._httpx import describe
+from prismlb.router._httpx import describe, prompt_cost
 from prismlb.wire import MODALITY_HEADER, RoutingTable, SliceTable, TableNode
 
 DOCUMENT = "Quarterly report. " * 300  # 5,400 bytes: a first turn longer than the key's window
@@ -248,3 +248,13 @@ def test_a_shed_request_class_fails_with_the_typed_error(servers: dict[str, Name
         with pytest.raises(ShedError, match="'batch' is shed"):
             client.post("/chat/completions", json=chat(1, 1), headers={"X-Prism-Class": "batch"})
         assert client.post("/chat/completions", json=chat(1, 1)).status_code == 200
+
+
+def test_the_transport_costs_a_request_by_its_prompt_so_prefill_load_counts_tokens() -> None:
+    text = "system\nYou are terse.\nuser\n" + "héllo wörld " * 100 + "\n"  # the conversation as the key reads it
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "héllo wörld " * 100}]
+    request = httpx.Request("POST", "http://prism.invalid/v1/chat/completions", json={"messages": messages})
+    described, _ = describe(request, BLOCK_SIZE, PREFIX_TOKENS)
+    assert described.cost == prompt_cost(text) == -(-len(text.encode()) // 4) > 300
+    empty = httpx.Request("POST", "http://prism.invalid/v1/chat/completions", json={"model": "m"})
+    assert describe(empty, BLOCK_SIZE, PREFIX_TOKENS)[0].cost == 1 == prompt_cost(None) == prompt_cost("")
