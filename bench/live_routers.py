@@ -353,6 +353,7 @@ def agreement(outcomes: Sequence[Outcome], replayed: dict[str, float]) -> list[s
         if (live[id(a)] < live[id(b)]) != (replayed[a.contender.replay or ""] < replayed[b.contender.replay or ""])
     ]
     verdict = "agree" if not disagree else f"disagree on {len(disagree)} of {len(pairs)}: {'; '.join(disagree)}"
+    verdict = verdict if pairs else "have no pair to compare"
     lines.append("")
     lines.append(f"Live and replay orderings of contenders with different models {verdict}.")
     return lines
@@ -451,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )["prism"]
             print(
                 f"Replayed Prism with each node labelled with its GPU class, as agents on GPU hosts report it: "
-                f"TTFT p99 {labelled:.0f} ms (unlabelled {replayed['prism']:.0f} ms): text goes to the A100 pool only."
+                f"TTFT p99 {labelled:.0f} ms (unlabelled {replayed['prism']:.0f} ms)."
             )
     print(f"   total wall clock {time.monotonic() - started:.0f} s; logs in {logs}")
     return status

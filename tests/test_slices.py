@@ -79,21 +79,30 @@ def test_unlabelled_nodes_are_described_from_nvml() -> None:
     assert tiers(node("x", {"nvlink": "no"}, gpus=[gpu(0, "NVIDIA H100 80GB HBM3", peers=[1])]))[Slice.VLM] == A
 
 
-def test_pools_take_the_preferred_tier_else_the_acceptable_one() -> None:
+def test_pools_take_the_preferred_tier_with_the_generalists_else_the_acceptable_one() -> None:
     a100 = node("a100", {"gpu": "a100"})
     h100 = node("h100", {"gpu": "h100", "nvlink": "yes"})
     h100_pcie = node("h100-pcie", {"gpu": "h100", "hbm3": "no"})
-    l40s = node("l40s", {"gpu": "l40s"})
+    l40s = node("l40s", {"gpu": "l40s", "cuda_graphs": "yes"})
     assert pools([a100, h100, h100_pcie, l40s]) == {
-        Slice.LLM: ["a100"],
+        Slice.LLM: ["a100", "h100-pcie"],  # the PCIe H100 is preferred by no slice: a generalist
         Slice.VLM: ["h100"],
         Slice.AV: ["l40s"],
         Slice.RAG: [],
     }
     assert pools([h100_pcie, l40s]) == {
-        Slice.LLM: ["h100-pcie", "l40s"],
+        Slice.LLM: ["h100-pcie", "l40s"],  # no A100: every node that accepts text
         Slice.VLM: [],  # the PCIe H100 has neither NVLink nor HBM3
         Slice.AV: ["l40s"],
+        Slice.RAG: [],
+    }
+    # the demo's mix labelled by GPU class alone: no slice prefers the H100 (no NVLink) or the L40S (no CUDA
+    # Graphs), so text runs on all four; each is still the whole pool of the slice that accepts it
+    mixed = [node(f"{g}-{i}", {"gpu": g}) for i, g in enumerate(("h100", "a100", "a100", "l40s"))]
+    assert pools(mixed) == {
+        Slice.LLM: ["h100-0", "a100-1", "a100-2", "l40s-3"],
+        Slice.VLM: ["h100-0"],
+        Slice.AV: ["l40s-3"],
         Slice.RAG: [],
     }
 
