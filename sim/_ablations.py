@@ -20,7 +20,7 @@ from prismlb.wire import Slice, TableNode
 
 from ._eval import PRISM
 from ._prism import PrismPolicy
-from ._report import MISSING, _md_table, format_ms, format_pct
+from ._report import MISSING, _md_table, format_ms, format_pct, geometric_mean
 from ._types import Policy, RunResult
 
 
@@ -134,7 +134,7 @@ def format_ablations(results: Sequence[RunResult]) -> str:
     runs = {(r.trace, r.utilisation, r.policy): r for r in results}
     keys = list(dict.fromkeys((r.trace, r.utilisation) for r in results))
     rows: list[list[str]] = []
-    logs: dict[str, list[float]] = {v: [] for v in variants}
+    ratios: dict[str, list[float]] = {v: [] for v in variants}
     for trace, level in keys:
         full = runs.get((trace, level, PRISM))
         reference = math.nan if full is None else full.slices["all"].ttft_p99_ms
@@ -143,12 +143,12 @@ def format_ablations(results: Sequence[RunResult]) -> str:
             run = runs.get((trace, level, variant))
             p99 = math.nan if run is None else run.slices["all"].ttft_p99_ms
             ratio = p99 / reference if reference > 0 and math.isfinite(p99) and math.isfinite(reference) else None
-            if ratio is not None and ratio > 0:
-                logs[variant].append(math.log(ratio))
+            if ratio is not None:
+                ratios[variant].append(ratio)
             cells.append(MISSING if ratio is None else f"{ratio:.2f}")
         hit = MISSING if full is None else format_pct(full.kv_hit_rate)
         rows.append([trace, f"{level:.0%}", format_ms(reference), hit, *cells])
-    means = [f"{math.exp(sum(logs[v]) / len(logs[v])):.2f}" if logs[v] else MISSING for v in variants]
+    means = [MISSING if (mean := geometric_mean(ratios[v])) is None else f"{mean:.2f}" for v in variants]
     rows.append(["geometric mean", "", "", "", *means])
     header = ["workload", "level", "Prism TTFT p99 ms", "Prism KV hit %", *(f"{v} p99 / Prism" for v in variants)]
     return _md_table(header, rows, text_columns=(0, 1))

@@ -227,8 +227,7 @@ class Simulation:
         self.view = _View(self.nodes)
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
-        self.ttft: list[tuple[str, float, float]] = []  # (slice, first token time, ttft s)
-        self.met: list[bool] = []  # per entry of `ttft`: within the request's SLO
+        self.ttft: list[tuple[str, float, float, bool]] = []  # (slice, first token time, ttft s, within its SLO)
         self.slo_s = slo_s
         self.completed_ttft: dict[int, float] = {}  # request id -> ttft s, of the requests that completed
         self.failed_attempts = 0
@@ -337,9 +336,8 @@ class Simulation:
             if kind == "first_token":
                 attempt.first_token_s = t
                 ttft = t - attempt.request.arrival_s
-                self.ttft.append((attempt.slice_name, t, ttft))
                 slo = TAU0_MS[Slice(attempt.slice_name)] / 1000 if self.slo_s is None else self.slo_s(attempt.request)
-                self.met.append(ttft <= slo)
+                self.ttft.append((attempt.slice_name, t, ttft, ttft <= slo))
                 node.first_tokens.append((t, attempt.slice_name, ttft))
                 self.policy.first_token(node.spec.name, attempt.request, t)
             elif kind == "finished":
@@ -406,7 +404,7 @@ class Simulation:
     def _result(self, end: float, wall_s: float) -> RunResult:
         slices: dict[str, SliceStats] = {}
         groups: dict[str, list[tuple[float, bool]]] = {"all": []}
-        for (slice_name, _, t), met in zip(self.ttft, self.met, strict=True):
+        for slice_name, _, t, met in self.ttft:
             groups["all"].append((t, met))
             groups.setdefault(slice_name, []).append((t, met))
         for name, values in groups.items():
@@ -421,7 +419,7 @@ class Simulation:
         mean_area = sum(areas) / len(areas)
         timeline: list[tuple[float, float]] = []
         windows: dict[int, list[float]] = {}
-        for _, t, ttft in self.ttft:
+        for _, t, ttft, _ in self.ttft:
             windows.setdefault(int(t // TIMELINE_WINDOW_S), []).append(ttft * 1000)
         for k in sorted(windows):
             timeline.append(((k + 0.5) * TIMELINE_WINDOW_S, percentile(windows[k], 0.99)))

@@ -108,7 +108,9 @@ class _Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name", "engine"]
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", labels, registry=self.registry)
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", labels, registry=self.registry
+        )
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting.", labels, registry=self.registry)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", labels, registry=self.registry)
         self.queries = Counter("vllm:prefix_cache_queries", "Prompt tokens queried.", labels, registry=self.registry)

@@ -34,8 +34,9 @@ from ._workload import LEVELS, WORKLOADS, infinite_cache_hit_rate, load, offered
 
 PRISM = "prism"
 KILL_LEVEL = 0.8
-ABLATION_LEVEL = 0.8
-"""The load of the ablation runs in a full `prism eval` (`--ablations` alone runs them at `--levels`)."""
+ABLATION_LEVEL = KILL_LEVEL
+"""The load of the ablation runs in a full `prism eval`, the headline level (`--ablations` alone runs them at
+`--levels`)."""
 EVAL_FAMILIES = tuple(f"{name}:{seed}" for name in PRESETS for seed in (1, 2))
 """The workload families a plain `prism eval` adds to the shared traces: every preset, two seeds each."""
 SEARCH_LIMIT = 2000
@@ -141,13 +142,18 @@ def replay(
     """The workload scaled to `utilisation` of the nodes' prefill capacity, replayed through the named policy
     (`policy_factories` or an ablation), its SLO attainment against each request's own SLO (`_slo.slo_s`):
     what every `prism eval` run is, on any cluster."""
-    tokens, media = capacity(nodes)
-    scaled = scale_to_utilisation(workload, utilisation, tokens, encoder_s_per_media=media)
+    scaled = _scaled(workload, nodes, utilisation)
     chosen = _policy(policy, workload.block_tokens)
     classes = pool_classes(nodes)
     return Simulation(
         scaled, chosen, nodes, utilisation=utilisation, seed=seed, kill=kill, slo_s=lambda r: slo_s(r, classes)
     ).run()
+
+
+def _scaled(workload: Workload, nodes: Sequence[NodeSpec], utilisation: float) -> Workload:
+    """The workload's arrivals stretched so its offered work is `utilisation` of the nodes' capacity."""
+    tokens, media = capacity(nodes)
+    return scale_to_utilisation(workload, utilisation, tokens, encoder_s_per_media=media)
 
 
 def cases(
@@ -187,8 +193,7 @@ def run_all(
 def request_rate(trace: str | Path, seed: int, limit: int | None, utilisation: float) -> float:
     """Requests per second of the trace scaled to `utilisation` on its cluster, as `run_case` scales it."""
     workload, _ = _workload(trace, seed, limit)
-    tokens, media = capacity(cluster_for(trace, workload))
-    scaled = scale_to_utilisation(workload, utilisation, tokens, encoder_s_per_media=media).requests
+    scaled = _scaled(workload, cluster_for(trace, workload), utilisation).requests
     return len(scaled) / (scaled[-1].arrival_s - scaled[0].arrival_s)
 
 

@@ -59,6 +59,15 @@ def _best_baseline(runs: Iterable[RunResult]) -> RunResult | None:
     return min(baselines, key=_p99, default=None)
 
 
+def geometric_mean(ratios: Sequence[float]) -> float | None:
+    """The geometric mean of positive ratios (0 when one is 0); None when there are none."""
+    if not ratios:
+        return None
+    if min(ratios) <= 0:
+        return 0.0
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+
+
 def _ratio(value: float, best: RunResult | None) -> str:
     reference = math.nan if best is None else _p99(best)
     if not (math.isfinite(value) and math.isfinite(reference)) or reference <= 0:
@@ -215,6 +224,11 @@ def _save(figure: Figure, axes: Axes, path: Path, legend_columns: int = 1) -> Pa
     if axes.get_legend_handles_labels()[0]:
         axes.legend(fontsize="small" if legend_columns == 1 else "x-small", ncols=legend_columns)
     figure.tight_layout()
+    return _png(figure, path)
+
+
+def _png(figure: Figure, path: Path) -> Path:
+    """The figure as PNG bytes that depend on its content only (no software tag)."""
     figure.savefig(path, format="png", metadata={"Software": None})
     return path
 
@@ -345,7 +359,7 @@ def goodput_summary(rows: Sequence[Goodput]) -> str:
     if ratios:
         wins = sum(1 for r in ratios if r > 1.02)
         losses = sum(1 for r in ratios if r < 1 / 1.02)
-        mean = math.exp(sum(math.log(r) for r in ratios if r > 0) / len(ratios)) if all(r > 0 for r in ratios) else 0.0
+        mean = geometric_mean(ratios) or 0.0
         text += (
             f"\n\nPrism's goodput over the best baseline's, on {len(ratios)} workloads: ahead by more than 2% on "
             f"{wins}, behind by more than 2% on {losses}, within 2% on {len(ratios) - wins - losses}; geometric "
@@ -393,8 +407,7 @@ def _attainment_plot(rows: Sequence[Goodput], colours: Mapping[str, str], path: 
     if handles:
         figure.legend(handles, labels, loc="lower center", ncols=min(len(labels), 10), fontsize="small")
     figure.tight_layout(rect=(0, 0.6 / (3.0 * lines + 0.6), 1, 1))
-    figure.savefig(path, format="png", metadata={"Software": None})
-    return path
+    return _png(figure, path)
 
 
 def _summary_page(
@@ -416,7 +429,7 @@ def _summary_page(
         f"lowest p99 (ratio below 1: Prism is faster).\n\n{headline(results)}"
     )
     if ablations:
-        parts.append(f"## Ablations at {100 * HEADLINE_UTILISATION:.0f}% utilisation\n\n{ablations}")
+        parts.append(f"## Ablations\n\n{ablations}")
     parts.append(f"## Workloads\n\n{index}")
     return "\n\n".join(parts) + "\n"
 

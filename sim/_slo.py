@@ -163,9 +163,8 @@ def _next(results: dict[float, float]) -> float | None:
     if not passed:
         bottom = min(failed)
         return bottom - 1 if bottom > low else None
-    below, above = max(passed), min(e for e in failed if e > max(passed))
-    bisections = sum(1 for e in results if not float(e).is_integer())
-    return (below + above) / 2 if bisections < SEARCH_STEPS else None
+    below, above = max(passed), min(failed)  # probes stay inside the bracket, so every failure lies above
+    return (below + above) / 2 if above - below > 2.0**-SEARCH_STEPS else None
 
 
 def search(pairs: Sequence[Pair], measure: Callable[[Sequence[Probe]], Sequence[float]]) -> dict[Pair, Found]:
