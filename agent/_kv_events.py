@@ -1,4 +1,5 @@
-"""Subscriber to an engine's KV-cache events (vLLM's ZeroMQ publisher): the node's cached blocks as a Bloom summary.
+"""Subscriber to an engine's KV-cache events (vLLM's ZeroMQ publisher): the node's cached blocks as a Bloom summary,
+and as Prism block hashes for the routers' cache index.
 
 Wire format (vLLM `vllm/distributed/kv_events.py`): each message is three frames, topic, sequence number
 (8 bytes, big-endian) and a msgpack `KVEventBatch` `[ts, events, data_parallel_rank]`. Events are tagged
@@ -13,16 +14,36 @@ on. On joining late it asks for everything from 0 the same way. A sequence numbe
 publisher restarted: its cache is empty, so the set is cleared.
 
 A block is one (hash, medium, KV-cache group): a block offloaded to CPU still counts as held by the node.
-The set keeps at most `max_blocks` (about 200 bytes each), evicting the oldest stored first.
+The set keeps at most `max_blocks` (about 300 bytes each), evicting the oldest stored first.
+
+Prism hashes. The engine's block hashes depend on its hash seed, so a router cannot compute them from a prompt.
+Each stored block is therefore re-hashed with Prism's chain (`prismlb.router.block_hash`): its parent's Prism
+hash (`parent_block_hash` looked up among the blocks held; None is the root, chain value 0), its `block_size`
+token ids (`token_ids` holds the event's blocks' tokens in order) and its vLLM `extra_keys` (LoRA name,
+multimodal content ids, cache salt), so that `block_hashes(tokens, block_size, extra=...)` computed by a caller
+names the same blocks. A block whose engine hash is already held keeps the Prism hash it has (vLLM's CPU
+offloading reports blocks without tokens or parent). A block whose parent is not held (the agent joined late,
+the parent was evicted) or whose tokens do not line up (`token_ids` not exactly `block_size` per block, as for
+a sliding-window group, whose null blocks vLLM leaves out of `block_hashes` only) cannot be re-hashed: it is
+counted in `unhashable_blocks`, kept in the Bloom summary, and left out of the Prism view, and so are the blocks
+chained after it in the same event. Malformed `token_ids`, `extra_keys` or `parent_block_hash` are counted in
+`failures` too; the event's engine hashes are kept all the same.
+
+The Prism view is drained with `take_changes()`: the Prism hashes stored and removed since the last drain,
+coalesced (a hash stored then removed, or removed then stored, between two drains is in neither), or a reset
+carrying the whole set when the set was cleared (AllBlocksCleared, publisher restart), on the first drain, and
+when more than `max_blocks` changes piled up. `blocks()` is the whole set, for snapshots.
 
 Threading: `start()` runs `poll()` in a background thread until `stop()`; without `start()` the owner calls
-`poll(timeout_ms)` itself, from one thread. `summary()` and `stats()` may be called from any thread.
+`poll(timeout_ms)` itself, from one thread. `summary()`, `stats()`, `take_changes()`, `blocks()` and
+`block_size` may be called from any thread.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Self, TypeGuard
@@ -30,6 +51,7 @@ from typing import Any, NamedTuple, Self, TypeGuard
 import msgspec
 import zmq
 
+from prismlb.router import block_hash
 from prismlb.wire import BLOOM_BITS, BLOOM_HASHES, CountingBloom, KvSummary, RejectCounter, block_key
 
 _log = logging.getLogger("prism.agent.kv_events")
@@ -38,6 +60,7 @@ MAX_BLOCKS = 131_072
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _MAX_MESSAGES_PER_POLL = 10_000
 _END_SEQ = -1
+_MISSING = object()
 
 # Positional fields of the array-encoded events (vLLM's declaration order), after the tag.
 _FIELDS: dict[str, tuple[str, ...]] = {
@@ -57,12 +80,24 @@ _FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+_Key = tuple[bytes, str | None, int | None]
+"""A block as the agent keeps it: engine hash (`block_key`), medium and KV-cache group."""
+
+
 class _Event(NamedTuple):
     tag: str
     hashes: list[bytes]
     medium: str | None
     group: int | None
     block_size: int | None
+    parent: bytes | None = None
+    """BlockStored: the engine hash of the block before the first (None: the first is the root)."""
+    tokens: array[int] | None = None
+    """BlockStored: `block_size` token ids per block, in order; None when they cannot be used for re-hashing."""
+    extra: list[Any] | None = None
+    """BlockStored: the extra keys of each block (vLLM's `extra_keys`), None when there are none."""
+    problem: tuple[str, str] | None = None
+    """A malformed field that keeps the event's blocks from being re-hashed (failure kind, detail)."""
 
 
 class _Malformed(Exception):
@@ -82,6 +117,25 @@ class KvEventStats:
     evicted_blocks: int
     blocks: int
     last_seq: int | None
+    unhashable_blocks: int
+    """Stored blocks left out of the Prism view: parent not held, tokens missing or malformed."""
+    prism_blocks: int
+    """Distinct Prism hashes held (a block held on GPU and CPU, or in two groups, counts once)."""
+
+
+@dataclass(frozen=True)
+class KvChanges:
+    """What changed in the node's Prism block set since the last `take_changes()`.
+
+    A consumer keeping the set applies `removed` and `stored` (no hash is in both); on `reset` it first drops what
+    it held for the node, then `stored` is the whole set. `block_size` is the engine's tokens per block (the
+    `block_size` callers must hash prompts with), None until a block was stored.
+    """
+
+    reset: bool
+    stored: tuple[int, ...]
+    removed: tuple[int, ...]
+    block_size: int | None
 
 
 class KvEventSubscriber:
@@ -109,11 +163,20 @@ class KvEventSubscriber:
         self._ctx = context if context is not None else zmq.Context.instance()
         self._decoder = msgspec.msgpack.Decoder()
         self._lock = threading.Lock()
-        self._blocks: OrderedDict[tuple[bytes, str | None, int | None], None] = OrderedDict()
+        self._blocks: OrderedDict[_Key, int | None] = OrderedDict()
+        """Blocks held, oldest stored first, each with its Prism hash (None: not re-hashable)."""
         self._bloom = CountingBloom(bloom_bits, bloom_hashes)
+        self._prism_of: dict[bytes, tuple[int, int]] = {}
+        """Engine hash -> (Prism hash, blocks in `_blocks` holding it): for parents and blocks stored again."""
+        self._held: dict[int, int] = {}
+        """Prism hash -> blocks in `_blocks` holding it: the Prism set, with what it takes to leave it."""
+        self._changes: dict[int, bool] = {}
+        """Prism hashes stored (True) or removed (False) since the last take, in order of application."""
+        self._reset = True
+        """The next take is a reset: the set was cleared, the changes overflowed, or none was taken yet."""
         self._block_size: int | None = None
         self._next_seq: int | None = None
-        self._counts = {"batches": 0, "events": 0, "replayed": 0, "missed": 0, "evicted": 0}
+        self._counts = {"batches": 0, "events": 0, "replayed": 0, "missed": 0, "evicted": 0, "unhashable": 0}
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._dealer: zmq.Socket | None = None
@@ -185,7 +248,37 @@ class KvEventSubscriber:
                 evicted_blocks=counts["evicted"],
                 blocks=len(self._blocks),
                 last_seq=None if self._next_seq is None else self._next_seq - 1,
+                unhashable_blocks=counts["unhashable"],
+                prism_blocks=len(self._held),
             )
+
+    def take_changes(self) -> KvChanges:
+        """The Prism hashes stored and removed since the last take (a reset with the whole set, see `KvChanges`).
+
+        Changes are kept as one entry per hash, so they never outgrow `max_blocks`: past that, the take becomes a
+        reset, which is the whole set and so no larger.
+        """
+        with self._lock:
+            if self._reset:
+                changes = KvChanges(True, tuple(self._held), (), self._block_size)
+            else:
+                stored = tuple(h for h, held in self._changes.items() if held)
+                removed = tuple(h for h, held in self._changes.items() if not held)
+                changes = KvChanges(False, stored, removed, self._block_size)
+            self._reset = False
+            self._changes.clear()
+            return changes
+
+    def blocks(self) -> tuple[int, ...]:
+        """The Prism hashes of the blocks the node holds now, for a snapshot; `take_changes()` is not affected."""
+        with self._lock:
+            return tuple(self._held)
+
+    @property
+    def block_size(self) -> int | None:
+        """Tokens per block of the last block stored (what callers hash prompts with); None before any."""
+        with self._lock:
+            return self._block_size
 
     def _run(self) -> None:
         while not self._stopping.is_set():
@@ -286,7 +379,7 @@ class KvEventSubscriber:
         """The batch's events, or None (counted) when the payload is not a batch; bad events are skipped."""
         try:
             raw = self._decoder.decode(payload)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # msgspec's answer to arrays nested ~1,000 deep
             self.failures.count("payload", f"not msgpack: {exc}")
             return None
         raw_events = _batch_events(raw)
@@ -296,45 +389,121 @@ class KvEventSubscriber:
         events = []
         for raw_event in raw_events:
             try:
-                events.append(_parse_event(raw_event))
+                event = _parse_event(raw_event)
             except _Malformed as exc:
                 self.failures.count(exc.kind, exc)
+                continue
+            if event.problem is not None:
+                self.failures.count(*event.problem)
+            events.append(event)
         return events
 
     def _clear(self) -> None:
         with self._lock:
-            self._blocks.clear()
-            self._bloom.clear()
+            self._clear_locked()
+
+    def _clear_locked(self) -> None:
+        """Forget every block: the next take is a reset (lock held)."""
+        self._blocks.clear()
+        self._bloom.clear()
+        self._prism_of.clear()
+        self._held.clear()
+        self._changes.clear()
+        self._reset = True
 
     def _apply(self, events: list[_Event]) -> None:
         with self._lock:
-            blocks, bloom = self._blocks, self._bloom
             for event in events:
                 if event.tag == "AllBlocksCleared":
-                    blocks.clear()
-                    bloom.clear()
+                    self._clear_locked()
                 elif event.tag == "BlockStored":
-                    for block in event.hashes:
-                        key = (block, event.medium, event.group)
-                        if key in blocks:
-                            blocks.move_to_end(key)
-                            continue
-                        blocks[key] = None
-                        bloom.add(block)
-                        if len(blocks) > self._max_blocks:
-                            (oldest, _, _), _ = blocks.popitem(last=False)
-                            bloom.remove(oldest)
-                            self._counts["evicted"] += 1
-                    if event.block_size is not None:
-                        self._block_size = event.block_size
+                    self._store(event)
                 else:
                     for block in event.hashes:
                         key = (block, event.medium, event.group)
-                        if key in blocks:
-                            del blocks[key]
-                            bloom.remove(block)
+                        if key in self._blocks:
+                            self._drop(key, self._blocks.pop(key))
             self._counts["batches"] += 1
             self._counts["events"] += len(events)
+
+    def _store(self, event: _Event) -> None:
+        """Add a BlockStored's blocks, each with its Prism hash when it can be had (lock held)."""
+        blocks = self._blocks
+        size = event.block_size
+        assert size is not None
+        prism: int | None = 0 if event.parent is None else self._prism_hash(event.parent)
+        for i, block in enumerate(event.hashes):
+            parent, prism = prism, self._prism_hash(block)
+            if prism is None and parent is not None and event.tokens is not None:
+                extra = event.extra[i] if event.extra is not None else None
+                try:
+                    prism = block_hash(parent, event.tokens[i * size : (i + 1) * size], extra or ())
+                except ValueError as exc:
+                    self.failures.count("extra_keys", f"BlockStored: {exc}")
+            key = (block, event.medium, event.group)
+            if prism is None:
+                self._counts["unhashable"] += 1
+            if key in blocks:
+                blocks.move_to_end(key)
+                if blocks[key] is None and prism is not None:
+                    blocks[key] = prism
+                    self._hold(block, prism)
+            else:
+                blocks[key] = prism
+                self._bloom.add(block)
+                if prism is not None:
+                    self._hold(block, prism)
+                if len(blocks) > self._max_blocks:
+                    oldest, oldest_prism = blocks.popitem(last=False)
+                    self._drop(oldest, oldest_prism)
+                    self._counts["evicted"] += 1
+        self._block_size = size
+
+    def _prism_hash(self, block: bytes) -> int | None:
+        held = self._prism_of.get(block)
+        return None if held is None else held[0]
+
+    def _hold(self, block: bytes, prism: int) -> None:
+        """Count one more block holding `prism` (lock held)."""
+        _, refs = self._prism_of.get(block, (prism, 0))
+        self._prism_of[block] = (prism, refs + 1)
+        held = self._held.get(prism, 0)
+        self._held[prism] = held + 1
+        if not held:
+            self._note(prism, True)
+
+    def _drop(self, key: _Key, prism: int | None) -> None:
+        """Take a block out of the Bloom filter and the Prism view, `key` already out of `_blocks` (lock held)."""
+        block = key[0]
+        self._bloom.remove(block)
+        if prism is None:
+            return
+        _, refs = self._prism_of[block]
+        if refs > 1:
+            self._prism_of[block] = (prism, refs - 1)
+        else:
+            del self._prism_of[block]
+        held = self._held[prism] - 1
+        if held:
+            self._held[prism] = held
+        else:
+            del self._held[prism]
+            self._note(prism, False)
+
+    def _note(self, prism: int, held: bool) -> None:
+        """Record that `prism` entered or left the set; a change that undoes a pending one cancels it (lock held).
+
+        A hash enters and leaves in turn, so a pending entry for it is always the opposite change.
+        """
+        if self._reset:
+            return
+        if prism in self._changes:
+            del self._changes[prism]
+        else:
+            self._changes[prism] = held
+            if len(self._changes) > self._max_blocks:
+                self._changes.clear()
+                self._reset = True
 
 
 def _batch_events(raw: Any) -> list[Any] | None:
@@ -366,9 +535,35 @@ def _parse_event(raw: Any) -> _Event:
     medium, group, size = fields.get("medium"), fields.get("group_idx"), fields.get("block_size")
     if not (medium is None or isinstance(medium, str)) or not (group is None or _is_int(group)):
         raise _Malformed("event", f"{tag}: medium or group_idx of the wrong type")
-    if tag == "BlockStored" and not (_is_int(size) and size > 0):
+    keys = [block_key(h) for h in hashes]
+    if tag == "BlockRemoved":
+        return _Event(tag, keys, medium, group, None)
+    if not (_is_int(size) and size > 0):
         raise _Malformed("event", f"BlockStored: block_size {size!r} is not a positive int")
-    return _Event(tag, [block_key(h) for h in hashes], medium, group, size if tag == "BlockStored" else None)
+    return _stored(keys, medium, group, size, fields)
+
+
+def _stored(keys: list[bytes], medium: str | None, group: int | None, size: int, fields: dict[str, Any]) -> _Event:
+    """A BlockStored with what re-hashing needs; a field it cannot use leaves `tokens` None (and, when the field
+    is malformed rather than absent or misaligned, a `problem` to count) but keeps the event."""
+    parent, tokens, extra = fields.get("parent_block_hash", _MISSING), fields.get("token_ids"), fields.get("extra_keys")
+    event = _Event("BlockStored", keys, medium, group, size)
+    if parent is not None and not _is_hash(parent):
+        return event._replace(problem=("parent_block_hash", f"BlockStored: parent_block_hash {parent!r:.40}"))
+    if not isinstance(tokens, list):
+        return event._replace(problem=("token_ids", f"BlockStored: token_ids is a {type(tokens).__name__}"))
+    try:
+        token_ids = array("I", tokens)
+    except (OverflowError, TypeError):
+        return event._replace(problem=("token_ids", "BlockStored: token_ids are not all ints in [0, 2**32)"))
+    if not (extra is None or (isinstance(extra, list) and len(extra) == len(keys))):
+        return event._replace(problem=("extra_keys", "BlockStored: extra_keys is not one entry per block"))
+    if extra is not None and not all(block_keys is None or isinstance(block_keys, list) for block_keys in extra):
+        return event._replace(problem=("extra_keys", "BlockStored: a block's extra_keys is not an array"))
+    parent_key = None if parent is None else block_key(parent)
+    # Tokens that are not exactly one block's worth per block cannot be lined up with the blocks.
+    aligned = token_ids if len(token_ids) == len(keys) * size else None
+    return event._replace(parent=parent_key, tokens=aligned, extra=extra)
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -25,6 +25,7 @@ def quality(h: Health) -> float:
     """Health × 0.5 per alarming dimension: what a node's weight is made of besides its latency."""
     return h.score * ALARM_DERATE ** len(h.alarms)
 
+
 EntryKey = tuple[Slice, int | None]
 """A node's table entry: its slice and, in topology-aware slices, its GPU index (None: the whole node)."""
 
@@ -35,6 +36,7 @@ class NodeState:
     last_seen: float
     health: Health
     weights: dict[EntryKey, float] = field(default_factory=dict)  # held by compute_weights (hysteresis)
+    prefill_rate: float | None = None  # held by prefill_rates (hysteresis)
     quality: float = math.nan
     """`quality(health)` averaged over the node's vectors with time constant QUALITY_SMOOTHING_S."""
 

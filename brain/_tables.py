@@ -1,10 +1,10 @@
 """Versioned routing tables: a new version only when routing changes beyond a threshold.
 
-A table holds all four slices in `Slice` order; an empty slice names its fallback (`_slices.fallback`).
-A new version is issued when any entry joins, leaves or changes its endpoint, zone, model version or NUMA
-node, when a fallback, the experiments or the guardian's flags change, or when any weight moves at least
-`weight_threshold` (one weight step, 0.05) from the value last published. Load and predicted P99 ride along
-with the next table but never cause one by themselves.
+A table holds all four slices in `Slice` order; an empty slice names its fallback (`_slices.fallback`). A new version is
+issued when any entry joins, leaves or changes its endpoint, zone, model version, NUMA node or prefill speed (held in
+steps with its own hysteresis), when a fallback, the experiments or the guardian's flags change, or when any weight
+moves at least `weight_threshold` (one weight step, 0.05) from the value last published. Load and predicted P99 ride
+along with the next table but never cause one by themselves.
 
 The builder clamps what it is given rather than refusing it: a weight outside (0, 1] or not finite becomes
 the floor or 1.0, a load or prediction that is negative, not finite or over the wire's bound is left out or
@@ -34,11 +34,21 @@ WEIGHT_THRESHOLD = 0.05
 WEIGHT_FLOOR = 0.05
 _log = logging.getLogger("prism.brain")
 
-_Identity = tuple[str, int | None, str, str, str, int | None]
+_Identity = tuple[str, int | None, str, str, str, int | None, float | None]
 
 
 def _identity(node: TableNode) -> _Identity:
-    return (node.node_id, node.gpu, node.endpoint, node.zone, node.model_version, node.numa_node)
+    """What makes a new table when it changes; the prefill speed is in it, being held with its own hysteresis
+    (`_weights.prefill_rates`)."""
+    return (
+        node.node_id,
+        node.gpu,
+        node.endpoint,
+        node.zone,
+        node.model_version,
+        node.numa_node,
+        node.prefill_tokens_per_s,
+    )
 
 
 def next_epoch(state_dir: Path | None) -> int:
@@ -113,12 +123,20 @@ class TableBuilder:
         weight = node.weight if math.isfinite(node.weight) else WEIGHT_FLOOR
         weight = min(1.0, max(WEIGHT_FLOOR, weight))
         load, predicted = _bounded(node.load), _bounded(node.predicted_p99_ms)
-        if weight == node.weight and load == node.load and predicted == node.predicted_p99_ms:
+        rate = _bounded(node.prefill_tokens_per_s)
+        if (
+            weight == node.weight
+            and load == node.load
+            and predicted == node.predicted_p99_ms
+            and rate == node.prefill_tokens_per_s
+        ):
             return node
         self.clamped += 1
         if self.clamped == 1:
             _log.warning("table entry %s had values out of range; clamped (further ones only counted)", node.node_id)
-        return msgspec.structs.replace(node, weight=weight, load=load, predicted_p99_ms=predicted)
+        return msgspec.structs.replace(
+            node, weight=weight, load=load, predicted_p99_ms=predicted, prefill_tokens_per_s=rate
+        )
 
     def _moved(self, weights: Mapping[tuple[Slice, _Identity], float]) -> bool:
         return any(round(abs(w - self._weights[key]), 9) >= self.weight_threshold for key, w in weights.items())

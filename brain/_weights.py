@@ -38,7 +38,8 @@ traffic, so its latency stays measured) nor above 1.0, and moves only when `raw`
 it. Topology-aware slices (`_topology`) hold one weight per GPU, `raw` × the GPU's PCIe factor.
 
 Each entry also carries the node's `model_version` label, its load (requests_running + requests_waiting,
-whichever are known; split evenly over per-GPU entries) and the predictor's P99 for the slice, if any.
+whichever are known; split evenly over per-GPU entries), the predictor's P99 for the slice, if any, and its
+prefill speed (`prefill_rate`), which routers weigh a node's queued prompt tokens by.
 """
 
 from __future__ import annotations
@@ -97,6 +98,39 @@ def _predicted(predictions: Predictions, node_id: str, slice_: Slice) -> float |
     return value if value is not None and math.isfinite(value) and 0.0 <= value <= MAX_TABLE_VALUE else None
 
 
+RATE_STEPS_PER_DOUBLING = 8
+RATE_HYSTERESIS = 0.15
+"""A node's published prefill speed moves only when its measure drifts more than 15% from it, in steps of
+2^(1/8) (9%): a table that changed with every window's noise would be sent again to every router each cycle."""
+
+
+def prefill_rates(states: Mapping[str, NodeState]) -> dict[str, float]:
+    """Each node's prefill speed in prompt tokens per second to publish, held with hysteresis in its state: its
+    own measure (`NodeMetrics.prefill_tokens_per_s`), else the median of the measured nodes of its GPU class (the
+    `gpu` label), so that a node that has not prefilled yet is expected to run like its peers. Nodes with
+    neither are absent (routers then take the pool's median)."""
+    by_class: dict[str, list[float]] = {}
+    for state in states.values():
+        rate = state.vector.metrics.prefill_tokens_per_s
+        if rate:
+            by_class.setdefault(state.vector.labels.get("gpu", ""), []).append(rate)
+    out: dict[str, float] = {}
+    for node_id, state in states.items():
+        rate = state.vector.metrics.prefill_tokens_per_s
+        peers = by_class.get(state.vector.labels.get("gpu", ""))
+        if not rate and peers:
+            rate = statistics.median(peers)
+        if not rate:
+            state.prefill_rate = None
+            continue
+        held = state.prefill_rate
+        if held is None or abs(rate - held) > RATE_HYSTERESIS * held:
+            held = 2.0 ** (round(math.log2(rate) * RATE_STEPS_PER_DOUBLING) / RATE_STEPS_PER_DOUBLING)
+            state.prefill_rate = min(held, MAX_TABLE_VALUE)
+        out[node_id] = state.prefill_rate
+    return out
+
+
 def _load(vector: NodeVector) -> float | None:
     parts = [v for v in (vector.metrics.requests_running, vector.metrics.requests_waiting) if v is not None]
     return float(sum(parts)) if parts else None
@@ -134,6 +168,7 @@ def compute_weights(
     A slice whose pool is empty maps to an empty list; entries a node no longer has are forgotten.
     """
     held: dict[str, dict[EntryKey, float]] = {node_id: {} for node_id in states}
+    rates = prefill_rates(states)
     result: dict[Slice, list[TableNode]] = {}
     for slice_, members in pools(s.vector for s in states.values()).items():
         pool = [states[node_id] for node_id in sorted(members)]
@@ -145,6 +180,7 @@ def compute_weights(
             raw = (state.quality / best if best > 0 else 1.0) * sens[vector.node_id]
             load = _load(vector)
             predicted = _predicted(predictions, vector.node_id, slice_)
+            rate = rates.get(vector.node_id)
             model_version = vector.labels.get("model_version", "")
             node_held = held[vector.node_id]
             for entry in gpu_entries(vector) if slice_ in topology_slices else (WHOLE_NODE,):
@@ -159,6 +195,7 @@ def compute_weights(
                         model_version=model_version,
                         load=None if load is None else load * entry.share,
                         predicted_p99_ms=predicted,
+                        prefill_tokens_per_s=None if rate is None else rate * entry.share,
                         gpu=entry.gpu,
                         numa_node=entry.numa_node,
                     )

@@ -18,7 +18,18 @@ from prismlb.wire import NoRouteError
 from ._cli import add_parser
 from ._errors import ShedError
 from ._health import Circuit, EndpointStatus, Outcome
-from ._keys import BLOCK_SIZE, PREFIX_TOKENS, block_hashes, position, prefix_key
+from ._keys import (
+    BLOCK_SIZE,
+    PREFIX_TOKENS,
+    TEXT_BYTES_PER_TOKEN,
+    ExtraKey,
+    block_hash,
+    block_hashes,
+    media_block,
+    position,
+    prefix_key,
+    text_block_hashes,
+)
 from ._lease import Lease
 from ._nginx import render_nginx
 from ._request import AFFINITY_HEADER, CLASS_HEADER, CONTEXT_HEADER, SESSION_HEADER, Request
@@ -47,10 +58,12 @@ __all__ = [
     "CONTEXT_HEADER",
     "PREFIX_TOKENS",
     "SESSION_HEADER",
+    "TEXT_BYTES_PER_TOKEN",
     "AsyncPrismTransport",
     "Circuit",
     "Endpoint",
     "EndpointStatus",
+    "ExtraKey",
     "Lease",
     "NoRouteError",
     "Outcome",
@@ -61,8 +74,11 @@ __all__ = [
     "Settings",
     "ShedError",
     "add_parser",
+    "block_hash",
     "block_hashes",
+    "media_block",
     "position",
     "prefix_key",
     "render_nginx",
+    "text_block_hashes",
 ]

@@ -1,7 +1,9 @@
-/* route()'s common case in C: a bare key's ring owner, or the first entry along its probe order, that is
- * available and under its bounded-load limit. Every case this cannot decide exactly as the pure-Python path
- * does (a gated entry, whose admits(now) Python must ask; an unexpected key or attribute type) returns None,
- * and the caller then takes that path. Lookups read one immutable Table built per group and never block. */
+/* route()'s common case in C, and the prefix index that scores prompts' cached blocks (BlockIndex, below).
+ *
+ * Table.route(): a bare key's ring owner, or the first entry along its probe order, that is available and under
+ * its bounded-load limit. Every case this cannot decide exactly as the pure-Python path does (a gated entry, whose
+ * admits(now) Python must ask; an unexpected key or attribute type) returns None, and the caller then takes that
+ * path. Lookups read one immutable Table built per group and never block. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -321,6 +323,747 @@ static PyTypeObject TableType = {
     .tp_new = Table_new,
 };
 
+/* ---------------------------------------------------------------------------------------------------------
+ * BlockIndex: PrefixIndex's tables (router/_index.py documents what they mean) in compact C arrays.
+ *
+ * One open-addressing table (linear probing, backward-shift deletion, load at most 0.7, doubling) maps a block
+ * hash to its holders, one per node. A holder is a node ordinal with two flags: HELD (the node's events say it
+ * caches the block) and CLAIMED (this router's placement claims it; `seq` names that placement's record in the
+ * claims FIFO, which keeps its `until`). So one lookup answers both layers for match(). A block with one holder
+ * keeps it inline in its 16-byte slot, the common case: 1M blocks cached once each take 2^21 slots, 32 MiB. A
+ * block with several holders points to a Set, sorted by ordinal so that match() binary-searches it.
+ *
+ * Each method converts and checks its arguments first (which may run Python code: a generator of blocks), then
+ * reads or changes the tables without running Python code and without releasing the GIL, so that callers in
+ * several threads each see whole calls: the GIL is the lock. */
+
+#define EMPTY 0u                /* Slot.h.who of a free slot */
+#define SET 1u                  /* Slot.h.who of a block with several holders; Slot.h.seq indexes sets */
+#define HELD 0x80000000u        /* Holder.who: the node's events say it holds the block */
+#define CLAIMED 0x40000000u     /* Holder.who: a placement claims the block there until claims[seq].until */
+#define ORDINAL 0x3FFFFFFFu     /* Holder.who: the node's ordinal; a holder always has a flag, so never EMPTY/SET */
+#define NO_NODE UINT32_MAX      /* end of the free-ordinal chain */
+#define MIN_BITS 6              /* a new table has 64 slots */
+#define MAX_BITS 31             /* slot positions fit in 31 bits (match's cache marks live above them) */
+#define UNKNOWN UINT32_MAX      /* match's cache: block not looked up yet */
+#define ABSENT (UINT32_MAX - 1) /* match's cache: no node holds the block */
+#define STACK_BLOCKS 256        /* match() caches the lookups of prompts up to this many blocks on the stack */
+#define STACK_NODES 16          /* and the depths of up to this many nodes */
+
+typedef struct {
+    uint32_t who; /* ordinal | HELD | CLAIMED, or EMPTY / SET in a slot */
+    uint32_t seq; /* the claim's record while CLAIMED; the set's index in a SET slot */
+} Holder;
+
+typedef struct {
+    uint64_t block;
+    Holder h;
+} Slot;
+
+typedef struct {
+    uint32_t len, cap, held; /* held: holders with HELD, so that len() counts the block while it is above 0 */
+    Holder h[];              /* sorted by ordinal */
+} Set;
+
+typedef struct {
+    double until;
+    uint64_t *blocks; /* the placement's blocks, owned */
+    uint32_t node, n;
+} Claim;
+
+typedef struct {
+    PyObject *id;       /* the node id, an exact str; NULL while the ordinal is free */
+    uint64_t size;      /* blocks held: size() */
+    uint32_t records;   /* claims records naming this ordinal */
+    uint32_t next_free; /* the free-ordinal chain */
+    int dropped;        /* drop()ped while records still name it: the ordinal is freed with the last of them */
+} Node;
+
+typedef struct {
+    PyObject_HEAD
+    Slot *slots;
+    uint32_t bits, mask, used; /* 2^bits slots, used of them occupied */
+    Py_ssize_t held_blocks;    /* blocks with a HELD holder: len() */
+    Set **sets;                /* NULL where free; free indexes are stacked in free_sets */
+    uint32_t *free_sets;
+    uint32_t nsets, sets_cap, nfree;
+    PyObject *ids;             /* node id -> ordinal */
+    Node *nodes;
+    uint32_t nnodes, nodes_cap, free_node;
+    Claim *claims;                   /* a ring: record seq at claims[seq % claims_cap], live from head to tail - 1 */
+    uint32_t claims_cap, head, tail; /* seq numbers wrap around; claims_cap is a power of 2, so % stays right */
+    uint64_t claimed;                /* blocks the live records name, duplicates included: _PyTables._claimed */
+    double ttl;
+    Py_ssize_t max_placed;
+} BlockIndex;
+
+static inline uint32_t home(const BlockIndex *x, uint64_t block) {
+    return (uint32_t)((block * GOLDEN) >> (64 - x->bits)); /* Fibonacci hashing: sequential hashes spread too */
+}
+
+static Slot *find_slot(const BlockIndex *x, uint64_t block) {
+    for (uint32_t i = home(x, block);; i = (i + 1) & x->mask) { /* ends: the load keeps free slots */
+        Slot *s = &x->slots[i];
+        if (s->h.who == EMPTY) return NULL;
+        if (s->block == block) return s;
+    }
+}
+
+/* Where node `ord` would sit in a set: *found says whether it is there. */
+static uint32_t set_position(const Set *set, uint32_t ord, int *found) {
+    uint32_t lo = 0, hi = set->len;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) >> 1, at = set->h[mid].who & ORDINAL;
+        if (at == ord) {
+            *found = 1;
+            return mid;
+        }
+        if (at < ord) lo = mid + 1;
+        else hi = mid;
+    }
+    *found = 0;
+    return lo;
+}
+
+static Holder *find_holder(const BlockIndex *x, Slot *s, uint32_t ord) {
+    if (s->h.who != SET) return (s->h.who & ORDINAL) == ord ? &s->h : NULL;
+    Set *set = x->sets[s->h.seq];
+    int found;
+    uint32_t at = set_position(set, ord, &found);
+    return found ? &set->h[at] : NULL;
+}
+
+static inline double until_of(const BlockIndex *x, uint32_t seq) {
+    return x->claims[seq & (x->claims_cap - 1)].until;
+}
+
+/* Whether a holder counts at `now`: the node's events hold the block, or a placement claims it past now. */
+static inline int live(const BlockIndex *x, const Holder *h, double now) {
+    return (h->who & HELD) || ((h->who & CLAIMED) && until_of(x, h->seq) > now);
+}
+
+static int resize(BlockIndex *x, uint32_t bits) {
+    if (bits > MAX_BITS) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Slot *slots = PyMem_Calloc((size_t)1 << bits, sizeof(Slot)); /* zeroed: every who is EMPTY */
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Slot *old = x->slots;
+    uint32_t old_count = old == NULL ? 0 : x->mask + 1;
+    x->slots = slots;
+    x->bits = bits;
+    x->mask = (uint32_t)(((uint64_t)1 << bits) - 1);
+    for (uint32_t i = 0; i < old_count; i++) {
+        if (old[i].h.who == EMPTY) continue;
+        uint32_t j = home(x, old[i].block);
+        while (slots[j].h.who != EMPTY) j = (j + 1) & x->mask;
+        slots[j] = old[i];
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+/* A free slot for a block the table lacks, after doubling the table where one more would pass the 0.7 load. */
+static Slot *new_slot(BlockIndex *x, uint64_t block) {
+    if ((uint64_t)(x->used + 1) * 10 > ((uint64_t)x->mask + 1) * 7 && resize(x, x->bits + 1) < 0) return NULL;
+    uint32_t i = home(x, block);
+    while (x->slots[i].h.who != EMPTY) i = (i + 1) & x->mask;
+    x->used++;
+    x->slots[i].block = block;
+    return &x->slots[i];
+}
+
+/* Backward-shift deletion: each later slot of the probe run moves into the hole when its home is not between
+ * the hole and itself, so that lookups never meet a gap before their block, and no tombstones are needed. */
+static void delete_slot(BlockIndex *x, Slot *s) {
+    uint32_t hole = (uint32_t)(s - x->slots), j = hole;
+    for (;;) {
+        j = (j + 1) & x->mask;
+        if (x->slots[j].h.who == EMPTY) break;
+        uint32_t k = home(x, x->slots[j].block);
+        if (((j - k) & x->mask) >= ((j - hole) & x->mask)) { /* the hole lies within [k, j): move back */
+            x->slots[hole] = x->slots[j];
+            hole = j;
+        }
+    }
+    x->slots[hole].h.who = EMPTY;
+    x->used--;
+}
+
+/* A new empty set of room `cap`: its index, or -1. */
+static int64_t new_set(BlockIndex *x, uint32_t cap) {
+    if (x->nfree == 0 && x->nsets == x->sets_cap) {
+        uint32_t grown = x->sets_cap ? x->sets_cap * 2 : 16;
+        if (grown <= x->sets_cap) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        Set **sets = PyMem_Realloc(x->sets, sizeof(Set *) * grown);
+        if (sets == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        x->sets = sets;
+        uint32_t *free_sets = PyMem_Realloc(x->free_sets, sizeof(uint32_t) * grown);
+        if (free_sets == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        x->free_sets = free_sets;
+        x->sets_cap = grown;
+    }
+    Set *set = PyMem_Malloc(sizeof(Set) + sizeof(Holder) * cap);
+    if (set == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    set->len = set->held = 0;
+    set->cap = cap;
+    uint32_t i = x->nfree ? x->free_sets[--x->nfree] : x->nsets++;
+    x->sets[i] = set;
+    return i;
+}
+
+static void free_set(BlockIndex *x, uint32_t i) {
+    PyMem_Free(x->sets[i]);
+    x->sets[i] = NULL;
+    x->free_sets[x->nfree++] = i; /* room: free_sets is as long as sets */
+}
+
+/* Sets `flag` (HELD or CLAIMED) on node `ord`'s holder of `block`, adding the holder, and the block, where
+ * missing; *holder is the holder. 1 when the flag is new, 0 when it was set already, -1 on error. */
+static int add(BlockIndex *x, uint64_t block, uint32_t ord, uint32_t flag, Holder **holder) {
+    Slot *s = find_slot(x, block);
+    Set *set = NULL;
+    Holder *h;
+    if (s == NULL) {
+        if ((s = new_slot(x, block)) == NULL) return -1;
+        s->h.who = ord | flag;
+        s->h.seq = 0;
+        if (flag == HELD) x->held_blocks++, x->nodes[ord].size++;
+        *holder = &s->h;
+        return 1;
+    }
+    if (s->h.who != SET && (s->h.who & ORDINAL) == ord) {
+        h = &s->h;
+    } else if (s->h.who != SET) { /* a second holder: the block moves to a set */
+        int64_t i = new_set(x, 4);
+        if (i < 0) return -1;
+        set = x->sets[i];
+        Holder other = s->h, mine = {ord, 0};
+        int after = (other.who & ORDINAL) < ord;
+        set->h[!after] = other;
+        set->h[after] = mine;
+        h = &set->h[after];
+        set->len = 2;
+        set->held = (other.who & HELD) != 0;
+        s->h.who = SET;
+        s->h.seq = (uint32_t)i;
+    } else {
+        set = x->sets[s->h.seq];
+        int found;
+        uint32_t at = set_position(set, ord, &found);
+        if (!found) {
+            if (set->len == set->cap) {
+                Set *grown = PyMem_Realloc(set, sizeof(Set) + sizeof(Holder) * (size_t)set->cap * 2);
+                if (grown == NULL) {
+                    PyErr_NoMemory();
+                    return -1;
+                }
+                set = x->sets[s->h.seq] = grown;
+                set->cap *= 2;
+            }
+            memmove(&set->h[at + 1], &set->h[at], sizeof(Holder) * (set->len - at));
+            set->h[at] = (Holder){ord, 0};
+            set->len++;
+        }
+        h = &set->h[at];
+    }
+    *holder = h;
+    if (h->who & flag) return 0;
+    if (flag == HELD) {
+        if (set == NULL || set->held++ == 0) x->held_blocks++; /* inline: h, flagless for HELD, was alone */
+        x->nodes[ord].size++;
+    }
+    h->who |= flag;
+    return 1;
+}
+
+/* Clears `flags` on holder h of slot s; a holder left without a flag goes, and so does a block left alone. */
+static void clear(BlockIndex *x, Slot *s, Holder *h, uint32_t flags) {
+    uint32_t gone = h->who & flags;
+    if (gone == 0) return;
+    Set *set = s->h.who == SET ? x->sets[s->h.seq] : NULL;
+    if (gone & HELD) {
+        x->nodes[h->who & ORDINAL].size--;
+        if (set == NULL || --set->held == 0) x->held_blocks--;
+    }
+    h->who &= ~gone;
+    if (h->who & (HELD | CLAIMED)) return;
+    if (set == NULL) {
+        delete_slot(x, s);
+        return;
+    }
+    uint32_t at = (uint32_t)(h - set->h);
+    memmove(&set->h[at], &set->h[at + 1], sizeof(Holder) * (set->len - at - 1));
+    if (--set->len == 1) { /* back inline */
+        uint32_t i = s->h.seq;
+        s->h = set->h[0];
+        free_set(x, i);
+    }
+}
+
+/* The node id as an exact str (new reference): str subclasses are copied, so that lookups run no Python code. */
+static PyObject *node_id(PyObject *node) {
+    if (!PyUnicode_Check(node)) {
+        PyErr_Format(PyExc_TypeError, "a node id must be a str, not %.100s", Py_TYPE(node)->tp_name);
+        return NULL;
+    }
+    return PyUnicode_FromObject(node);
+}
+
+/* A node's ordinal: -1 when it has none (and `create` is 0), -2 on error. With `create`, an unknown node gets
+ * one, and a dropped one whose ordinal records still name is kept again. */
+static int64_t ordinal(BlockIndex *x, PyObject *id, int create) {
+    PyObject *value = PyDict_GetItemWithError(x->ids, id);
+    if (value != NULL) {
+        uint32_t ord = (uint32_t)PyLong_AsUnsignedLong(value); /* an int this type stored: no error */
+        if (create) x->nodes[ord].dropped = 0;
+        return ord;
+    }
+    if (PyErr_Occurred()) return -2;
+    if (!create) return -1;
+    uint32_t ord = x->free_node;
+    if (ord == NO_NODE) {
+        if (x->nnodes == ORDINAL) {
+            PyErr_SetString(PyExc_OverflowError, "too many nodes for a BlockIndex");
+            return -2;
+        }
+        if (x->nnodes == x->nodes_cap) {
+            uint32_t grown = x->nodes_cap ? (x->nodes_cap > ORDINAL / 2 ? ORDINAL : x->nodes_cap * 2) : 16;
+            Node *nodes = PyMem_Realloc(x->nodes, sizeof(Node) * grown);
+            if (nodes == NULL) {
+                PyErr_NoMemory();
+                return -2;
+            }
+            x->nodes = nodes;
+            x->nodes_cap = grown;
+        }
+        ord = x->nnodes;
+    }
+    value = PyLong_FromUnsignedLong(ord);
+    if (value == NULL || PyDict_SetItem(x->ids, id, value) < 0) {
+        Py_XDECREF(value);
+        return -2;
+    }
+    Py_DECREF(value);
+    if (ord == x->nnodes) x->nnodes++;
+    else x->free_node = x->nodes[ord].next_free;
+    x->nodes[ord] = (Node){.id = Py_NewRef(id), .next_free = NO_NODE};
+    return ord;
+}
+
+/* Frees a dropped node's ordinal once nothing names it: no holder (drop() cleared them) and no record. */
+static void release_node(BlockIndex *x, uint32_t ord) {
+    Node *node = &x->nodes[ord];
+    PyObject *id = node->id;
+    int gone = PyDict_DelItem(x->ids, id); /* cannot fail: ids maps every node that has an id */
+    assert(gone == 0);
+    (void)gone;
+    *node = (Node){.next_free = x->free_node};
+    x->free_node = ord;
+    Py_DECREF(id);
+}
+
+/* Drops the oldest placement record: each of its claims goes unless a later placement renewed it with another
+ * `until` (_PyTables._drop_claim compares the untils, so this compares them too). A claim names the record
+ * that set it last, never an older one, so the records its seq names are still in the ring. */
+static void pop_claim(BlockIndex *x) {
+    uint32_t seq = x->head++;
+    Claim *c = &x->claims[seq & (x->claims_cap - 1)]; /* stays intact until a later record reuses the place */
+    x->claimed -= c->n;
+    for (uint32_t k = 0; k < c->n; k++) {
+        Slot *s = find_slot(x, c->blocks[k]);
+        Holder *h = s == NULL ? NULL : find_holder(x, s, c->node);
+        /* seq == h->seq too: a NaN until equals nothing, and a claim must not outlive its record */
+        if (h != NULL && (h->who & CLAIMED) && (h->seq == seq || until_of(x, h->seq) == c->until))
+            clear(x, s, h, CLAIMED);
+    }
+    PyMem_Free(c->blocks);
+    c->blocks = NULL;
+    Node *node = &x->nodes[c->node];
+    if (--node->records == 0 && node->dropped) release_node(x, c->node);
+}
+
+/* Room in the claims ring for one more record. */
+static int reserve_claim(BlockIndex *x) {
+    if (x->tail - x->head < x->claims_cap) return 0;
+    if (x->claims_cap >= (1u << 30)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint32_t cap = x->claims_cap ? x->claims_cap * 2 : 16;
+    Claim *ring = PyMem_Malloc(sizeof(Claim) * cap);
+    if (ring == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (uint32_t seq = x->head; seq != x->tail; seq++) ring[seq & (cap - 1)] = x->claims[seq & (x->claims_cap - 1)];
+    PyMem_Free(x->claims);
+    x->claims = ring;
+    x->claims_cap = cap;
+    return 0;
+}
+
+/* One block hash: an int in [0, 2^64). */
+static int hash_of(PyObject *item, uint64_t *out) {
+    if (!PyLong_Check(item)) {
+        PyErr_Format(PyExc_TypeError, "a block hash must be an int, not %.100s", Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(item);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError))
+            PyErr_Format(PyExc_OverflowError, "a block hash must be in [0, 2**64), got %R", item);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* The hashes of an iterable of blocks as a new PyMem array, *n of them; NULL on error. */
+static uint64_t *hashes_of(PyObject *blocks, Py_ssize_t *n) {
+    PyObject *fast = PySequence_Fast(blocks, "blocks must be an iterable of ints");
+    if (fast == NULL) return NULL;
+    *n = PySequence_Fast_GET_SIZE(fast);
+    uint64_t *out = *n > UINT32_MAX ? NULL : PyMem_Malloc(sizeof(uint64_t) * (size_t)(*n > 0 ? *n : 1));
+    if (out == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < *n; i++)
+        if (hash_of(items[i], &out[i]) < 0) goto fail;
+    Py_DECREF(fast);
+    return out;
+fail:
+    Py_DECREF(fast);
+    PyMem_Free(out);
+    return NULL;
+}
+
+/* Node `ord`'s holders with a flag in `which` lose both flags (drop(): every one; reset(): those it held,
+ * as _PyTables._forget removes them). A scan of the whole table: drop and reset are rare. */
+static int forget(BlockIndex *x, uint32_t ord, uint32_t which) {
+    uint64_t *blocks = NULL;
+    size_t n = 0, cap = 0;
+    for (uint64_t i = 0; i <= x->mask; i++) { /* collect first: clear() shifts slots */
+        Slot *s = &x->slots[i];
+        if (s->h.who == EMPTY) continue;
+        Holder *h = find_holder(x, s, ord);
+        if (h == NULL || !(h->who & which)) continue;
+        if (n == cap) {
+            cap = cap ? cap * 2 : 256;
+            uint64_t *grown = PyMem_Realloc(blocks, sizeof(uint64_t) * cap);
+            if (grown == NULL) {
+                PyMem_Free(blocks);
+                PyErr_NoMemory();
+                return -1;
+            }
+            blocks = grown;
+        }
+        blocks[n++] = s->block;
+    }
+    for (size_t k = 0; k < n; k++) {
+        Slot *s = find_slot(x, blocks[k]);
+        clear(x, s, find_holder(x, s, ord), HELD | CLAIMED);
+    }
+    PyMem_Free(blocks);
+    return 0;
+}
+
+/* The shared start of stored/removed/reset: the node id and the hashes, converted. */
+static uint64_t *node_and_hashes(PyObject *args, const char *format, PyObject **id, Py_ssize_t *n) {
+    PyObject *node, *blocks;
+    if (!PyArg_ParseTuple(args, format, &node, &blocks)) return NULL;
+    uint64_t *hashes = hashes_of(blocks, n); /* first: it may run Python code, ordinal() must not precede it */
+    if (hashes == NULL) return NULL;
+    if ((*id = node_id(node)) == NULL) {
+        PyMem_Free(hashes);
+        return NULL;
+    }
+    return hashes;
+}
+
+/* HELD on node `ord`'s holder of each block. */
+static int store(BlockIndex *x, uint32_t ord, const uint64_t *hashes, Py_ssize_t n) {
+    Holder *h;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (add(x, hashes[i], ord, HELD, &h) < 0) return -1;
+    return 0;
+}
+
+static PyObject *BlockIndex_stored(BlockIndex *x, PyObject *args) {
+    PyObject *id;
+    Py_ssize_t n;
+    uint64_t *hashes = node_and_hashes(args, "OO:stored", &id, &n);
+    if (hashes == NULL) return NULL;
+    int64_t ord = n > 0 ? ordinal(x, id, 1) : -1;
+    int ok = ord != -2 && (n == 0 || store(x, (uint32_t)ord, hashes, n) == 0);
+    Py_DECREF(id);
+    PyMem_Free(hashes);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *BlockIndex_removed(BlockIndex *x, PyObject *args) {
+    PyObject *id;
+    Py_ssize_t n;
+    uint64_t *hashes = node_and_hashes(args, "OO:removed", &id, &n);
+    if (hashes == NULL) return NULL;
+    int64_t ord = ordinal(x, id, 0);
+    for (Py_ssize_t i = 0; ord >= 0 && i < n; i++) {
+        Slot *s = find_slot(x, hashes[i]);
+        Holder *h = s == NULL ? NULL : find_holder(x, s, (uint32_t)ord);
+        if (h != NULL) clear(x, s, h, HELD | CLAIMED);
+    }
+    Py_DECREF(id);
+    PyMem_Free(hashes);
+    if (ord == -2) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *BlockIndex_reset(BlockIndex *x, PyObject *args) {
+    PyObject *id;
+    Py_ssize_t n;
+    uint64_t *hashes = node_and_hashes(args, "OO:reset", &id, &n);
+    if (hashes == NULL) return NULL;
+    int64_t ord = ordinal(x, id, n > 0);
+    int ok = ord != -2 && (ord == -1 || x->nodes[ord].size == 0 || forget(x, (uint32_t)ord, HELD) == 0) &&
+             (n == 0 || store(x, (uint32_t)ord, hashes, n) == 0);
+    Py_DECREF(id);
+    PyMem_Free(hashes);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *BlockIndex_drop(BlockIndex *x, PyObject *node) {
+    PyObject *id = node_id(node);
+    if (id == NULL) return NULL;
+    int64_t ord = ordinal(x, id, 0);
+    Py_DECREF(id);
+    if (ord == -2) return NULL;
+    if (ord == -1) Py_RETURN_NONE;
+    if (forget(x, (uint32_t)ord, HELD | CLAIMED) < 0) return NULL;
+    if (x->nodes[ord].records == 0) release_node(x, (uint32_t)ord);
+    else x->nodes[ord].dropped = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *BlockIndex_placed(BlockIndex *x, PyObject *args) {
+    PyObject *node, *blocks;
+    double now;
+    if (!PyArg_ParseTuple(args, "OOd:placed", &node, &blocks, &now)) return NULL;
+    if (x->ttl == 0.0 || x->max_placed == 0) Py_RETURN_NONE;
+    Py_ssize_t n;
+    uint64_t *hashes = hashes_of(blocks, &n);
+    if (hashes == NULL) return NULL;
+    PyObject *id = node_id(node);
+    if (id == NULL || n == 0) {
+        PyMem_Free(hashes);
+        Py_XDECREF(id);
+        return id == NULL ? NULL : Py_NewRef(Py_None);
+    }
+    while (x->tail != x->head && x->claims[x->head & (x->claims_cap - 1)].until <= now) pop_claim(x);
+    int64_t ord = reserve_claim(x) < 0 ? -2 : ordinal(x, id, 1);
+    Py_DECREF(id);
+    if (ord == -2) {
+        PyMem_Free(hashes);
+        return NULL;
+    }
+    uint32_t seq = x->tail, done = 0;
+    Holder *h;
+    for (; done < (uint32_t)n && add(x, hashes[done], (uint32_t)ord, CLAIMED, &h) >= 0; done++) h->seq = seq;
+    /* the record names the blocks claimed, all of them unless an allocation failed */
+    x->claims[seq & (x->claims_cap - 1)] = (Claim){now + x->ttl, hashes, (uint32_t)ord, done};
+    x->tail++;
+    x->nodes[ord].records++;
+    x->claimed += done;
+    while (x->claimed > (uint64_t)x->max_placed) pop_claim(x);
+    if (done < (uint32_t)n) return NULL;
+    Py_RETURN_NONE;
+}
+
+typedef struct {
+    PyObject *id; /* the node's id, borrowed from nodes[] */
+    uint32_t depth;
+} Depth;
+
+/* The slot position of prompt block i, looked up once per match() call: every node's binary search starts at
+ * the same middle block. -1 with an exception for a block that is not an int in [0, 2^64). */
+static int64_t position_of(const BlockIndex *x, PyObject **items, uint32_t *cache, Py_ssize_t i) {
+    if (cache[i] == UNKNOWN) {
+        uint64_t block;
+        if (hash_of(items[i], &block) < 0) return -1;
+        Slot *s = find_slot(x, block);
+        cache[i] = s == NULL ? ABSENT : (uint32_t)(s - x->slots);
+    }
+    return cache[i];
+}
+
+/* Each live holder of the first block, and the length of its leading run by binary search (see match()), into
+ * *out, which has room for `room` and is replaced by a PyMem array where the first block has more holders. */
+static Py_ssize_t depths(const BlockIndex *x, PyObject **items, Py_ssize_t n, double now, uint32_t *cache,
+                         Depth **out, Py_ssize_t room) {
+    int64_t first = position_of(x, items, cache, 0);
+    if (first < 0) return -1;
+    if (first == ABSENT) return 0;
+    Slot *s0 = &x->slots[first];
+    Holder *holders = s0->h.who == SET ? x->sets[s0->h.seq]->h : &s0->h;
+    Py_ssize_t count = s0->h.who == SET ? x->sets[s0->h.seq]->len : 1, found = 0;
+    if (count > room && (*out = PyMem_Malloc(sizeof(Depth) * (size_t)count)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if (!live(x, &holders[k], now)) continue;
+        uint32_t ord = holders[k].who & ORDINAL;
+        Py_ssize_t low = 1, high = n; /* it holds blocks[:low]; the answer is within [low, high] */
+        while (low < high) {
+            Py_ssize_t mid = (low + high + 1) >> 1;
+            int64_t at = position_of(x, items, cache, mid - 1);
+            if (at < 0) return -1;
+            Holder *h = at == ABSENT ? NULL : find_holder(x, &x->slots[at], ord);
+            if (h != NULL && live(x, h, now)) low = mid;
+            else high = mid - 1;
+        }
+        (*out)[found++] = (Depth){x->nodes[ord].id, (uint32_t)low};
+    }
+    return found;
+}
+
+static PyObject *BlockIndex_match(BlockIndex *x, PyObject *args) {
+    PyObject *blocks;
+    double now;
+    if (!PyArg_ParseTuple(args, "Od:match", &blocks, &now)) return NULL;
+    PyObject *fast = PySequence_Fast(blocks, "blocks must be a sequence of ints");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), found = 0;
+    uint32_t stack_cache[STACK_BLOCKS], *cache = stack_cache;
+    Depth stack_out[STACK_NODES], *out = stack_out;
+    PyObject *result = NULL;
+    if (n > STACK_BLOCKS && (cache = PyMem_Malloc(sizeof(uint32_t) * (size_t)n)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (n > 0) {
+        memset(cache, 0xFF, sizeof(uint32_t) * (size_t)n); /* UNKNOWN */
+        found = depths(x, PySequence_Fast_ITEMS(fast), n, now, cache, &out, STACK_NODES);
+        if (found < 0) goto done;
+    }
+    /* The dict last, with its own references to the ids: creating it may run Python code (a collection that
+     * calls finalizers), and with it another thread that changes the tables, even drops these nodes. */
+    for (Py_ssize_t k = 0; k < found; k++) Py_INCREF(out[k].id);
+    result = PyDict_New();
+    for (Py_ssize_t k = 0; result != NULL && k < found; k++) {
+        PyObject *depth = PyLong_FromUnsignedLong(out[k].depth);
+        if (depth == NULL || PyDict_SetItem(result, out[k].id, depth) < 0) Py_CLEAR(result);
+        Py_XDECREF(depth);
+    }
+    for (Py_ssize_t k = 0; k < found; k++) Py_DECREF(out[k].id);
+done:
+    if (cache != stack_cache) PyMem_Free(cache);
+    if (out != stack_out) PyMem_Free(out);
+    Py_DECREF(fast);
+    return result;
+}
+
+static PyObject *BlockIndex_size(BlockIndex *x, PyObject *node) {
+    PyObject *id = node_id(node);
+    if (id == NULL) return NULL;
+    int64_t ord = ordinal(x, id, 0);
+    Py_DECREF(id);
+    if (ord == -2) return NULL;
+    return PyLong_FromUnsignedLongLong(ord == -1 ? 0 : x->nodes[ord].size);
+}
+
+static Py_ssize_t BlockIndex_len(BlockIndex *x) {
+    return x->held_blocks;
+}
+
+static void BlockIndex_dealloc(BlockIndex *x) {
+    for (uint32_t seq = x->head; seq != x->tail; seq++) PyMem_Free(x->claims[seq & (x->claims_cap - 1)].blocks);
+    PyMem_Free(x->claims);
+    for (uint32_t i = 0; i < x->nsets; i++) PyMem_Free(x->sets[i]);
+    PyMem_Free(x->sets);
+    PyMem_Free(x->free_sets);
+    PyMem_Free(x->slots);
+    for (uint32_t i = 0; i < x->nnodes; i++) Py_XDECREF(x->nodes[i].id);
+    PyMem_Free(x->nodes);
+    Py_XDECREF(x->ids);
+    Py_TYPE(x)->tp_free((PyObject *)x);
+}
+
+static PyObject *BlockIndex_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"placed_ttl_s", "max_placed", NULL};
+    double ttl;
+    Py_ssize_t max_placed;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "dn:BlockIndex", names, &ttl, &max_placed)) return NULL;
+    if (ttl < 0 || max_placed < 0) {
+        PyErr_SetString(PyExc_ValueError, "placed_ttl_s and max_placed must not be negative");
+        return NULL;
+    }
+    BlockIndex *x = (BlockIndex *)type->tp_alloc(type, 0); /* zeroed */
+    if (x == NULL) return NULL;
+    x->ttl = ttl;
+    x->max_placed = max_placed;
+    x->free_node = NO_NODE;
+    if ((x->ids = PyDict_New()) == NULL || resize(x, MIN_BITS) < 0) {
+        Py_DECREF(x);
+        return NULL;
+    }
+    return (PyObject *)x;
+}
+
+static PyMethodDef BlockIndex_methods[] = {
+    {"stored", (PyCFunction)BlockIndex_stored, METH_VARARGS, "stored(node, blocks): the node's engine cached blocks."},
+    {"removed", (PyCFunction)BlockIndex_removed, METH_VARARGS,
+     "removed(node, blocks): the node's engine evicted blocks; their claims there go too."},
+    {"reset", (PyCFunction)BlockIndex_reset, METH_VARARGS, "reset(node, blocks): the node's whole cache is blocks."},
+    {"drop", (PyCFunction)BlockIndex_drop, METH_O, "drop(node): forget the node's blocks and claims."},
+    {"placed", (PyCFunction)BlockIndex_placed, METH_VARARGS,
+     "placed(node, blocks, now): claim blocks there until now + placed_ttl_s."},
+    {"match", (PyCFunction)BlockIndex_match, METH_VARARGS,
+     "match(blocks, now) -> dict[str, int]: per node holding the first block, its leading run of held blocks."},
+    {"size", (PyCFunction)BlockIndex_size, METH_O, "size(node) -> int: blocks the node's events say it holds."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef BlockIndex_members[] = {
+    {"placed_ttl_s", T_DOUBLE, offsetof(BlockIndex, ttl), READONLY, "how long a placement's claims last"},
+    {"max_placed", T_PYSSIZET, offsetof(BlockIndex, max_placed), READONLY, "blocks placements may claim at once"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PySequenceMethods BlockIndex_as_sequence = {.sq_length = (lenfunc)BlockIndex_len};
+
+/* Not tracked by the GC: it refers only to its dict of str ids to int ordinals, which cannot refer back. */
+static PyTypeObject BlockIndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "prismlb.router._fastroute.BlockIndex",
+    .tp_basicsize = sizeof(BlockIndex),
+    .tp_dealloc = (destructor)BlockIndex_dealloc,
+    .tp_as_sequence = &BlockIndex_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "BlockIndex(placed_ttl_s, max_placed): PrefixIndex's tables in C (see router/_index.py).",
+    .tp_methods = BlockIndex_methods,
+    .tp_members = BlockIndex_members,
+    .tp_new = BlockIndex_new,
+};
+
 static PyObject *position_py(PyObject *Py_UNUSED(module), PyObject *key) {
     uint32_t pos;
     int known = key_position(key, &pos);
@@ -338,17 +1081,18 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "prismlb.router._fastroute",
-    .m_doc = "route()'s common case in C.",
+    .m_doc = "route()'s common case, and the prefix index's tables, in C.",
     .m_size = -1,
     .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__fastroute(void) {
     crc_init();
-    if (PyType_Ready(&TableType) < 0) return NULL;
+    if (PyType_Ready(&TableType) < 0 || PyType_Ready(&BlockIndexType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "Table", (PyObject *)&TableType) < 0) {
+    if (PyModule_AddObjectRef(m, "Table", (PyObject *)&TableType) < 0 ||
+        PyModule_AddObjectRef(m, "BlockIndex", (PyObject *)&BlockIndexType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -52,6 +52,9 @@ class EndpointStatus:
     available: bool
     circuit: Circuit
     outcomes: Mapping[Outcome, int]
+    load: int = 0
+    """What bounded load and the expected-TTFT choice weigh: requests in flight, or with `load="prefill"` the
+    prompt tokens sent there that have no first token yet, less what the node was expected to find cached."""
 
 
 def classify(exc: BaseException) -> Outcome:
@@ -122,7 +125,7 @@ class EndpointState:
         )
 
     def status(self, now: float) -> EndpointStatus:
-        return EndpointStatus(self.inflight, self.admits(now), self.circuit(now), dict(self.outcomes))
+        return EndpointStatus(self.inflight, self.admits(now), self.circuit(now), dict(self.outcomes), self.load)
 
     def start(self, now: float, units: int) -> bool:
         """Count a request in flight, adding `units` to the load; True when it is a half-open circuit's trial."""

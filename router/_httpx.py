@@ -1,11 +1,14 @@
 """httpx transports that send each request to the endpoint a Router picks, so an OpenAI-compatible client
 routes through Prism unchanged: `httpx.Client(transport=PrismTransport(router))` as its `http_client`.
 
-The affinity key is the `X-Prism-Affinity-Key` header, else `prefix_key(text=...)` of the JSON body's
-conversation (chat `messages` in order, or a completion `prompt`); the modality is the `X-Modality-Signature`
-header, else the kinds of the messages' content parts; the cost (what `load="prefill"` balances) is the
-conversation's estimated tokens (`prompt_cost`); session, context signature and request class come from their
-headers. The request goes to the endpoint's scheme, host and port (its path prefix, if any, before the
+The affinity key is the `X-Prism-Affinity-Key` header, else `prefix_key` of the JSON body's conversation
+(chat `messages` in order, or a completion `prompt`); the modality is the `X-Modality-Signature` header, else
+the kinds of the messages' content parts; the cost (what `load="prefill"` balances) is the prompt's tokens, or
+the conversation's estimated tokens (`prompt_cost`); the block hashes (`Request.blocks`, which the router
+matches against its prefix index) are `block_hashes` of a prompt given as token ids, which match the engines'
+KV events, else `text_block_hashes` of the conversation, which match this router's own placements (media parts
+stand in as digests of themselves, so they hash by content); session, context signature and request class come
+from their headers. The request goes to the endpoint's scheme, host and port (its path prefix, if any, before the
 request's path). A connect failure is retried on the next probe; the lease ends when the response is closed,
 and for `"stream": true` requests the response head counts as the first token.
 """
@@ -21,7 +24,7 @@ from typing import Any
 import httpx
 
 from ._health import Outcome
-from ._keys import BLOCK_SIZE, PREFIX_TOKENS, TEXT_BYTES_PER_TOKEN, prefix_key
+from ._keys import BLOCK_SIZE, PREFIX_TOKENS, TEXT_BYTES_PER_TOKEN, block_hashes, prefix_key, text_block_hashes
 from ._lease import Lease
 from ._request import Request
 from ._router import Router
@@ -85,14 +88,36 @@ def describe(request: httpx.Request, block_size: int, prefix_tokens: int) -> tup
             body = json.loads(request.content)
         except ValueError:
             body = None
-    text, kinds = _conversation(body)
     described = Request.from_headers(request.headers)
-    key = described.key
-    if key is None and text is not None:
-        key = prefix_key(text=text, block_size=block_size, prefix_tokens=prefix_tokens)
-    modality = described.modality or ("+".join(sorted(kinds)) if kinds else None)
+    modality = described.modality
     streamed = isinstance(body, dict) and body.get("stream") is True
-    return replace(described, key=key, modality=modality, cost=prompt_cost(text)), streamed
+    tokens = _prompt_tokens(body)
+    if tokens is not None:  # a completions prompt as token ids: its blocks are the ones the engine's events name
+        key = (
+            described.key
+            if described.key is not None
+            else prefix_key(tokens, block_size=block_size, prefix_tokens=prefix_tokens)
+        )
+        blocks = block_hashes(tokens, block_size)
+        cost = max(1, len(tokens))
+    else:
+        text, kinds = _conversation(body)
+        key = described.key
+        if key is None and text is not None:
+            key = prefix_key(text=text, block_size=block_size, prefix_tokens=prefix_tokens)
+        modality = modality or ("+".join(sorted(kinds)) if kinds else None)
+        blocks = text_block_hashes(text, block_size) if text else []
+        cost = prompt_cost(text)
+    described = replace(described, key=key, modality=modality, cost=cost, blocks=tuple(blocks), block_size=block_size)
+    return described, streamed
+
+
+def _prompt_tokens(body: Any) -> list[int] | None:
+    """A completions request's prompt given as token ids, else None."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
+        return prompt
+    return None
 
 
 def prompt_cost(text: str | None) -> int:

@@ -8,6 +8,8 @@ from functools import lru_cache
 
 from prismlb.wire import MODALITY_HEADER, Slice, parse_signature
 
+from ._keys import BLOCK_SIZE
+
 SESSION_HEADER = "X-Session-Token"
 CONTEXT_HEADER = "X-Context-Signature"
 CLASS_HEADER = "X-Prism-Class"
@@ -34,10 +36,17 @@ class Request:
     request_class: str = CORE_CLASS
     cost: int = 1
     """The request's prefill work (its prompt tokens) for a router that balances prefill (`Settings.load`)."""
+    blocks: tuple[int, ...] = ()
+    """The prompt's chained block hashes (`block_hashes`), which the router matches against the cluster's
+    prefix index to expect each node's time to first token (`Settings.prefix_index`)."""
+    block_size: int = BLOCK_SIZE
+    """Tokens per block of `blocks`: the engines' KV block size."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cost, int) or self.cost < 1:
             raise ValueError(f"cost must be a positive integer (prompt tokens), got {self.cost!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer (tokens), got {self.block_size!r}")
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str], *, key: Key | None = None, slice: str | None = None) -> Request:

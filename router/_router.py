@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -26,6 +27,7 @@ from prismlb.wire import (
 
 from ._errors import ShedError
 from ._health import EndpointState, EndpointStatus, Outcome, classify
+from ._index import PrefixIndex
 from ._keys import GOLDEN as _GOLDEN
 from ._keys import position
 from ._lease import Lease
@@ -104,6 +106,9 @@ class Router:
             if self.settings.prefix_memory and self.settings.load == "prefill"
             else None
         )
+        self.index = PrefixIndex(self.settings.placed_ttl_s)
+        """Which nodes cache which prompt blocks: fed by the cluster's KV events (the brain's stream, or the
+        caller's own feed) and by this router's placements; read by the expected-TTFT choice."""
         self._has_table = threading.Event()
         self._drop_refused: tuple[tuple[str, int, int], float] | None = None  # (table, first refused at)
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -303,9 +308,9 @@ class Router:
         if isinstance(request, Request):
             if slice_name is not None:
                 raise TypeError("name the slice in the Request, not as an argument")
-            group, index, _, _ = self._place(request, ())
+            group, index, _, _, _ = self._place(request, ())
             return group.entries[index][4]
-        group, index, _, _ = self._place(Request(key=request, slice=slice_name), ())
+        group, index, _, _, _ = self._place(Request(key=request, slice=slice_name), ())
         return group.entries[index][4]
 
     def request(self, request: Request | Key, slice_name: str | None = None, *, exclude: Collection[str] = ()) -> Lease:
@@ -317,7 +322,7 @@ class Router:
             request = Request(key=request, slice=slice_name)
         elif slice_name is not None:
             raise TypeError("name the slice in the Request, not as an argument")
-        group, index, moved_from, context = self._place(request, exclude, remember=True)
+        group, index, moved_from, context, units = self._place(request, exclude, remember=True)
         headers: dict[str, str] = {}
         if request.session:
             headers[SESSION_HEADER] = request.session
@@ -334,7 +339,7 @@ class Router:
             self._lock,
             self.settings.slow_s,
             self.clock,
-            units=request.cost if prefill else 1,
+            units=units if prefill else 1,
             until_first_token=prefill,
         )
 
@@ -391,9 +396,15 @@ class Router:
 
     def _place(
         self, request: Request, exclude: Collection[str], *, remember: bool = False
-    ) -> tuple[Group, int, str | None, str | None]:
-        """(group, entry index, node the session moved from, context signature) for a request; `remember`: a
-        request being sent, which the prefix memory (if on) consults and records."""
+    ) -> tuple[Group, int, str | None, str | None, int]:
+        """(group, entry index, node the session moved from, context signature, prefill units: the prompt tokens
+        the chosen node is expected to compute) for a request; `remember`: a request being sent, which the prefix
+        memory and index (if on) consult and record.
+
+        The steps: the slice; the experiment arm; the session's endpoint while it is available; for a request whose
+        blocks some node holds, the expected-TTFT choice over the prefix index; for a keyed one, the prefix memory
+        (which outlives the index's claims of this router's own placements); for one with blocks, the expected-TTFT
+        choice; else the key's ring owner while it fits, else the bounded-load walk (`_choose`)."""
         snapshot = self._snapshot
         if snapshot is None:
             raise NoRouteError("no routing table yet")
@@ -412,9 +423,15 @@ class Router:
             state = group.entries[index][0]
             if state.label in exclude or (state.gated and not state.admits(now)):
                 index = None
+        blocks = request.blocks if self.settings.prefix_index else ()
+        depths = self.index.match(blocks, now) if blocks else {}
+        if index is None and depths:
+            index = self._by_ttft(group, request, depths, key, exclude, now)
         memory = self._memory if remember else None
         if index is None and memory is not None and key is not None:
             index = self._remembered(group, memory, key, request.cost, exclude, now)
+        if index is None and blocks:
+            index = self._by_ttft(group, request, depths, key, exclude, now)
         if index is None:
             pos = position(key) if key is not None else random.getrandbits(32)
             owner = group.ring.owner(pos)
@@ -434,7 +451,65 @@ class Router:
             self._sessions.put(request.session, label, endpoint.node_id, endpoint.model_version, context, now)
         if memory is not None and key is not None:
             memory.put(key, label, request.cost)
-        return group, index, moved_from, context
+        units = request.cost - self._cached(request, depths.get(endpoint.node_id, 0))
+        if remember and blocks:
+            self.index.placed(endpoint.node_id, blocks, now)
+        return group, index, moved_from, context, units
+
+    @staticmethod
+    def _cached(request: Request, depth: int) -> int:
+        """Prompt tokens a node holding the prompt's first `depth` blocks need not compute (one is always left:
+        an engine computes at least the last token to produce the first)."""
+        return min(request.cost - 1, depth * request.block_size)
+
+    def _by_ttft(
+        self,
+        group: Group,
+        request: Request,
+        depths: dict[str, int],
+        key: Key | None,
+        exclude: Collection[str],
+        now: float,
+    ) -> int | None:
+        """The entry for a request with block hashes, None when no entry is available.
+
+        Each available entry's expected time to first token is its queued prefill work (what this router sent there that
+        has no first token yet) plus the request's tokens its cache lacks, over its prefill speed, stretched by its
+        weight (`Group.stretch`): the queue is weighed by each node's speed, so the equal-share bounded-load limit does
+        not apply. The entry holding the longest prefix wins while its expected time is within `cache_affinity` times
+        the least one, else the entry with the least. In a group larger than `ttft_candidates` only the nodes holding
+        the prefix and the first entries along the key's probe order are weighed. Ties go to the first in the key's
+        probe order, so an idle group places keys as the ring does."""
+        entries = group.entries
+        pos = position(key) if key is not None else position(request.blocks[0])
+        candidates: list[int] = []
+        limit = self.settings.ttft_candidates
+        for i in group.ring.probe(group.ring.index(pos)):  # probe order: ties go to the key's ring owner first
+            if len(candidates) >= limit:
+                break
+            candidates.append(i)
+        if len(entries) > limit:
+            taken = set(candidates)
+            candidates += [i for node in depths for i in group.by_node.get(node, ()) if i not in taken]
+        best: int | None = None
+        best_expected = math.inf
+        deep: int | None = None
+        deep_key = (0, math.inf)
+        cost = request.cost
+        for i in candidates:
+            state, _, _, _, endpoint = entries[i]
+            if (state.gated and not state.admits(now)) or (exclude and state.label in exclude):
+                continue
+            depth = depths.get(endpoint.node_id, 0)
+            expected = (state.load + cost - self._cached(request, depth)) / group.rates[i] * group.stretch[i]
+            if expected < best_expected:
+                best, best_expected = i, expected
+            if depth and (-depth, expected) < deep_key:
+                deep, deep_key = i, (-depth, expected)
+        affinity = self.settings.cache_affinity
+        if deep is not None and deep_key[1] <= affinity * best_expected:
+            return deep
+        return best
 
     def _remembered(
         self, group: Group, memory: PrefixMemory, key: Key, cost: int, exclude: Collection[str], now: float

@@ -24,6 +24,21 @@ class Settings:
     `load="prefill"` only). A remembered key goes back to that entry while the entry's queued prefill work, less the
     tokens the request should find cached there (the smaller of its cost and the last one), is under the
     bound: a conversation follows its cache, also after the bound once moved it off its ring owner."""
+    prefix_index: bool = True
+    """Place requests that carry block hashes (`Request.blocks`) by expected time to first token: each candidate's
+    queued prefill work plus the request's tokens its cache lacks (from the cluster's prefix index), over its
+    prefill speed, stretched by its weight (docs/router.md). Off: they take the ring like keyed requests."""
+    cache_affinity: float = 3.0
+    """The node holding the longest prefix of a request keeps it while its expected time to first token is within
+    this factor of the least expected one: sending a prompt where its prefix is not cached costs more than that
+    request's own wait, since it copies the prefix into a second cache and evicts what other prompts would have
+    reused there (1: always the least expected time)."""
+    placed_ttl_s: float = 30.0
+    """How long this router's own placement counts a prompt's blocks as cached on the node it went to, until the
+    engine's KV events say so (`PrefixIndex`)."""
+    ttft_candidates: int = 16
+    """Entries the expected-TTFT choice weighs: every entry of a group this small; in larger groups the nodes
+    holding the prompt's prefix and the first ones along the key's probe order, up to this many."""
     balance: float = 1.05
     """Bounded-load factor c: an entry takes a request only while its load stays under c × its weighted share
     of the slice's load (Mirrokni et al.); 0 turns the bound off."""
@@ -72,7 +87,15 @@ class Settings:
             raise ValueError(f"prefix_memory must be 0 (off) or positive, got {self.prefix_memory}")
         if not (self.balance == 0 or self.balance >= 1):
             raise ValueError(f"balance must be 0 (off) or at least 1, got {self.balance}")
-        for name in ("max_fails", "open_after", "half_open_trials", "connect_tries", "max_sessions", "base_points"):
+        for name in (
+            "max_fails",
+            "open_after",
+            "half_open_trials",
+            "connect_tries",
+            "max_sessions",
+            "base_points",
+            "ttft_candidates",
+        ):
             low = 0 if name == "max_fails" else 1
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
@@ -80,6 +103,10 @@ class Settings:
             raise ValueError(f"max_open_share must be within [0, 1], got {self.max_open_share}")
         if not 0.0 <= self.max_drop_share <= 1.0:
             raise ValueError(f"max_drop_share must be within [0, 1], got {self.max_drop_share}")
+        if not self.cache_affinity >= 1.0:
+            raise ValueError(f"cache_affinity must be at least 1, got {self.cache_affinity}")
+        if self.placed_ttl_s < 0:
+            raise ValueError(f"placed_ttl_s must not be negative, got {self.placed_ttl_s}")
         if self.max_ring_points < 1 or self.drop_hold_s < 0:
             raise ValueError("max_ring_points must be at least 1 and drop_hold_s not negative")
         for name in ("fail_timeout_s", "slow_s", "open_s", "session_ttl_s"):

@@ -60,6 +60,14 @@ class Group:
     base_total: float  # the brain's load estimates, summed
     inflight: InFlight
     index: Mapping[str, int]  # label -> entry index
+    rates: tuple[float, ...]
+    """Each entry's prefill speed in prompt tokens per second: the brain's estimate, else the median of the
+    group's estimates, else 1 for all (then expected times only compare, which is all they are used for)."""
+    stretch: tuple[float, ...]
+    """Each entry's highest weight in the group over its own: how much its expected time to first token is
+    stretched for the health and tail latency the brain saw there."""
+    by_node: Mapping[str, tuple[int, ...]]
+    """node id -> its entries' indices (several for a node with per-GPU entries)."""
     fast: Callable[[object], Endpoint | None] | None
     """route()'s common case in C (`_fastroute.Table.route`): a bare key's endpoint, or None where the
     pure-Python path must decide (a gated entry on the way, or not a str, bytes or int key); None without
@@ -118,6 +126,12 @@ def _group(
         )
         for label, node, weight in zip(ring.labels, ring.entries, ring.weights, strict=True)
     )
+    known = sorted(n.prefill_tokens_per_s for n in ring.entries if n.prefill_tokens_per_s)
+    typical = known[len(known) // 2] if known else 1.0
+    top = max(ring.weights)
+    by_node: dict[str, list[int]] = {}
+    for i, node in enumerate(ring.entries):
+        by_node.setdefault(node.node_id, []).append(i)
     inflight = counter_for(name)
     fast = None
     if fastroute is not None:
@@ -132,6 +146,9 @@ def _group(
         base_total=base_total,
         inflight=inflight,
         index={label: i for i, label in enumerate(ring.labels)},
+        rates=tuple(n.prefill_tokens_per_s or typical for n in ring.entries),
+        stretch=tuple(top / w for w in ring.weights),
+        by_node={node: tuple(indices) for node, indices in by_node.items()},
         fast=fast,
     )
 

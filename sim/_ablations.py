@@ -1,8 +1,9 @@
 """Ablations: Prism with one part switched off, replayed beside the full Prism (`prism eval --ablations`).
 
 Each variant is the replay's Prism (`_prism.PrismPolicy` with the library's settings) but for the one part its
-docstring names, switched off through a seam of the replay (a brain subclass, a policy argument), never
-through a branch in the library: what a variant loses against the full Prism is what that part earns.
+docstring names, switched off through a seam of the replay (a brain subclass, a policy argument) or one of the
+router's documented settings, never through a branch added for the purpose: what a variant loses against the
+full Prism is what that part earns.
 `VARIANTS` lists them all.
 """
 
@@ -16,6 +17,7 @@ import msgspec
 
 from prismlb.brain import Brain, BrainConfig, NodeState
 from prismlb.brain._predictor import PredictorConfig
+from prismlb.router import Settings
 from prismlb.wire import Slice, TableNode
 
 from ._eval import PRISM
@@ -116,7 +118,21 @@ def no_sessions(block_tokens: int) -> Policy:
     return PrismPolicy(block_tokens=block_tokens, sessions=False)
 
 
+def no_kv_index(block_tokens: int) -> Policy:
+    """No prefix index (`Settings(prefix_index=False)`): requests go by their prefix key on the ring and the
+    prefix memory, as before the engines' KV events reached the routers."""
+    return PrismPolicy(block_tokens=block_tokens, settings=Settings(prefix_index=False))
+
+
+def no_cache_affinity(block_tokens: int) -> Policy:
+    """The least expected time to first token always (`Settings(cache_affinity=1.0)`): a node holding the prefix
+    gets no preference beyond the tokens it saves."""
+    return PrismPolicy(block_tokens=block_tokens, settings=Settings(cache_affinity=1.0))
+
+
 VARIANTS: dict[str, Callable[[int], Policy]] = {
+    "no-kv-index": no_kv_index,
+    "no-cache-affinity": no_cache_affinity,
     "flat-weights": flat_weights,
     "ewma": ewma,
     "no-predictor": no_predictor,

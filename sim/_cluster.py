@@ -87,8 +87,10 @@ class _Node:
         self.wake_at = math.inf
         self.seq = 0
         self.arrivals = 0
-        self.counters: deque[tuple[float, int, int]] = deque([(0.0, 0, 0)])  # (time, prefix queries, hits)
+        # (time, prefix queries, hits, prefill seconds): the engine's counters at each vector, over the window
+        self.counters: deque[tuple[float, int, int, float]] = deque([(0.0, 0, 0, 0.0)])
         self.miss_ratio: float | None = None
+        self.prefill_rate: float | None = None
         self.first_tokens: deque[tuple[float, str, float]] = deque()  # (time, slice, ttft s) for the agent
         self.busy_area = 0.0  # ∫ requests in flight dt, for load max/mean
         self.inflight = 0
@@ -122,13 +124,17 @@ class _Node:
             for key, v in by_slice.items()
         }
         m = self.model
-        self.counters.append((now, m.prefix_queries_tokens, m.prefix_hits_tokens))
+        self.counters.append((now, m.prefix_queries_tokens, m.prefix_hits_tokens, m.prefill_seconds))
         while len(self.counters) > 2 and self.counters[1][0] <= now - LATENCY_WINDOW_S:
             self.counters.popleft()
-        _, queries_before, hits_before = self.counters[0]
+        _, queries_before, hits_before, seconds_before = self.counters[0]
         queries = m.prefix_queries_tokens - queries_before
+        hits = m.prefix_hits_tokens - hits_before
         if queries:  # as the agent's engine source: counter deltas over its period, the last value kept between
-            self.miss_ratio = 1.0 - (m.prefix_hits_tokens - hits_before) / queries
+            self.miss_ratio = 1.0 - hits / queries
+        seconds = m.prefill_seconds - seconds_before
+        if seconds > 0:
+            self.prefill_rate = (queries - hits) / seconds
         metrics = NodeMetrics(
             cpu_util_ratio=0.05,
             gpu_util_ratio=1.0 if m.running else 0.0,
@@ -137,6 +143,7 @@ class _Node:
             requests_running=m.running,
             requests_waiting=len(m.waiting),
             requests_per_s=self.arrivals / period_s,
+            prefill_tokens_per_s=self.prefill_rate,
         )
         self.arrivals = 0
         self.seq += 1

@@ -116,6 +116,9 @@ class EngineModel:
         """Blocks evicted since last drained, for KV events."""
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
+        self.prefill_seconds = 0.0
+        """Prefill time of the admitted requests, summed (vLLM's `request_prefill_time_seconds` histogram sum):
+        prompt tokens less cache hits over it is the engine's prefill speed as an agent measures it."""
 
     # --- what a scrape would read -------------------------------------------------------------------------
 
@@ -228,7 +231,9 @@ class EngineModel:
         stretch = 1 + DECODE_INTERFERENCE * len(self._decoding) / self.profile.max_batch
         rate = self.profile.prefill_tokens_per_s
         self.prefilling = job
-        self._prefill_end = now + (job.encoder_s + (job.prompt_tokens - job.cached_tokens) / rate) * stretch
+        duration = (job.encoder_s + (job.prompt_tokens - job.cached_tokens) / rate) * stretch
+        self.prefill_seconds += duration
+        self._prefill_end = now + duration
         events.append(("admitted", job, now))
 
     def _evict_for(self, needed: int, keep: set[int]) -> bool:

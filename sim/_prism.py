@@ -1,11 +1,13 @@
 """Prism under replay: the real `Brain` fed with the agents' node vectors, and real `Router`s on its tables.
 
-Nothing of the policy lives here: the brain's `tick` (predict, control, table build) runs every `cycle_s` of
-simulated time after ingesting the vectors the simulated agents sent; each new table goes to every gateway's
-router (`Router.apply`, as its subscriber would deliver it); requests take `Router.request` leases, which
-count them in flight and report first tokens and failures to the router's health and circuit breakers. The
-predictor trains `train_steps` optimiser steps every `train_interval_s` (a step count, not a CPU budget, so
-runs are deterministic). All of it runs on the simulation's clock.
+Nothing of the policy lives here: the brain's `tick` (predict, control, table build) runs every `cycle_s` of simulated
+time after ingesting the vectors the simulated agents sent; each new table goes to every gateway's router
+(`Router.apply`, as its subscriber would deliver it); the engines' KV events reach every router's prefix index
+(`Router.index`) `KV_EVENT_DELAY_S` after the engine published them, as the agents' relay through the brain delivers
+them; requests carry their prompt's block ids (`Request.blocks`); requests take `Router.request` leases, which count
+them in flight and report first tokens and failures to the router's health and circuit breakers. The predictor trains
+`train_steps` optimiser steps every `train_interval_s` (a step count, not a CPU budget, so runs are deterministic). All
+of it runs on the simulation's clock.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from prismlb.brain import BrainConfig
 from prismlb.router import PREFIX_TOKENS, Lease, Outcome, Request, Router, Settings
 
+from ._cluster import KV_EVENT_DELAY_S
 from ._types import ClusterView, Policy, SimRequest
 from ._types import Outcome as SimOutcome
 
@@ -58,7 +61,8 @@ class PrismPolicy(Policy):
         from prismlb.brain import Brain
 
         self.config = BrainConfig(admin_port=0, stale_periods=3.0)
-        self.tick_s = self.config.cycle_s
+        self.tick_s = KV_EVENT_DELAY_S
+        self._next_cycle = 0.0
         torch.manual_seed(0)
         self.brain = (brain or Brain)(self.config)
         self.now = 0.0
@@ -75,6 +79,13 @@ class PrismPolicy(Policy):
 
     def tick(self, view: ClusterView, now: float) -> None:
         self.now = now
+        for event in view.kv_events():
+            for router in self.routers:
+                router.index.removed(event.node, event.removed)
+                router.index.stored(event.node, event.stored)
+        if now < self._next_cycle:
+            return
+        self._next_cycle = now + self.config.cycle_s
         self.brain.ingest(list(view.vectors()), now)
         if self.train_steps and now >= self._next_train:
             self._next_train = now + self.train_interval_s
@@ -95,6 +106,8 @@ class PrismPolicy(Policy):
             modality=request.signature,
             session=request.session if self.sessions else None,
             cost=max(1, request.input_tokens),
+            blocks=request.blocks,
+            block_size=self.block_tokens,
         )
         lease = router.request(placed, exclude=exclude)
         self._leases[request.id] = lease

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+from array import array
 from collections import Counter
+from typing import Any
 
 import pytest
 
-from prismlb.router import BLOCK_SIZE, PREFIX_TOKENS, Router, Settings, block_hashes, prefix_key
+from prismlb.router import (
+    BLOCK_SIZE,
+    PREFIX_TOKENS,
+    TEXT_BYTES_PER_TOKEN,
+    Router,
+    Settings,
+    block_hash,
+    block_hashes,
+    media_block,
+    prefix_key,
+    text_block_hashes,
+)
 from prismlb.sim import traces_dir
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
@@ -64,6 +78,82 @@ def test_text_prompts_are_keyed_on_their_first_bytes() -> None:
     assert prefix_key(text=a, prefix_tokens=100) == prefix_key(
         text=b, prefix_tokens=100
     )  # window inside the system prompt
+
+
+def link(parent: int, data: bytes) -> int:
+    """The chain as documented, written out: blake2b-64 of the parent (8 bytes, big-endian) and the block."""
+    return int.from_bytes(hashlib.blake2b(parent.to_bytes(8, "big") + data, digest_size=8).digest(), "big")
+
+
+def test_block_hash_is_one_link_of_block_hashes() -> None:
+    prompt = tokens(1, 2, 3, tail=5)
+    chain = block_hashes(prompt)
+    parent = 0
+    for i, expected in enumerate(chain):
+        block = prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+        assert block_hash(parent, block) == link(parent, array("I", block).tobytes()) == expected
+        parent = expected
+    assert len(chain) == 3
+
+
+def test_extra_keys_fold_into_their_block_and_everything_after() -> None:
+    prompt = tokens(1, 2, 3)
+    plain = block_hashes(prompt)
+    cat = [None, [("sha256:cat", 4)], [("sha256:cat", 0)]]  # an image's placeholder tokens from block 1 on
+    dog = [None, [("sha256:dog", 4)], [("sha256:dog", 0)]]
+    with_cat, with_dog = block_hashes(prompt, extra=cat), block_hashes(prompt, extra=dog)
+    assert with_cat[0] == with_dog[0] == plain[0]
+    assert len({with_cat[1], with_dog[1], plain[1]}) == 3 and len({with_cat[2], with_dog[2], plain[2]}) == 3
+    assert with_cat[1] == block_hash(plain[0], prompt[BLOCK_SIZE : 2 * BLOCK_SIZE], [("sha256:cat", 4)])
+    assert block_hashes(prompt, extra=[(), [], None]) == plain  # a block without keys hashes its tokens alone
+    assert block_hashes(prompt, extra=[None] * 5) == plain  # entries past the last full block are not read
+    assert block_hashes(prompt, extra=cat[:2]) == [*with_cat[:2], block_hash(with_cat[1], prompt[2 * BLOCK_SIZE :])]
+
+
+def test_extra_keys_encode_canonically() -> None:
+    block = tokens(1)
+
+    def keyed(*keys: Any) -> int:
+        return block_hash(0, block, keys)
+
+    assert keyed(("lora-a", ("sha256:cat", 4))) == keyed(["lora-a", ["sha256:cat", 4]])  # msgpack's lists alike
+    distinct = [keyed(), keyed("ab"), keyed("a", "b"), keyed(("ab",)), keyed(b"ab"), keyed("1"), keyed(1), keyed(None)]
+    assert len(set(distinct)) == len(distinct)
+    assert keyed() == block_hash(0, block) == block_hashes(block)[0]
+    for bad in (1.5, True, {"a": 1}):
+        with pytest.raises(ValueError, match="extra key"):
+            keyed(bad)
+    nested: list[object] = ["deep"]
+    for _ in range(7):
+        nested = [nested]
+    assert keyed(nested) != keyed(nested[0])  # eight lists deep: taken
+    with pytest.raises(ValueError, match="nested deeper than 8"):
+        keyed([nested])
+
+
+def test_text_block_hashes_chain_blocks_of_utf8_bytes() -> None:
+    step = BLOCK_SIZE * TEXT_BYTES_PER_TOKEN
+    text = "é" * step  # two bytes a character: two blocks
+    data = text.encode()
+    first = link(0, data[:step])
+    assert text_block_hashes(text) == [first, link(first, data[step:])]
+    assert text_block_hashes(text + "partial") == text_block_hashes(text)  # a partial last block is left out
+    assert text_block_hashes("short") == []
+    head, tail = "a" * step, "b" * (2 * step)
+    (head_hash,) = text_block_hashes(head)
+    assert text_block_hashes(head + tail) == [head_hash, *text_block_hashes(tail, parent=head_hash)]
+    assert text_block_hashes(text, block_size=2 * BLOCK_SIZE) == [link(0, data)]
+    with pytest.raises(ValueError, match="at least 1"):
+        text_block_hashes(text, block_size=0)
+
+
+def test_media_block_chains_a_part_by_content_id() -> None:
+    before = text_block_hashes("Describe the picture below in three sentences, please. " * 3)
+    cat = media_block(before[-1], "sha256:cat")
+    assert cat == block_hash(before[-1], [], ["sha256:cat"])  # the agent's extra-key encoding, over no tokens
+    assert len({cat, media_block(before[-1], "sha256:dog"), media_block(0, "sha256:cat"), before[-1]}) == 4
+    after = text_block_hashes("And now the one after it. " * 5, parent=cat)
+    assert after != text_block_hashes("And now the one after it. " * 5, parent=media_block(before[-1], "sha256:dog"))
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -4,6 +4,10 @@ The publisher below follows vLLM's `ZmqEventPublisher` (`vllm/distributed/kv_eve
 8-byte big-endian seq, msgpack payload), a replay buffer, and a ROUTER that answers `[id, "", start_seq]` with
 `[id, "", seq, payload]` per buffered batch and `[id, "", -1, ""]` at the end. Events are encoded by msgspec
 structs declared as vLLM declares them: tagged maps in current vLLM, tagged arrays up to 0.23.
+
+The Prism view (blocks re-hashed with the callers' chain) is checked against callers' `block_hashes` of the same
+token ids, with the emulated engine (`prismlb.sim.EmulatedEngine`, over HTTP and its own ZeroMQ publisher) and with
+the publisher below sending the emulator's engine hashes.
 """
 
 from __future__ import annotations
@@ -13,15 +17,21 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prismlb.agent._kv_events import KvEventSubscriber
+from prismlb.agent._kv_events import KvChanges, KvEventSubscriber
+from prismlb.router import block_hashes
+from prismlb.sim import EmulatedEngine, prompt_tokens
+from prismlb.sim import block_hashes as engine_hashes
+from prismlb.sim._model import EngineModel
 from prismlb.wire import (
     BLOOM_BITS,
     BLOOM_CAPACITY,
@@ -318,6 +328,7 @@ def test_malformed_input_is_counted_by_kind(
         engine.pub.send_multipart([TOPIC, b"only two frames"])
         engine.pub.send_multipart([TOPIC, b"\x00\x01", b"seq of 2 bytes"])
         engine.publish_raw(b"\xc1 not msgpack")
+        engine.publish_raw(b"\x91" * 5000 + b"\xc0")  # nested too deep for msgspec
         engine.publish_raw(encoder.encode({"not": "a batch"}))
         engine.publish(
             stored([60]),
@@ -327,11 +338,11 @@ def test_malformed_input_is_counted_by_kind(
             {"type": "BlockStored", "block_hashes": [61], "block_size": 0},
             42,
         )
-        poll_until(sub, lambda: sub.stats().last_seq == 2)
+        poll_until(sub, lambda: sub.stats().last_seq == 3)
         assert sub.failures.counts() == {
             "frames": 1,
             "seq": 1,
-            "payload": 1,
+            "payload": 2,
             "batch": 1,
             "unknown_event": 1,
             "event": 4,
@@ -426,3 +437,272 @@ def test_block_key_is_vllms_unsigned_64_bit_form() -> None:
     assert block_key(5) == (5).to_bytes(8, "big")
     digest = hashlib.sha256(b"x").digest()
     assert block_key(digest) == digest
+
+
+# --- the Prism view: engine blocks re-hashed with the callers' chain --------------------------------------------
+
+SCALE = 0.2  # the emulated engine's model runs five times faster than the wall clock
+
+
+def vllm_stored(
+    tokens: list[int], first: int, count: int, *, extra: list[Any] | None = None, medium: str = "GPU"
+) -> BlockStored:
+    """What vLLM publishes when blocks `first..first+count-1` of a prompt are cached: their engine hashes (the
+    emulator's, seeded differently from Prism's chain), the hash of the block before (None at the root), their
+    tokens and extra keys."""
+    hashes = engine_hashes(tokens)
+    parent = hashes[first - 1] if first else None
+    block_tokens = tokens[first * 16 : (first + count) * 16]
+    return BlockStored(hashes[first : first + count], parent, block_tokens, 16, None, medium, None, extra, 0)
+
+
+def words(seed: str, blocks: int) -> list[int]:
+    """A prompt of `blocks` full 16-token blocks from the emulated tokenizer (4 characters a token)."""
+    text = (f"{seed} " * (blocks * 64))[: blocks * 64]
+    return prompt_tokens(text)
+
+
+def chat(engine: EmulatedEngine, text: str) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    assert httpx.post(engine.url + "/v1/chat/completions", json=body, timeout=10).status_code == 200
+
+
+def tokenize(engine: EmulatedEngine, text: str) -> list[int]:
+    """The prompt's token ids as a caller gets them: from the engine's `/tokenize`."""
+    answer = httpx.post(engine.url + "/tokenize", json={"model": "m", "prompt": text}, timeout=10)
+    tokens: list[int] = answer.json()["tokens"]
+    return tokens
+
+
+def chat_and_wait(engine: EmulatedEngine, sub: KvEventSubscriber, text: str) -> None:
+    """Send a request and apply the KV events it causes (the reply may come before they are published)."""
+    before = sub.stats().batches
+    chat(engine, text)
+    poll_until(sub, lambda: sub.stats().batches > before)
+
+
+def join(engine: EmulatedEngine, sub: KvEventSubscriber) -> list[str]:
+    """Send one-block prompts until the subscriber gets a batch (a SUB socket misses what is published before it
+    joined, and the emulator's PUB cannot tell when it has); returns the prompts sent."""
+    sent: list[str] = []
+    deadline = time.monotonic() + 10
+    while sub.stats().batches == 0:
+        assert time.monotonic() < deadline, "the subscriber never joined"
+        sent.append(f"warm-up prompt number {len(sent)}: ".ljust(64, "."))
+        chat(engine, sent[-1])
+        sub.poll(100)
+    return sent
+
+
+def test_prism_hashes_of_the_emulated_engine_are_the_callers_block_hashes() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with EmulatedEngine("h100", kv_events_endpoint=endpoint, time_scale=SCALE) as engine:
+        with KvEventSubscriber(endpoint) as sub:
+            join(engine, sub)
+            assert sub.take_changes().reset  # the first take is the whole set
+            system = "You are a terse assistant. Answer in French, cite sources, never guess. " * 8
+            first = system + "What is the capital of Italy, and how long has it been the capital? " * 2
+            second = system + "And what about Spain: which city, since when, and why that one? " * 2
+            chat_and_wait(engine, sub, first)
+            size = sub.block_size
+            assert size == 16
+            first_keys = block_hashes(tokenize(engine, first), size)
+            changes = sub.take_changes()
+            assert changes == KvChanges(False, tuple(first_keys), (), 16)
+
+            # The second prompt's new blocks chain on the first's: their parent is looked up among held blocks.
+            chat_and_wait(engine, sub, second)
+            second_keys = block_hashes(tokenize(engine, second), size)
+            shared = next(i for i, (a, b) in enumerate(zip(first_keys, second_keys)) if a != b)
+            assert 0 < shared < len(second_keys)
+            assert sub.take_changes() == KvChanges(False, tuple(second_keys[shared:]), (), 16)
+            assert set(first_keys) | set(second_keys) <= set(sub.blocks())
+            stats = sub.stats()
+            assert stats.unhashable_blocks == 0 and stats.prism_blocks == len(sub.blocks()) == stats.blocks
+            assert sub.failures.counts() == {}
+
+
+def test_engine_evictions_come_out_as_removed() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    engine = EmulatedEngine("a100", kv_events_endpoint=endpoint, time_scale=SCALE)
+    engine.model = EngineModel(replace(engine.profile, kv_blocks=12))  # room for two 4-block prompts and a bit
+    with engine, KvEventSubscriber(endpoint) as sub:
+        prompts = join(engine, sub)
+        held: set[int] = set()  # what a consumer of the changes holds
+        removed: set[int] = set()
+
+        def cached_by_engine() -> set[int]:
+            """The Prism hashes of the blocks the engine's cache holds now, by its own hashes of the prompts."""
+            pairs = (zip(engine_hashes(prompt_tokens(p)), block_hashes(prompt_tokens(p))) for p in prompts)
+            return {prism for chain in pairs for engine_hash, prism in chain if engine.model.cached(engine_hash)}
+
+        for text in ("a" * 256, "b" * 256, "c" * 256, "a" * 256, "d" * 256):
+            prompts.append(text)
+            chat(engine, text)
+            poll_until(sub, lambda: set(sub.blocks()) == cached_by_engine())
+            changes = sub.take_changes()
+            held = (held if not changes.reset else set()) - set(changes.removed) | set(changes.stored)
+            assert held == set(sub.blocks())
+            assert not set(changes.stored) & set(changes.removed)
+            removed |= set(changes.removed)
+        first_a = block_hashes(prompt_tokens("a" * 256))
+        assert first_a[0] in removed  # "c" evicted the oldest free blocks: the warm-up's, then the root of "a"
+        assert engine.model.capacity_blocks == 12 and len(held) <= 12
+        assert sub.stats().unhashable_blocks == 0
+        assert sub.failures.counts() == {}
+
+
+def test_unknown_parent_is_counted_and_skipped(
+    ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str
+) -> None:
+    prompt = words("late", 5)
+    keys = block_hashes(prompt)
+    with subscribe(ctx, engine, endpoint, replay_endpoint) as sub:
+        engine.publish(vllm_stored(prompt, 2, 2))  # blocks 0 and 1 were stored before the agent could see them
+        engine.publish(vllm_stored(prompt, 4, 1))  # chained on an unhashable block: unhashable too
+        poll_until(sub, lambda: sub.stats().batches == 2)
+        assert (sub.stats().unhashable_blocks, sub.stats().blocks, sub.blocks()) == (3, 3, ())
+        assert held(sub, engine_hashes(prompt)[2:]) == [True, True, True]  # the Bloom summary keeps them
+
+        # The prefix stored, then the rest stored again (vLLM would after a hit): every block re-hashed.
+        engine.publish(vllm_stored(prompt, 0, 2))
+        engine.publish(vllm_stored(prompt, 2, 3))
+        poll_until(sub, lambda: sub.stats().batches == 4)
+        assert sub.blocks() == tuple(keys)
+        assert (sub.stats().unhashable_blocks, sub.stats().blocks) == (3, 5)
+        assert sub.take_changes() == KvChanges(True, tuple(keys), (), 16)
+        assert sub.failures.counts() == {}
+
+
+def test_changes_are_coalesced_between_takes(
+    ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str
+) -> None:
+    a, b, c = words("alpha", 3), words("beta", 2), words("gamma", 1)
+    ka, kb, kc = block_hashes(a), block_hashes(b), block_hashes(c)
+    with subscribe(ctx, engine, endpoint, replay_endpoint) as sub:
+        engine.publish(vllm_stored(a, 0, 3))
+        poll_until(sub, lambda: sub.stats().batches == 1)
+        assert sub.take_changes() == KvChanges(True, tuple(ka), (), 16)
+        assert sub.take_changes() == KvChanges(False, (), (), 16)
+
+        a_hashes = engine_hashes(a)
+        engine.publish(vllm_stored(b, 0, 2), removed(engine_hashes(b)))  # stored then removed: nothing
+        engine.publish(removed(a_hashes[1:2]), vllm_stored(a, 1, 1))  # removed then stored again: nothing
+        engine.publish(removed(a_hashes[2:]), vllm_stored(c, 0, 1))
+        engine.publish(vllm_stored(b, 0, 1))
+        poll_until(sub, lambda: sub.stats().batches == 5)
+        assert sub.take_changes() == KvChanges(False, (kc[0], kb[0]), (ka[2],), 16)
+        assert sub.blocks() == (ka[0], ka[1], kc[0], kb[0])
+
+
+def test_block_held_on_gpu_and_cpu_leaves_the_set_with_its_last_copy(
+    ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str
+) -> None:
+    prompt = words("offloaded", 2)
+    keys, hashes = block_hashes(prompt), engine_hashes(prompt)
+    with subscribe(ctx, engine, endpoint, replay_endpoint) as sub:
+        engine.publish(vllm_stored(prompt, 0, 2))
+        # vLLM's CPU offloading reports stored blocks without parent or tokens: known hashes keep their Prism hash.
+        engine.publish(BlockStored(hashes, None, [], 16, None, "CPU", None))
+        poll_until(sub, lambda: sub.stats().batches == 2)
+        assert sub.take_changes() == KvChanges(True, tuple(keys), (), 16)
+        assert (sub.stats().blocks, sub.stats().prism_blocks, sub.stats().unhashable_blocks) == (4, 2, 0)
+
+        engine.publish(removed(hashes))  # evicted from the GPU, still in CPU memory
+        engine.publish(BlockRemoved(hashes[1:], "CPU"))
+        poll_until(sub, lambda: sub.stats().batches == 4)
+        assert sub.take_changes() == KvChanges(False, (), (keys[1],), 16)
+        assert sub.blocks() == (keys[0],)
+
+
+def test_cleared_and_restarted_engines_reset_the_set(
+    ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str
+) -> None:
+    a, b, c = words("before", 2), words("after", 2), words("restarted", 1)
+    with subscribe(ctx, engine, endpoint, replay_endpoint) as sub:
+        engine.publish(vllm_stored(a, 0, 2))
+        poll_until(sub, lambda: sub.stats().batches == 1)
+        sub.take_changes()
+        engine.publish(vllm_stored(b, 0, 1), AllBlocksCleared(), vllm_stored(b, 0, 2))
+        poll_until(sub, lambda: sub.stats().batches == 2)
+        assert sub.take_changes() == KvChanges(True, tuple(block_hashes(b)), (), 16)
+
+        engine.seq, engine.buffer = 0, []  # a new engine process: its cache is empty
+        engine.publish(vllm_stored(c, 0, 1))
+        poll_until(sub, lambda: sub.stats().last_seq == 0)
+        assert sub.take_changes() == KvChanges(True, tuple(block_hashes(c)), (), 16)
+        assert sub.blocks() == tuple(block_hashes(c))
+
+
+def test_bounded_set_evicts_into_removed_and_too_many_changes_become_a_reset(
+    ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str
+) -> None:
+    old, new = words("old", 3), words("new", 6)
+    ko, kn = block_hashes(old), block_hashes(new)
+    with subscribe(ctx, engine, endpoint, replay_endpoint, max_blocks=4) as sub:
+        engine.publish(vllm_stored(old, 0, 3))
+        poll_until(sub, lambda: sub.stats().batches == 1)
+        sub.take_changes()
+        engine.publish(vllm_stored(new, 0, 2))  # the oldest block makes room
+        poll_until(sub, lambda: sub.stats().batches == 2)
+        assert sub.take_changes() == KvChanges(False, tuple(kn[:2]), (ko[0],), 16)
+
+        # Four more blocks evict the rest: 6 changes pending for a set of at most 4, so the take is a reset.
+        engine.publish(vllm_stored(new, 2, 4))
+        poll_until(sub, lambda: sub.stats().batches == 3)
+        assert sub.take_changes() == KvChanges(True, tuple(kn[2:]), (), 16)
+        assert (sub.stats().evicted_blocks, sub.stats().prism_blocks) == (5, 4)
+
+
+def test_malformed_token_ids_are_counted_and_lose_nothing_else(
+    ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str
+) -> None:
+    good = words("good", 1)
+    bad = [words(f"bad {i}", 1) for i in range(8)]
+    nested: list[Any] = ["deep"]
+    for _ in range(50):
+        nested = [nested]
+
+    def event(i: int, **fields: Any) -> dict[str, Any]:
+        base = {"type": "BlockStored", "block_hashes": engine_hashes(bad[i]), "parent_block_hash": None}
+        return base | {"token_ids": bad[i], "block_size": 16, "medium": "GPU", "group_idx": 0} | fields
+
+    with subscribe(ctx, engine, endpoint, replay_endpoint) as sub:
+        engine.publish(
+            event(0, token_ids=[-1] * 16),
+            event(1, token_ids="not a list"),
+            event(2, token_ids=bad[2][:15]),  # short: cannot be lined up, but not malformed
+            event(3, extra_keys=[[1.5]]),
+            event(4, extra_keys=[None, None]),  # not one entry per block
+            event(5, parent_block_hash="parent"),
+            event(6, extra_keys=["not an array"]),
+            event(7, extra_keys=[nested]),  # nested past what the encoding takes
+            vllm_stored(good, 0, 1),
+        )
+        poll_until(sub, lambda: sub.stats().batches == 1)
+        assert sub.failures.counts() == {"token_ids": 2, "extra_keys": 4, "parent_block_hash": 1}
+        stats = sub.stats()
+        assert (stats.events, stats.blocks, stats.unhashable_blocks) == (9, 9, 8)
+        assert sub.blocks() == tuple(block_hashes(good))
+        all_hashes = [h for tokens in bad for h in engine_hashes(tokens)]
+        assert held(sub, all_hashes) == [True] * 8
+        engine.publish(removed(all_hashes))
+        poll_until(sub, lambda: sub.stats().batches == 2)
+        assert (sub.stats().blocks, sub.blocks()) == (1, tuple(block_hashes(good)))
+
+
+def test_extra_keys_are_folded_in_as_callers_give_them(
+    ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str
+) -> None:
+    # An image's placeholder tokens are the same for every image: only the extra keys tell two images apart.
+    placeholder = [9] * 8 + [151_655] * 24
+    cat: list[Any] = [("lora-fr", ("sha256:cat", 8)), ("lora-fr", ("sha256:cat", -8))]
+    dog: list[Any] = [("lora-fr", ("sha256:dog", 8)), ("lora-fr", ("sha256:dog", -8))]
+    with subscribe(ctx, engine, endpoint, replay_endpoint) as sub:
+        engine.publish(BlockStored([101, 102], None, placeholder, 16, 1, "GPU", "lora-fr", cat, 0))
+        engine.publish(BlockStored([201, 202], None, placeholder, 16, 1, "GPU", "lora-fr", dog, 0))
+        poll_until(sub, lambda: sub.stats().batches == 2)
+        with_cat, with_dog = block_hashes(placeholder, extra=cat), block_hashes(placeholder, extra=dog)
+        assert sub.blocks() == (*with_cat, *with_dog)
+        assert not set(with_cat) & set(with_dog) and not set(with_cat) & set(block_hashes(placeholder))
+        assert sub.failures.counts() == {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from prismlb.brain import Brain, BrainConfig
@@ -76,9 +78,27 @@ def weights(built: RoutingTable) -> dict[str, float]:
 
 
 def test_every_variant_is_listed_with_a_docstring() -> None:
-    assert list(VARIANTS) == ["flat-weights", "ewma", "no-predictor", "no-health", "no-sessions"]
+    assert list(VARIANTS) == [
+        "no-kv-index",
+        "no-cache-affinity",
+        "flat-weights",
+        "ewma",
+        "no-predictor",
+        "no-health",
+        "no-sessions",
+    ]
     assert all(factory.__doc__ for factory in VARIANTS.values())
     assert not set(VARIANTS) & set(policy_factories(16))
+
+
+def test_router_variants_switch_off_their_setting_alone() -> None:
+    defaults = Settings()
+    for name, changed in (("no-kv-index", {"prefix_index": False}), ("no-cache-affinity", {"cache_affinity": 1.0})):
+        policy = VARIANTS[name](512)
+        assert isinstance(policy, PrismPolicy)
+        settings = policy.routers[0].settings
+        assert settings == dataclasses.replace(defaults, **changed)  # type: ignore[arg-type]
+        policy.close()
 
 
 def test_flat_weights_publish_every_entry_at_one() -> None:
@@ -128,8 +148,10 @@ def test_no_predictor_brain_has_no_predictions_where_the_full_brain_has() -> Non
     assert full.predictions["a"] and ablated.predictions == {}
 
 
-def test_prism_and_every_ablation_run_the_librarys_settings() -> None:
-    policies = [policy_factories(16)[PRISM](), *(variant(16) for variant in VARIANTS.values())]
+def test_prism_and_every_brain_ablation_run_the_librarys_settings() -> None:
+    router_variants = {"no-kv-index", "no-cache-affinity"}  # each changes one setting (the test above)
+    variants = [variant(16) for name, variant in VARIANTS.items() if name not in router_variants]
+    policies = [policy_factories(16)[PRISM](), *variants]
     try:
         assert all(isinstance(p, PrismPolicy) and p.routers[0].settings == Settings() for p in policies)
     finally:

@@ -179,6 +179,42 @@ def test_table_fields_model_version_load_and_zone() -> None:
     assert by_id["c"].load is None and by_id["c"].gpu is None
 
 
+def rate_of(entries: dict[Slice, list[TableNode]], node_id: str) -> float | None:
+    (entry,) = [e for e in entries[Slice.LLM] if e.node_id == node_id]
+    return entry.prefill_tokens_per_s
+
+
+def test_prefill_speed_is_the_nodes_own_else_its_gpu_classs_median() -> None:
+    c = Cluster()
+    c.report("h1", {"gpu": "h100"}, prefill_tokens_per_s=20_000.0)
+    c.report("h2", {"gpu": "h100"}, prefill_tokens_per_s=18_000.0)
+    c.report("h3", {"gpu": "h100"}, prefill_tokens_per_s=22_000.0)
+    c.report("h-new", {"gpu": "h100"})
+    c.report("l-new", {"gpu": "l40s"})
+    entries = c.weights()
+    own = rate_of(entries, "h2")
+    assert own is not None and abs(own - 18_000.0) / 18_000.0 < 0.05  # within half a 2^(1/8) step
+    newcomer = rate_of(entries, "h-new")
+    assert newcomer is not None and abs(newcomer - 20_000.0) / 20_000.0 < 0.05
+    assert rate_of(entries, "l-new") is None  # no peer of its class measured: routers take the pool's median
+
+
+def test_prefill_speed_moves_only_past_its_hysteresis() -> None:
+    c = Cluster()
+    builder = TableBuilder(epoch=1)
+    c.report("a", prefill_tokens_per_s=10_000.0)
+    assert builder.build(c.weights()) is not None
+    first = rate_of(c.weights(), "a")
+    for noisy in (10_900.0, 9_200.0, 11_000.0, 9_000.0):  # within 15%
+        c.report("a", prefill_tokens_per_s=noisy)
+        assert rate_of(c.weights(), "a") == first
+        assert builder.build(c.weights()) is None
+    c.report("a", prefill_tokens_per_s=5_000.0)
+    moved = rate_of(c.weights(), "a")
+    assert moved is not None and abs(moved - 5_000.0) / 5_000.0 < 0.05
+    assert builder.build(c.weights()) is not None
+
+
 # hysteresis
 
 

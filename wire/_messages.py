@@ -70,6 +70,9 @@ class NodeMetrics(_Message, kw_only=True):
     requests_waiting: Requests | None = None
     # load the node served
     requests_per_s: Rate | None = None
+    prefill_tokens_per_s: Rate | None = None
+    """Prompt tokens the engine computed (cache hits left out) per second it spent prefilling: its prefill
+    speed as measured, whatever its GPU, model and parallelism."""
     health_score: Ratio | None = None
 
 
@@ -142,6 +145,9 @@ class TableNode(_Message, kw_only=True):
     model_version: Name = ""
     load: Bounded | None = None  # the brain's estimate of requests on the node (running + waiting)
     predicted_p99_ms: Bounded | None = None
+    prefill_tokens_per_s: Bounded | None = None
+    """The brain's estimate of the node's prefill speed (per GPU entry in topology-aware slices), which a
+    router divides queued prompt tokens by to expect a time to first token."""
     gpu: Count | None = None
     numa_node: Count | None = None
 
