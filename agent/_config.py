@@ -59,6 +59,8 @@ class AgentConfig:
     engine_url: str | None = None
     kv_events: str | None = None
     kv_replay: str | None = None
+    kv_full_every_s: float = 60.0
+    """How often the KV stream sends the node's whole block set, which brings back a brain that lost the stream."""
 
 
 FILE_KEYS = frozenset(

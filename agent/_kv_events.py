@@ -252,14 +252,16 @@ class KvEventSubscriber:
                 prism_blocks=len(self._held),
             )
 
-    def take_changes(self) -> KvChanges:
-        """The Prism hashes stored and removed since the last take (a reset with the whole set, see `KvChanges`).
+    def take_changes(self, full: bool = False) -> KvChanges:
+        """The Prism hashes stored and removed since the last take (a reset with the whole set, see `KvChanges`);
+        with `full`, a reset whatever changed (taken under the same lock as the changes, so that the changes of
+        later takes apply exactly on top of it: `blocks()` then `take_changes()` could not promise that).
 
         Changes are kept as one entry per hash, so they never outgrow `max_blocks`: past that, the take becomes a
         reset, which is the whole set and so no larger.
         """
         with self._lock:
-            if self._reset:
+            if self._reset or full:
                 changes = KvChanges(True, tuple(self._held), (), self._block_size)
             else:
                 stored = tuple(h for h, held in self._changes.items() if held)

@@ -15,12 +15,13 @@ from prometheus_client.registry import Collector
 
 from prismlb.wire import ENGINE_LATENCY_KEY
 
-from ._config import AgentConfig
+from ._config import AgentConfig, brain_endpoints
 from ._ebpf import ConnectCounter
 from ._engine import EngineCollector
 from ._gpu import GpuCollector
 from ._host import HostSampler
 from ._kv_events import KvEventSubscriber
+from ._kv_stream import KvStream
 from ._node import Reading, Source
 from ._signals import SpanSignals
 
@@ -65,10 +66,12 @@ def _host(sampler: HostSampler) -> Reading:
 
 
 class _CollectorCounts(Collector):
-    """The engine scraper's and the KV-event subscriber's own counters on /metrics."""
+    """The engine scraper's, the KV-event subscriber's and the KV stream's own counters on /metrics."""
 
-    def __init__(self, engine: EngineCollector | None, kv: KvEventSubscriber | None) -> None:
-        self._engine, self._kv = engine, kv
+    def __init__(
+        self, engine: EngineCollector | None, kv: KvEventSubscriber | None, stream: KvStream | None = None
+    ) -> None:
+        self._engine, self._kv, self._stream = engine, kv, stream
 
     def collect(self) -> Iterator[Metric]:
         if self._engine is not None:
@@ -93,6 +96,13 @@ class _CollectorCounts(Collector):
             for kind, count in sorted(self._kv.failures.counts().items()):
                 failures.add_metric([kind], count)
             yield failures
+        if self._stream is not None:
+            for name, help_text, value in (
+                ("stream_sent", "KvBlocks messages every brain's queue took", self._stream.sent),
+                ("stream_dropped", "KvBlocks messages a brain's full queue dropped", self._stream.dropped),
+                ("stream_resets", "Whole block sets sent to the brains", self._stream.resets),
+            ):
+                yield CounterMetricFamily(f"prism_agent_kv_{name}", help_text, value=value)
 
 
 @contextmanager
@@ -131,7 +141,7 @@ def node_sources(
             _log.info("GPU on: %s", detail)
             stack.callback(gpus.close)
             sources.append(Source("gpu", NVLINK_PERIOD_S, lambda: _gpu(gpus)))
-        engine = kv = None
+        engine = kv = stream = None
         if config.engine_url is not None:
             engine = EngineCollector(config.engine_url, invalid=signals.invalid)
             sources.append(Source("engine", KV_MISS_PERIOD_S, lambda: _engine(engine)))
@@ -139,7 +149,17 @@ def node_sources(
             kv = stack.enter_context(KvEventSubscriber(config.kv_events, config.kv_replay))
             kv.start()
             sources.append(Source("kv_events", KV_MISS_PERIOD_S, lambda: Reading(kv=kv.summary())))
-        collector = _CollectorCounts(engine, kv)
+            stream = stack.enter_context(
+                KvStream(
+                    kv,
+                    config.node_id,
+                    brain_endpoints(config.brain),
+                    curve=config.curve,
+                    full_every_s=config.kv_full_every_s,
+                )
+            )
+            stream.start()
+        collector = _CollectorCounts(engine, kv, stream)
         registry.register(collector)
         stack.callback(registry.unregister, collector)
         yield sources

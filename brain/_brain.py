@@ -14,6 +14,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from prismlb.wire import (
+    KvBlocks,
     NodeVector,
     RejectCounter,
     RoutingTable,
@@ -39,6 +40,7 @@ from ._guardian import Guardian, GuardianConfig
 from ._history import History
 from ._holddown import KnownNodes, StartupHold
 from ._identity import start_curve
+from ._kv_relay import KvRelay, KvRelayCollector
 from ._predictor import Predictor
 from ._registry import NodeState, Registry
 from ._scale_hook import parse_hook
@@ -119,6 +121,9 @@ class Brain:
         Gauge("prism_brain_predictor_trained_steps", "Optimiser steps so far", registry=self.metrics).set_function(
             lambda: self.predictor.trained_steps
         )
+        self.kv = KvRelay(self.tables.brain_id, self.tables.epoch)
+        """The engines' KV blocks, relayed to the routers as they come (`_kv_relay`)."""
+        self.metrics.register(KvRelayCollector(self.kv))
         self.metrics.register(RegistryCollector(self.registry))
         self.metrics.register(PredictorCollector(self.predictor))
 
@@ -155,6 +160,7 @@ class Brain:
                 self.rejects,
                 curve=cfg.curve_routers,
             )
+            publisher.kv_snapshot = self.kv.snapshot
             metrics = serve_metrics(cfg.metrics_port, self.metrics, cfg.metrics_addr)
             if cfg.admin_port:
                 admin = AdminServer(
@@ -207,18 +213,34 @@ class Brain:
             except Exception:
                 _log.exception("predictor training step failed; the weights keep the last good predictor")
 
-    def _loop(self, stop: threading.Event, receiver: VectorReceiver, publisher: TablePublisher) -> None:
+    def _loop(
+        self, stop: threading.Event, receiver: VectorReceiver | ShardedReceiver, publisher: TablePublisher
+    ) -> None:
+        """Ingest (vectors, and KV blocks relayed at once), snapshots, admin, the periodic tick and heartbeats.
+
+        KV blocks come only through the brain's own receiver: the sharded ingest's workers take vectors alone and
+        count KV messages as unexpected."""
         cfg = self.config
         poller = zmq.Poller()
         poller.register(receiver.socket, zmq.POLLIN)
         poller.register(publisher.snapshot_socket, zmq.POLLIN)
         watchdog = watchdog_interval_s()
-        next_heartbeat = next_watchdog = time.monotonic()
+        next_heartbeat = next_watchdog = next_retain = time.monotonic()
+        direct = receiver if isinstance(receiver, VectorReceiver) else None
         while not stop.is_set():
             wait = max(0.0, min(self._next_cycle, next_heartbeat) - time.monotonic())
             poller.poll(timeout=wait * 1000)
             now = time.monotonic()
-            self._guarded("ingest", lambda: self.ingest(receiver.drain(), now))
+            kv: list[KvBlocks] = []
+            self._guarded(
+                "ingest", lambda: self.ingest(receiver.drain() if direct is None else direct.drain(kv=kv), now)
+            )
+            if kv:
+                self._guarded("kv", lambda: publisher.publish_kv(self.kv.accept(kv, now)))
+            if now >= next_retain:
+                next_retain = now + cfg.cycle_s
+                live = [n for n in self.registry.nodes if n not in self.drained]
+                self._guarded("kv", lambda: publisher.publish_kv(self.kv.retain(live, now)))
             self._guarded("snapshots", publisher.serve_snapshots)
             self._guarded("admin", self.admin_queue.apply_pending)
             _, table = self._guarded("tick", lambda: self.tick(now, time.time()))

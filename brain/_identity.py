@@ -58,14 +58,20 @@ class IdentityPolicy:
     def __init__(self, keys: AuthorizedKeys) -> None:
         self.keys = keys
 
+    def check_node(self, node_id: str, user_id: str | None) -> str:
+        """The key's owner, `node_id`; raises unless `user_id` is filed under `node_id` (what a message without an
+        endpoint, a node's KV blocks, is checked for)."""
+        owner = self.keys.name_of(user_id) if user_id else None
+        if owner is None:
+            raise UnknownKeyError(f"message for {node_id} came over a connection whose key is not authorised")
+        if owner != node_id:
+            raise SpoofedIdentityError(f"key of {owner} sent a message claiming node id {node_id}")
+        return owner
+
     def check(self, vector: NodeVector, user_id: str | None, peer_address: str | None) -> None:
         """Raise unless `user_id` (the sender's Z85 public key, as pyzmq's authenticator names it) is filed
         under `vector.node_id` and the endpoint's host is allowed for that node."""
-        owner = self.keys.name_of(user_id) if user_id else None
-        if owner is None:
-            raise UnknownKeyError(f"vector for {vector.node_id} came over a connection whose key is not authorised")
-        if owner != vector.node_id:
-            raise SpoofedIdentityError(f"key of {owner} sent a vector claiming node id {vector.node_id}")
+        owner = self.check_node(vector.node_id, user_id)
         target = _endpoint_host(vector.endpoint)
         if target is None:
             raise EndpointNotAllowedError(f"{owner} advertised {vector.endpoint!r}, not a URL with a host and port")

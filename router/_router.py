@@ -143,7 +143,9 @@ class Router:
         the next within `brain_timeout_s` of the leader's last heartbeat (`wire.TableSubscriber`). `slices`
         names the slices this caller routes to, fallbacks included (None: all): only their entries are
         received and kept, which is what lets a router in a large fleet hold the part of the table it uses.
-        Raises ConfigError at once for an unusable CURVE key file or a malformed endpoint.
+        With `Settings.prefix_index` (the default) the brains' KV deltas are followed too and fill `index`
+        (`apply_kv`); placement never waits for them. Raises ConfigError at once for an unusable CURVE key file
+        or a malformed endpoint.
         """
         addresses = [brains] if isinstance(brains, BrainAddress) else list(brains)
         if not addresses:
@@ -164,6 +166,7 @@ class Router:
             curve=curve,
             slices=slices,
             brain_timeout_s=brain_timeout_s,
+            on_kv=router.apply_kv if router.settings.prefix_index else None,
         )
         router._subscriber.start()
         _log.info("following routing tables from %s", ", ".join(a.updates for a in addresses))
@@ -258,6 +261,17 @@ class Router:
             )
         self._drop_refused = (key, since)
         return False
+
+    def apply_kv(self, node_id: str, reset: bool, stored: Sequence[int], removed: Sequence[int]) -> None:
+        """One node's prefix-cache change from the cluster's KV stream: with `reset`, its whole set is `stored`
+        (empty: unknown or gone); else `removed` leave it, then `stored` join it."""
+        if reset:
+            self.index.reset(node_id, stored)
+            return
+        if removed:
+            self.index.removed(node_id, removed)
+        if stored:
+            self.index.stored(node_id, stored)
 
     def _on_table(self, table: RoutingTable) -> bool:
         try:

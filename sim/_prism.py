@@ -81,8 +81,7 @@ class PrismPolicy(Policy):
         self.now = now
         for event in view.kv_events():
             for router in self.routers:
-                router.index.removed(event.node, event.removed)
-                router.index.stored(event.node, event.stored)
+                router.apply_kv(event.node, False, event.stored, event.removed)
         if now < self._next_cycle:
             return
         self._next_cycle = now + self.config.cycle_s

@@ -13,12 +13,16 @@ import zmq
 
 from prismlb.wire import (
     KINDS,
+    MAX_KV_BLOCKS,
     MAX_TABLE_BYTES,
     MAX_VECTOR_BYTES,
     BrainAddress,
     FrameCountError,
     Heartbeat,
     InvalidFieldError,
+    KvBlocks,
+    KvDelta,
+    KvSnapshotEnd,
     MalformedError,
     NodeMetrics,
     NodeVector,
@@ -29,6 +33,7 @@ from prismlb.wire import (
     SchemaVersionError,
     SliceTable,
     SliceUpdate,
+    SnapshotRequest,
     TableAssembler,
     TableEncoder,
     TableHead,
@@ -40,7 +45,9 @@ from prismlb.wire import (
     VectorSender,
     decode,
     encode,
+    split_kv_changes,
 )
+from prismlb.wire._codec import topic_prefix
 
 from .conftest import free_port
 
@@ -472,3 +479,80 @@ def test_a_table_over_the_frame_limit_is_published_in_parts() -> None:
     for frames in messages[:-1]:
         assembler.slice_update(decode(frames, (SliceUpdate,), MAX_TABLE_BYTES))
     assert assembler.head(decode(messages[-1], (TableHead,), MAX_TABLE_BYTES)) == big
+
+
+# --- the prefix index's messages -------------------------------------------------------------------------------
+
+
+def test_kv_messages_round_trip_with_full_64_bit_hashes() -> None:
+    top = 2**64 - 1
+    messages = [
+        KvBlocks(node_id="n1", seq=3, reset=True, block_size_tokens=16, stored=[0, top], removed=[]),
+        KvDelta(brain_id="b", epoch=1, seq=9, node_id="n1", stored=[top], removed=[1]),
+        KvSnapshotEnd(brain_id="b", epoch=1, seq=9, nodes=["n1"]),
+        SnapshotRequest(kv=True),
+    ]
+    for message in messages:
+        assert decode(encode(message), (type(message),), MAX_TABLE_BYTES) == message
+    assert topic_prefix(KvDelta) == KINDS[KvDelta] and not KINDS[KvDelta].startswith(KINDS[SliceUpdate])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"stored": [-1]},  # hashes are unsigned
+        {"removed": [1.5]},  # and ints
+        {"stored": [float("nan")]},
+        {"stored": ["1"]},
+        {"seq": -1},
+        {"node_id": ""},
+        {"stored": list(range(MAX_KV_BLOCKS + 1))},
+    ],
+)
+def test_kv_blocks_out_of_bounds_are_refused(overrides: dict[str, object]) -> None:
+    fields: dict[str, object] = {"node_id": "n1", "seq": 0, "stored": [1]}
+    fields.update(overrides)
+    frames = [KINDS[KvBlocks], b"1", msgspec.msgpack.encode(fields)]
+    with pytest.raises((InvalidFieldError, NonFiniteError)):
+        decode(frames, (KvBlocks,), 10 * MAX_VECTOR_BYTES)
+
+
+def test_a_full_kv_blocks_fits_the_vector_limit_and_a_larger_one_does_not() -> None:
+    full = split_kv_changes("n" * 128, 2**53, reset=True, stored=[2**64 - 1] * MAX_KV_BLOCKS, removed=(), block_size=16)
+    assert len(full) == 1
+    decode(encode(full[0]), (KvBlocks,), MAX_VECTOR_BYTES)
+    both = split_kv_changes("n1", 0, reset=False, stored=[2**64 - 1] * 5000, removed=[2**64 - 2] * 5000, block_size=16)
+    assert [len(m.stored) + len(m.removed) for m in both] == [MAX_KV_BLOCKS, 3000]
+    assert [m.removed == [] for m in both] == [False, True]  # removals first
+    frames = [KINDS[KvBlocks], b"1", msgspec.msgpack.encode({"node_id": "n1", "seq": 0, "stored": [2**64 - 1] * 7500})]
+    with pytest.raises(OversizedError):
+        decode(frames, (KvBlocks,), MAX_VECTOR_BYTES)
+
+
+def test_vector_receiver_takes_kv_blocks_only_when_asked_and_counts_bad_ones(ctx: zmq.Context, endpoint: str) -> None:
+    rejects = RejectCounter("test", LOG)
+    receiver = VectorReceiver(ctx, endpoint, rejects)
+    push = ctx.socket(zmq.PUSH)
+    push.linger = 0
+    push.connect(endpoint)
+    try:
+        good = KvBlocks(node_id="n1", seq=0, stored=[1, 2])
+        push.send_multipart(encode(vector(seq=1)))
+        push.send_multipart(encode(good))
+        bad = msgspec.msgpack.encode({"node_id": "n1", "seq": 0, "stored": [-5]})
+        push.send_multipart([KINDS[KvBlocks], b"1", bad])
+        got: list[NodeVector] = []
+        kv: list[KvBlocks] = []
+        deadline = time.monotonic() + 5
+        while len(got) + len(kv) + rejects.total < 3 and time.monotonic() < deadline:
+            receiver.socket.poll(100)
+            got += receiver.drain(kv=kv)
+        push.send_multipart(encode(good))
+        while rejects.total < 2 and time.monotonic() < deadline:  # the plain drain refuses it
+            receiver.socket.poll(100)
+            got += receiver.drain()
+        assert [v.seq for v in got] == [1] and kv == [good]
+        assert rejects.counts() == {"invalid_field": 1, "unknown_kind": 1}
+    finally:
+        push.close()
+        receiver.close()

@@ -20,6 +20,9 @@ from ._exceptions import (
 from ._messages import (
     SCHEMA_VERSION,
     Heartbeat,
+    KvBlocks,
+    KvDelta,
+    KvSnapshotEnd,
     Message,
     NodeVector,
     RoutingTable,
@@ -38,6 +41,9 @@ KINDS: dict[type, bytes] = {
     SnapshotRequest: b"prism.snapshot?",
     TableHead: b"prism.head",
     SliceUpdate: b"prism.slice",
+    KvBlocks: b"prism.kvblocks",
+    KvDelta: b"prism.kvdelta",
+    KvSnapshotEnd: b"prism.kvend",
 }
 TOPIC_SEPARATOR = b"/"
 """A message's first frame is its kind, optionally followed by a topic (a slice update's slice name) between

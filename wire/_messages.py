@@ -218,6 +218,8 @@ class SnapshotRequest(_Message, kw_only=True):
     slices it names (every slice when `slices` is None)."""
 
     slices: Annotated[list[SliceName], msgspec.Meta(max_length=64)] | None = None
+    kv: bool = False
+    """Ask for the brain's KV index instead (`KvDelta` resets then `KvSnapshotEnd`), not the table."""
 
 
 class EntryRef(_Message, kw_only=True):
@@ -275,4 +277,70 @@ class SliceUpdate(_Message, kw_only=True):
     removes: Annotated[list[EntryRef], msgspec.Meta(max_length=MAX_UPDATE_ENTRIES)] = []
 
 
-Message = NodeVector | RoutingTable | Heartbeat | SnapshotRequest | TableHead | SliceUpdate
+BlockHash = Annotated[int, msgspec.Meta(ge=0)]
+"""A Prism chain hash of one prompt block (`prismlb.router.block_hash`): an unsigned 64-bit int. msgpack has no
+larger ints (and msgspec no bound past int64's), so `ge=0` is the whole check: decoding refuses the rest."""
+MAX_KV_BLOCKS = 7_000
+"""Hashes (stored and removed together) in one `KvBlocks`: 9 bytes each at most in msgpack, so a message stays
+under the 64 KiB vector limit with room for its other fields; larger changes go in several messages."""
+MAX_KV_DELTA_BLOCKS = 1_000_000
+"""Hashes in one list of a `KvDelta`: a snapshot's per-node resets go in parts of this many (9 MB), under the
+16 MiB table frame limit; live deltas carry what one `KvBlocks` did."""
+
+
+class KvBlocks(_Message, kw_only=True):
+    """Agent → brain: what changed in the node's prefix cache (Prism block hashes) since its last `KvBlocks`.
+
+    `seq` counts this agent process's `KvBlocks` (+1 each, from 0 at start), so the brain sees a lost message
+    (a skip) or a restarted agent (it goes back) and treats the node's set as unknown until the next reset. With
+    `reset`, `stored` is the node's whole set, or its first part when the set is larger than one message: the
+    parts that follow are plain `stored` messages with the next sequence numbers, so a receiver that misses one
+    sees the gap instead of taking half a set as the whole. Agents send a reset at start and periodically."""
+
+    node_id: NodeId
+    seq: Count
+    reset: bool = False
+    block_size_tokens: Count | None = None
+    stored: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_KV_BLOCKS)] = []
+    removed: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_KV_BLOCKS)] = []
+
+
+class KvDelta(_Message, kw_only=True):
+    """Brain → routers (PUB, topic `prism.kvdelta`): one node's prefix-cache change, in the brain's order.
+
+    `seq` counts the brain's deltas within its epoch (+1 each, from 1), so a router sees a lost delta and asks for
+    a KV snapshot. `reset`: the node's set is `stored` (empty: the node is gone or its set unknown); otherwise
+    remove `removed`, then add `stored`. A snapshot's deltas all carry the seq of the `KvSnapshotEnd` after them."""
+
+    brain_id: Name = ""
+    epoch: Count
+    seq: Count
+    node_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    reset: bool = False
+    block_size_tokens: Count | None = None
+    stored: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_KV_DELTA_BLOCKS)] = []
+    removed: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_KV_DELTA_BLOCKS)] = []
+
+
+class KvSnapshotEnd(_Message, kw_only=True):
+    """Ends a KV snapshot (the brain's snapshot socket, after one reset `KvDelta` per node and its parts): the
+    snapshot is the brain's index as of delta `seq`, so the router goes on with delta `seq + 1`; `nodes` names
+    every node in it (a node the router held that is not listed is gone)."""
+
+    brain_id: Name = ""
+    epoch: Count
+    seq: Count
+    nodes: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=128)]], msgspec.Meta(max_length=100_000)]
+
+
+Message = (
+    NodeVector
+    | RoutingTable
+    | Heartbeat
+    | SnapshotRequest
+    | TableHead
+    | SliceUpdate
+    | KvBlocks
+    | KvDelta
+    | KvSnapshotEnd
+)

@@ -17,7 +17,18 @@ import zmq.utils.monitor
 from ._codec import MAX_TABLE_BYTES, MAX_VECTOR_BYTES, decode, encode, topic_prefix
 from ._curve import ClientCurve, ServerCurve
 from ._exceptions import WireError
-from ._messages import Heartbeat, NodeVector, RoutingTable, SliceUpdate, SnapshotRequest, TableHead
+from ._kv import KvApply, KvFollower
+from ._messages import (
+    Heartbeat,
+    KvBlocks,
+    KvDelta,
+    KvSnapshotEnd,
+    NodeVector,
+    RoutingTable,
+    SliceUpdate,
+    SnapshotRequest,
+    TableHead,
+)
 from ._rejects import RejectCounter
 from ._tables import TableAssembler, TableEncoder
 
@@ -127,7 +138,7 @@ class VectorSender:
                 self._retry_at = now + self._retry_s
                 self._retry_s = min(self.RETRY_MAX_S, 2 * self._retry_s)
 
-    def send(self, vector: NodeVector) -> bool:
+    def send(self, vector: NodeVector | KvBlocks) -> bool:
         self._watch()
         try:
             self._sock.send_multipart(encode(vector), flags=zmq.NOBLOCK)
@@ -160,6 +171,9 @@ class IdentityCheck(Protocol):
 
     def check(self, vector: NodeVector, user_id: str | None, peer_address: str | None) -> None:
         """Raise a `WireError` when `vector` may not come from `user_id` (None: the peer has none)."""
+
+    def check_node(self, node_id: str, user_id: str | None) -> object:
+        """Raise a `WireError` when a message about `node_id` (its KV blocks) may not come from `user_id`."""
 
 
 def _property(frame: zmq.Frame, name: str) -> str | None:
@@ -202,9 +216,12 @@ class VectorReceiver:
         self._identity = identity
         self.backlog = 0
 
-    def drain(self, limit: int = DRAIN_LIMIT) -> list[NodeVector]:
-        """Every vector waiting now, up to `limit` messages; never blocks."""
+    def drain(self, limit: int = DRAIN_LIMIT, *, kv: list[KvBlocks] | None = None) -> list[NodeVector]:
+        """Every vector waiting now, up to `limit` messages; never blocks. With `kv`, agents' `KvBlocks` are
+        taken too (appended to it, in arrival order; they count towards `limit`); without, they are rejected
+        as an unexpected kind, as before there were any."""
         out: list[NodeVector] = []
+        expect: tuple[type, ...] = (NodeVector,) if kv is None else (NodeVector, KvBlocks)
         recv, identity = self.socket.recv_multipart, self._identity
         for _ in range(limit):
             try:
@@ -218,13 +235,19 @@ class VectorReceiver:
                 self.backlog = 0
                 break
             try:
-                vector = decode(frames, (NodeVector,), MAX_VECTOR_BYTES)
+                message = decode(frames, expect, MAX_VECTOR_BYTES)
                 if identity is not None:
-                    identity.check(vector, user_id, peer_address)
+                    if isinstance(message, NodeVector):
+                        identity.check(message, user_id, peer_address)
+                    else:
+                        identity.check_node(message.node_id, user_id)
             except WireError as exc:
                 self._rejects.record(exc)
                 continue
-            out.append(vector)
+            if isinstance(message, NodeVector):
+                out.append(message)
+            elif kv is not None:
+                kv.append(message)
         else:
             self.backlog += 1
         return out
@@ -234,8 +257,8 @@ class VectorReceiver:
 
 
 class TablePublisher:
-    """Brain side of the clone pattern: PUB for slice updates, table heads and heartbeats; ROUTER for
-    snapshots (`_tables.TableEncoder` makes the messages)."""
+    """Brain side of the clone pattern: PUB for slice updates, table heads, heartbeats and KV deltas; ROUTER for
+    snapshots (`_tables.TableEncoder` makes the table's messages; `kv_snapshot`, when set, the KV index's)."""
 
     def __init__(
         self,
@@ -256,6 +279,8 @@ class TablePublisher:
         self._rejects = rejects
         self._encoder = TableEncoder()
         self.current: RoutingTable | None = None
+        self.kv_snapshot: Callable[[], list[list[bytes]]] | None = None
+        """The KV index as snapshot messages (`KvRelay.snapshot`), for requests with `kv`; None: not served."""
         self.snapshots_served = 0
         self.snapshots_dropped = 0
         self.bytes_published = 0
@@ -266,6 +291,13 @@ class TablePublisher:
         messages = self._encoder.update(table)
         self.current = table
         for frames in messages:
+            self._pub.send_multipart(frames)
+            self.bytes_published += sum(len(f) for f in frames)
+
+    def publish_kv(self, deltas: Sequence[KvDelta]) -> None:
+        """Send KV deltas on their own topic; a subscriber whose queue is full loses them (and sees the gap)."""
+        for delta in deltas:
+            frames = encode(delta)
             self._pub.send_multipart(frames)
             self.bytes_published += sum(len(f) for f in frames)
 
@@ -295,7 +327,10 @@ class TablePublisher:
             except WireError as exc:
                 self._rejects.record(exc)
                 continue
-            messages = self._encoder.snapshot(request.slices)
+            if request.kv:
+                messages = self.kv_snapshot() if self.kv_snapshot is not None else []
+            else:
+                messages = self._encoder.snapshot(request.slices)
             if not messages:
                 continue
             try:
@@ -449,6 +484,11 @@ class TableSubscriber:
     completed, the brains are asked for a snapshot until they answer. A table counts as received only when
     `on_table` returns True. Sockets live on the context's `_SubscriberLoop` thread, which also calls
     `on_table`. `slices` names the slices to follow (None: all): only their updates are received.
+
+    With `on_kv`, the brains' KV deltas are received too (their topic is subscribed to only then) and those of the
+    brain followed are handed to `on_kv` in order by a `_kv.KvFollower`: at the first table, whenever the router
+    goes over to another brain and when a delta is missing, the followed brain is asked for a KV snapshot, every
+    `kv_snapshot_retry_s` until it answers; tables never wait for it.
     """
 
     def __init__(
@@ -462,6 +502,8 @@ class TableSubscriber:
         snapshot_retry_s: float = 0.25,
         brain_timeout_s: float = 3.0,
         slices: Sequence[str] | None = None,
+        on_kv: KvApply | None = None,
+        kv_snapshot_retry_s: float = 1.0,
     ) -> None:
         if not brains:
             raise ValueError("at least one brain address is needed")
@@ -486,6 +528,14 @@ class TableSubscriber:
         self.current_order: tuple[int, int] = (-1, -1)
         self.switches = 0
         """Times the router went over to another brain's tables."""
+        self.kv = KvFollower(on_kv) if on_kv is not None else None
+        """The KV stream's state and counters (None: not received)."""
+        self._kv_retry_s = kv_snapshot_retry_s
+        self._kv_next_request = 0.0
+        self._dealer_of: dict[str, zmq.Socket] = {}  # brain id -> the dealer its table snapshot came on
+        self._kinds: tuple[type, ...] = (SliceUpdate, TableHead, Heartbeat)
+        if self.kv is not None:
+            self._kinds += (KvDelta, KvSnapshotEnd)
 
     def start(self) -> None:
         if self._started:
@@ -534,6 +584,8 @@ class TableSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, topic_prefix(TableHead))
         for name in self.slices if self.slices is not None else (None,):
             sub.setsockopt(zmq.SUBSCRIBE, topic_prefix(SliceUpdate, name))
+        if self.kv is not None:
+            sub.setsockopt(zmq.SUBSCRIBE, topic_prefix(KvDelta))
         self._dealers = []
         for _ in self._brains:
             dealer = self._make(zmq.DEALER, MAX_TABLE_BYTES)
@@ -558,12 +610,26 @@ class TableSubscriber:
             check = self._views[self.following].last_heard + self.brain_timeout_s
             if check <= time.monotonic():  # already silent: the loop's idle wake-up checks again
                 check = math.inf
-        return min(self._next_request if self._unanswered else math.inf, check)
+        kv = self._kv_next_request if self._kv_dealer() is not None else math.inf
+        return min(self._next_request if self._unanswered else math.inf, check, kv)
+
+    def _kv_dealer(self) -> zmq.Socket | None:
+        """The dealer to ask for a KV snapshot now, if one is wanted and the followed brain's dealer is known."""
+        if self.kv is None or not self.kv.wants_snapshot or self.kv.brain_id is None:
+            return None
+        return self._dealer_of.get(self.kv.brain_id)
 
     def tick(self, now: float) -> None:
         """Follow the leader if it changed (a brain died), and ask the brains that have not answered for a
         snapshot, every `snapshot_retry_s`."""
         self._follow(now)
+        dealer = self._kv_dealer()
+        if dealer is not None and now >= self._kv_next_request:
+            try:
+                dealer.send_multipart(encode(SnapshotRequest(kv=True)), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            self._kv_next_request = now + self._kv_retry_s
         if not self._unanswered or now < self._next_request:
             return
         request = encode(SnapshotRequest(slices=None if self.slices is None else list(self.slices)))
@@ -575,16 +641,17 @@ class TableSubscriber:
         self._next_request = now + self._retry_s
 
     def readable(self, sock: zmq.Socket) -> None:
-        if sock is not self._sockets[0]:
-            self._unanswered.discard(sock)
+        wanted = self.kv is not None and self.kv.wants_snapshot
         if self._receive(sock):
             self._ask_all()
         self._follow(time.monotonic())
+        if self.kv is not None and self.kv.wants_snapshot and not wanted:
+            self._kv_next_request = 0.0  # a gap just found: ask at once
 
     def close(self) -> None:
         for sock in self._sockets:
             sock.close(linger=0)
-        self._sockets, self._dealers, self._unanswered = [], [], set()
+        self._sockets, self._dealers, self._unanswered, self._dealer_of = [], [], set(), {}
 
     def _view(self, brain_id: str, priority: int, now: float) -> BrainView:
         view = self._views.get(brain_id)
@@ -609,18 +676,26 @@ class TableSubscriber:
 
     def _receive(self, sock: zmq.Socket) -> bool:
         """Handle every waiting message on `sock`; True when a snapshot is needed (a brain is ahead of what
-        we hold from it, or a head could not be completed)."""
+        we hold from it, or a head could not be completed). A dealer counts as answered when a table message
+        comes on it (a KV snapshot's are not the table's answer)."""
         behind = False
+        dealer = sock is not self._sockets[0]
         while True:
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return behind
             try:
-                msg = decode(frames, (SliceUpdate, TableHead, Heartbeat), MAX_TABLE_BYTES)
+                msg = decode(frames, self._kinds, MAX_TABLE_BYTES)
             except WireError as exc:
                 self._rejects.record(exc)
                 continue
+            if isinstance(msg, KvDelta | KvSnapshotEnd):
+                self._receive_kv(msg, dealer)
+                continue
+            if dealer:
+                self._unanswered.discard(sock)
+                self._dealer_of[msg.brain_id] = sock
             now = time.monotonic()
             if isinstance(msg, SliceUpdate):
                 view = self._views.get(msg.brain_id)
@@ -641,6 +716,18 @@ class TableSubscriber:
                 behind = True
             elif table.order > held:
                 view.latest = table
+
+    def _receive_kv(self, msg: KvDelta | KvSnapshotEnd, from_dealer: bool) -> None:
+        """A KV delta (live on the PUB socket, or a snapshot's part on a dealer) or a snapshot's end."""
+        kv = self.kv
+        assert kv is not None
+        if isinstance(msg, KvSnapshotEnd):
+            if from_dealer:
+                kv.snapshot_end(msg)
+        elif from_dealer:
+            kv.snapshot_part(msg)
+        else:
+            kv.delta(msg)
 
     def _leader(self, now: float) -> BrainView | None:
         live = [v for v in self._views.values() if v.live(now, self.brain_timeout_s) and v.latest is not None]
@@ -668,6 +755,8 @@ class TableSubscriber:
             self.following = leader.brain_id
             leader.restarted = False
             self.current_order = table.order
+            if self.kv is not None:
+                self.kv.follow(leader.brain_id)
 
     def _deliver(self, table: RoutingTable) -> bool:
         """Hand `table` to the callback; a callback failure is logged and the table not taken."""
