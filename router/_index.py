@@ -24,7 +24,6 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Protocol
 
 try:
     from . import _fastroute as fastroute
@@ -34,23 +33,6 @@ except ImportError:  # no C compiler at install: the pure-Python tables
 PLACED_TTL_S = 30.0
 MAX_PLACED = 1_000_000
 """Blocks the router's own placements may claim at once; past it the oldest claims are dropped."""
-
-
-class _Tables(Protocol):
-    """What `PrefixIndex` delegates to: `_fastroute.BlockIndex` or `_PyTables`."""
-
-    @property
-    def placed_ttl_s(self) -> float: ...
-    @property
-    def max_placed(self) -> int: ...
-    def stored(self, node: str, blocks: Iterable[int]) -> None: ...
-    def removed(self, node: str, blocks: Iterable[int]) -> None: ...
-    def reset(self, node: str, blocks: Iterable[int]) -> None: ...
-    def drop(self, node: str) -> None: ...
-    def placed(self, node: str, blocks: Sequence[int], now: float) -> None: ...
-    def match(self, blocks: Sequence[int], now: float) -> dict[str, int]: ...
-    def size(self, node: str) -> int: ...
-    def __len__(self) -> int: ...
 
 
 class PrefixIndex:
@@ -66,7 +48,7 @@ class PrefixIndex:
         if placed_ttl_s < 0 or max_placed < 0:
             raise ValueError("placed_ttl_s and max_placed must not be negative")
         tables = _PyTables if fastroute is None else fastroute.BlockIndex
-        self._tables: _Tables = tables(placed_ttl_s, max_placed)
+        self._tables: _PyTables | fastroute.BlockIndex = tables(placed_ttl_s, max_placed)
 
     @property
     def placed_ttl_s(self) -> float:

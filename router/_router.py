@@ -415,10 +415,10 @@ class Router:
         the chosen node is expected to compute) for a request; `remember`: a request being sent, which the prefix
         memory and index (if on) consult and record.
 
-        The steps: the slice; the experiment arm; the session's endpoint while it is available; for a request whose
-        blocks some node holds, the expected-TTFT choice over the prefix index; for a keyed one, the prefix memory
-        (which outlives the index's claims of this router's own placements); for one with blocks, the expected-TTFT
-        choice; else the key's ring owner while it fits, else the bounded-load walk (`_choose`)."""
+        The steps: the slice; the experiment arm; the session's endpoint while it is available; for a keyed request
+        whose blocks no node is known to hold, the prefix memory (which outlives the index's claims of this router's
+        own placements); for a request with blocks, the expected-TTFT choice over the prefix index; else the key's
+        ring owner while it fits, else the bounded-load walk (`_choose`)."""
         snapshot = self._snapshot
         if snapshot is None:
             raise NoRouteError("no routing table yet")
@@ -439,10 +439,8 @@ class Router:
                 index = None
         blocks = request.blocks if self.settings.prefix_index else ()
         depths = self.index.match(blocks, now) if blocks else {}
-        if index is None and depths:
-            index = self._by_ttft(group, request, depths, key, exclude, now)
         memory = self._memory if remember else None
-        if index is None and memory is not None and key is not None:
+        if index is None and memory is not None and key is not None and not depths:
             index = self._remembered(group, memory, key, request.cost, exclude, now)
         if index is None and blocks:
             index = self._by_ttft(group, request, depths, key, exclude, now)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -126,8 +127,8 @@ def _group(
         )
         for label, node, weight in zip(ring.labels, ring.entries, ring.weights, strict=True)
     )
-    known = sorted(n.prefill_tokens_per_s for n in ring.entries if n.prefill_tokens_per_s)
-    typical = known[len(known) // 2] if known else 1.0
+    known = [n.prefill_tokens_per_s for n in ring.entries if n.prefill_tokens_per_s]
+    typical = statistics.median_high(known) if known else 1.0
     top = max(ring.weights)
     by_node: dict[str, list[int]] = {}
     for i, node in enumerate(ring.entries):
