@@ -1,9 +1,9 @@
 """Engine collector: scrapes a vLLM (V1) or SGLang Prometheus endpoint, the engine detected from metric names.
 
-Gauges are read as they are; the prefix-cache miss ratio and the latency quantiles come from the change of
-counters and histogram buckets since the previous successful scrape, so they describe the window between two
-scrapes. Series are combined over their label sets (model, engine index, DP rank): counts and histogram
-buckets are summed, ratio gauges averaged (each engine has its own KV pool). SGLang can publish the same
+Gauges are read as they are; the prefix-cache miss ratio, the prefill speed and the latency quantiles come
+from the change of counters and histogram buckets since the previous successful scrape, so they describe the
+window between two scrapes. Series are combined over their label sets (model, engine index, DP rank): counts and
+histogram buckets are summed, ratio gauges averaged (each engine has its own KV pool). SGLang can publish the same
 scheduler's view once per TP or PP rank (`--enable-metrics-for-all-schedulers`); series that differ only in
 `tp_rank`/`pp_rank` are one series, read from the lowest rank. A series whose counter or bucket went down was
 restarted: its change is skipped for that window. A metric the engine does not publish is None, never 0.
@@ -55,6 +55,8 @@ class _EngineNames:
     ttft: str
     e2e: str
     queue: str
+    prefill_time: str | None
+    """A histogram of each request's prefill seconds (None: the engine publishes none)."""
 
 
 _VLLM = _EngineNames(
@@ -68,6 +70,7 @@ _VLLM = _EngineNames(
     ttft="vllm:time_to_first_token_seconds",
     e2e="vllm:e2e_request_latency_seconds",
     queue="vllm:request_queue_time_seconds",
+    prefill_time="vllm:request_prefill_time_seconds",
 )
 # SGLang's `sglang:cache_hit_rate` gauge holds the last prefill batch's rate and is set to 0 by every decode
 # log, so the miss ratio comes from its per-request token counters instead (cached / prompt tokens).
@@ -82,6 +85,7 @@ _SGLANG = _EngineNames(
     ttft="sglang:time_to_first_token_seconds",
     e2e="sglang:e2e_request_latency_seconds",
     queue="sglang:queue_time_seconds",
+    prefill_time=None,
 )
 _ENGINES = (_VLLM, _SGLANG)
 
@@ -103,6 +107,10 @@ class EngineSample:
     kind: str | None = None
     kv_cache_usage_ratio: float | None = None
     kv_cache_miss_ratio: float | None = None
+    prefill_tokens_per_s: float | None = None
+    """Prompt tokens computed (queried less found cached) over the seconds requests spent in prefill, both
+    gained since the previous scrape: the engine's prefill speed. Requests prefilled in the same steps share
+    those seconds, so a busy engine reads slower than it computes; all engines of a fleet read alike."""
     requests_running: int | None = None
     requests_waiting: int | None = None
     ttft: LatencyQuantiles | None = None
@@ -262,10 +270,16 @@ def _read(
 
     running = fit("requests_running", _sum(samples.get(names.running)), REQUESTS)
     waiting = fit("requests_waiting", _sum(samples.get(names.waiting)), REQUESTS)
-    miss: float | None = None
+    miss = speed = None
     ttft = e2e = queue = None
     if previous is not None:
-        miss = fit("kv_cache_miss_ratio", _miss_ratio(samples, previous, names.cache_queries, names.cache_hits), RATIO)
+        cache = _cache_deltas(samples, previous, names.cache_queries, names.cache_hits)
+        if cache is not None:
+            queried, hit = cache
+            miss = fit("kv_cache_miss_ratio", 1.0 - hit / queried, RATIO)
+            seconds = None if names.prefill_time is None else _gained(samples, previous, f"{names.prefill_time}_sum")
+            if seconds:
+                speed = fit("prefill_tokens_per_s", (queried - hit) / seconds, REQUESTS)
         ttft = latency("ttft_ms", _quantiles(samples, previous, names.ttft))
         e2e = latency("e2e_ms", _quantiles(samples, previous, names.e2e))
         queue = latency("queue_ms", _quantiles(samples, previous, names.queue))
@@ -273,6 +287,7 @@ def _read(
         kind=names.kind,
         kv_cache_usage_ratio=fit("kv_cache_usage_ratio", _mean(samples.get(names.kv_usage)), RATIO),
         kv_cache_miss_ratio=miss,
+        prefill_tokens_per_s=speed,
         requests_running=None if running is None else round(running),
         requests_waiting=None if waiting is None else round(waiting),
         ttft=ttft,
@@ -289,12 +304,12 @@ def _sum(series: _Series | None) -> float | None:
     return sum(series.values()) if series else None
 
 
-def _miss_ratio(
+def _cache_deltas(
     samples: dict[str, _Series], previous: dict[str, _Series], queries_name: str, hits_name: str
-) -> float | None:
-    """1 - Δhits / Δqueries over the series present in both scrapes that did not restart; None if no queries.
-
-    Not clamped: more hits than queries, or a NaN counter, gives a value the ratio's bound drops and counts."""
+) -> tuple[float, float] | None:
+    """(Δqueries, Δhits) in prompt tokens over the series present in both scrapes that did not restart; None if no
+    queries. Not clamped: more hits than queries, or a NaN counter, gives a miss ratio the ratio's bound drops
+    and counts."""
     queries, hits = samples.get(queries_name, {}), samples.get(hits_name, {})
     queries_before, hits_before = previous.get(queries_name, {}), previous.get(hits_name, {})
     queried = hit = 0.0
@@ -306,7 +321,16 @@ def _miss_ratio(
         hit += h1 - h0
     if queried <= 0:
         return None
-    return 1.0 - hit / queried
+    return queried, hit
+
+
+def _gained(samples: dict[str, _Series], previous: dict[str, _Series], name: str) -> float:
+    """What a counter (or a histogram's `_sum`) gained over the series present in both scrapes that did not
+    restart."""
+    before = previous.get(name, {})
+    return sum(
+        v1 - v0 for labels, v1 in samples.get(name, {}).items() if (v0 := before.get(labels)) is not None and v1 >= v0
+    )
 
 
 def _quantiles(samples: dict[str, _Series], previous: dict[str, _Series], name: str) -> _RawQuantiles | None:

@@ -33,8 +33,6 @@ NVLINK_PERIOD_S = 3.0
 _log = logging.getLogger("prism.agent")
 
 
-
-
 def _engine(collector: EngineCollector) -> Reading:
     sample = collector.sample()
     latency = sample.latency()
@@ -42,6 +40,7 @@ def _engine(collector: EngineCollector) -> Reading:
         metrics={
             "kv_cache_usage_ratio": sample.kv_cache_usage_ratio,
             "kv_cache_miss_ratio": sample.kv_cache_miss_ratio,
+            "prefill_tokens_per_s": sample.prefill_tokens_per_s,
             "requests_running": sample.requests_running,
             "requests_waiting": sample.requests_waiting,
         },

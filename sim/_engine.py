@@ -121,8 +121,25 @@ class _Metrics:
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds", "E2E latency.", labels, buckets=_E2E_BUCKETS, registry=self.registry
         )
+        self.prefill = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "Seconds from admission to first token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self.values = (MODEL_NAME, "0")
-        for metric in (self.running, self.waiting, self.kv_usage, self.queries, self.hits, self.ttft, self.e2e):
+        metrics = (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.queries,
+            self.hits,
+            self.ttft,
+            self.e2e,
+            self.prefill,
+        )
+        for metric in metrics:
             metric.labels(*self.values)  # published from the start, at zero
 
 
@@ -241,6 +258,8 @@ class EmulatedEngine:
                 metrics.hits.labels(*values).inc(job.cached_tokens)
             elif kind == "first_token":
                 metrics.ttft.labels(*values).observe(t - job.arrival_s)
+                assert job.admitted_s is not None
+                metrics.prefill.labels(*values).observe(t - job.admitted_s)
                 stream.out.put(job)
             else:
                 metrics.e2e.labels(*values).observe(t - job.arrival_s)

@@ -236,3 +236,38 @@ def test_histogram_quantile_follows_prometheus() -> None:
     assert histogram_quantile(0.5, [(1.0, 0.0), (3.0, 4.0), (inf, 4.0)]) == 2.0
     # Non-monotonic counts (a scrape racing an observation) are made monotonic first, as Prometheus does.
     assert histogram_quantile(0.5, [(1.0, 4.0), (2.0, 3.0), (inf, 4.0)]) == 0.5
+
+
+def vllm_text(queries: tuple[float, float], hits: tuple[float, float], prefill_s: tuple[float, float]) -> bytes:
+    """Two engines' prefix-cache counters and prefill-time histogram sums, in vLLM's names."""
+    lines = ["# TYPE vllm:prefix_cache_queries counter", "# TYPE vllm:prefix_cache_hits counter"]
+    lines += ["# TYPE vllm:request_prefill_time_seconds histogram"]
+    for engine in (0, 1):
+        labels = f'engine="{engine}",model_name="m"'
+        lines.append(f"vllm:prefix_cache_queries_total{{{labels}}} {queries[engine]}")
+        lines.append(f"vllm:prefix_cache_hits_total{{{labels}}} {hits[engine]}")
+        lines.append(f'vllm:request_prefill_time_seconds_bucket{{{labels},le="+Inf"}} 1.0')
+        lines.append(f"vllm:request_prefill_time_seconds_count{{{labels}}} 1.0")
+        lines.append(f"vllm:request_prefill_time_seconds_sum{{{labels}}} {prefill_s[engine]}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def test_vllm_prefill_speed_is_computed_tokens_over_prefill_seconds(server: MetricsServer) -> None:
+    server.queue(vllm_text((1000, 500), (400, 100), (1.0, 0.5)))
+    server.queue(vllm_text((3000, 1500), (1900, 400), (1.2, 0.6)))
+    server.queue(vllm_text((4000, 200), (2150, 50), (1.3, 0.1)))  # engine 1 restarted: its deltas are skipped
+    collector = EngineCollector(server.url)
+    assert collector.sample().prefill_tokens_per_s is None  # no previous scrape
+    # queries +3000, hits +1800: 1200 tokens computed in 0.2 + 0.1 s of prefill.
+    assert collector.sample().prefill_tokens_per_s == pytest.approx(1200 / 0.3)
+    # engine 0 alone: (1000 - 250) tokens in 0.1 s.
+    assert collector.sample().prefill_tokens_per_s == pytest.approx(750 / 0.1)
+
+
+def test_sglang_publishes_no_prefill_time_so_no_speed(server: MetricsServer) -> None:
+    server.queue(fixture("sglang_metrics_1.txt"))
+    server.queue(fixture("sglang_metrics_2.txt"))
+    collector = EngineCollector(server.url)
+    collector.sample()
+    second = collector.sample()
+    assert second.kv_cache_miss_ratio is not None and second.prefill_tokens_per_s is None

@@ -17,6 +17,7 @@ import zmq
 from prismlb.agent._engine import EngineCollector
 from prismlb.agent._kv_events import KvEventSubscriber
 from prismlb.sim import EmulatedEngine, block_hashes, prompt_tokens
+from prismlb.sim._model import PROFILES
 from prismlb.wire import bloom_contains
 
 from .conftest import free_port
@@ -236,3 +237,13 @@ def test_404_leaves_a_keep_alive_connection_usable(engine: EmulatedEngine) -> No
         conn.close()
     assert missing.status == 404
     assert after.status == 200 and answer["count"] == 2
+
+
+def test_prefill_speed_the_agent_reads_is_the_gpu_classs(engine: EmulatedEngine) -> None:
+    collector = EngineCollector(engine.url + "/metrics")
+    collector.sample()
+    for i in range(3):  # one at a time, one output token: no decode batch shares the prefill steps
+        reply = httpx.post(engine.url + "/v1/chat/completions", json=body(f"prompt {i} " * 300, 1), timeout=30)
+        assert reply.status_code == 200
+    speed = collector.sample().prefill_tokens_per_s
+    assert speed == pytest.approx(PROFILES["a100"].prefill_tokens_per_s, rel=1e-6)
