@@ -10,7 +10,6 @@ full Prism is what that part earns.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
@@ -22,8 +21,9 @@ from prismlb.wire import Slice, TableNode
 
 from ._eval import PRISM
 from ._prism import PrismPolicy
-from ._report import MISSING, _md_table, format_ms, format_pct, geometric_mean
-from ._types import Policy, RunResult
+from ._report import MISSING, _md_table, format_pct, geometric_mean
+from ._slo import Goodput
+from ._types import Policy
 
 
 class EwmaPredictor:
@@ -142,29 +142,26 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
 """Every ablation by name; each builds its policy from the workload's KV block size."""
 
 
-def format_ablations(results: Sequence[RunResult]) -> str:
-    """One Markdown table, a row per workload and level: the full Prism's TTFT P99 and KV hit rate, and each
-    variant's P99 over it (above 1: the part switched off was earning its keep); a last row with each variant's
-    geometric mean over the rows."""
-    variants = [v for v in VARIANTS if any(r.policy == v for r in results)]
-    runs = {(r.trace, r.utilisation, r.policy): r for r in results}
-    keys = list(dict.fromkeys((r.trace, r.utilisation) for r in results))
-    rows: list[list[str]] = []
+def format_ablations(rows: Sequence[Goodput]) -> str:
+    """One Markdown table, a row per workload: the full Prism's goodput (utilisation at the SLO, `_slo.search`)
+    and each variant's goodput over it (below 1: the part switched off was earning its keep); a last row with
+    each variant's geometric mean over the workloads."""
+    variants = [v for v in VARIANTS if any(r.policy == v for r in rows)]
+    found = {(r.trace, r.policy): r for r in rows}
+    out: list[list[str]] = []
     ratios: dict[str, list[float]] = {v: [] for v in variants}
-    for trace, level in keys:
-        full = runs.get((trace, level, PRISM))
-        reference = math.nan if full is None else full.slices["all"].ttft_p99_ms
+    for trace in dict.fromkeys(r.trace for r in rows):
+        full = found.get((trace, PRISM))
+        reference = 0.0 if full is None else full.utilisation
         cells = []
         for variant in variants:
-            run = runs.get((trace, level, variant))
-            p99 = math.nan if run is None else run.slices["all"].ttft_p99_ms
-            ratio = p99 / reference if reference > 0 and math.isfinite(p99) and math.isfinite(reference) else None
+            run = found.get((trace, variant))
+            ratio = run.utilisation / reference if run is not None and reference > 0 else None
             if ratio is not None:
                 ratios[variant].append(ratio)
             cells.append(MISSING if ratio is None else f"{ratio:.2f}")
-        hit = MISSING if full is None else format_pct(full.kv_hit_rate)
-        rows.append([trace, f"{level:.0%}", format_ms(reference), hit, *cells])
+        out.append([trace, MISSING if full is None else format_pct(reference), *cells])
     means = [MISSING if (mean := geometric_mean(ratios[v])) is None else f"{mean:.2f}" for v in variants]
-    rows.append(["geometric mean", "", "", "", *means])
-    header = ["workload", "level", "Prism TTFT p99 ms", "Prism KV hit %", *(f"{v} p99 / Prism" for v in variants)]
-    return _md_table(header, rows, text_columns=(0, 1))
+    out.append(["geometric mean", "", *means])
+    header = ["workload", "Prism goodput %", *(f"{v} / Prism" for v in variants)]
+    return _md_table(header, out, text_columns=(0,))

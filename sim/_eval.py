@@ -1,5 +1,5 @@
 """`prism eval`: every policy on every workload at named utilisation levels and with a node killed, each
-policy's goodput at the TTFT SLO, and Prism's ablations, in one run.
+policy's goodput at the TTFT SLO, and the goodput of Prism's ablations, in one run.
 
 A plain `prism eval` replays the shared traces and every workload family preset at two seeds
 (`EVAL_FAMILIES`); `--goodput`, `--ablations` and the `--no-*` options narrow it. Clusters (docs/sim.md): text
@@ -34,9 +34,6 @@ from ._workload import LEVELS, WORKLOADS, infinite_cache_hit_rate, load, offered
 
 PRISM = "prism"
 KILL_LEVEL = 0.8
-ABLATION_LEVEL = KILL_LEVEL
-"""The load of the ablation runs in a full `prism eval`, the headline level (`--ablations` alone runs them at
-`--levels`)."""
 EVAL_FAMILIES = tuple(f"{name}:{seed}" for name in PRESETS for seed in (1, 2))
 """The workload families a plain `prism eval` adds to the shared traces: every preset, two seeds each."""
 SEARCH_LIMIT = 2000
@@ -266,7 +263,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated shared traces (default: all of them, with every workload family preset at seeds "
         "1 and 2, unless --workload or --trace is given)",
     )
-    parser.add_argument("--policies", default=None, help="comma-separated (default: prism and every baseline)")
+    parser.add_argument(
+        "--policies",
+        default=None,
+        help="comma-separated policies or ablations of sim/_ablations.py (default: prism and every baseline)",
+    )
     parser.add_argument("--levels", type=_levels, default=list(LEVELS.values()), help="e.g. 50%%,80%%,95%%")
     parser.add_argument("--seed", type=int, default=1, help="seed of the multimodal sample (default 1)")
     parser.add_argument(
@@ -309,7 +310,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--ablations",
         action="store_true",
-        help="only the ablations (the full Prism and each variant of sim/_ablations.py) at --levels, or with "
+        help="only the ablations (the goodput of the full Prism and of each variant of sim/_ablations.py), or with "
         "--goodput only those two; prints the tables only",
     )
     parser.add_argument("--no-goodput", action="store_true", help="skip the goodput search")
@@ -346,8 +347,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.quick:
         _quick(args)
     traces = _traces(args)
-    known = list(policy_factories(1))
-    policies = known if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
+    known = [*policy_factories(1), *VARIANTS]
+    policies = list(policy_factories(1)) if args.policies is None else [p.strip() for p in args.policies.split(",")]
+    policies = [p for p in policies if p]
     if set(policies) - set(known):
         raise SystemExit(
             f"prism eval: unknown policies {sorted(set(policies) - set(known))}; known: {', '.join(known)}"
@@ -370,24 +372,23 @@ def _run(args: argparse.Namespace) -> int:
 
     level_cases = cases(traces, policies, args.levels, seed=args.seed, limit=args.limit, kill=not args.no_kill)
     todo = level_cases if levels else []
-    ablation_levels = [ABLATION_LEVEL] if levels else args.levels
-    variant_cases = cases(traces, [PRISM, *VARIANTS], ablation_levels, seed=args.seed, limit=args.limit, kill=False)
-    if ablations:
-        todo = list(dict.fromkeys([*todo, *variant_cases]))
+    searched = [*(policies if search else ()), *((PRISM, *VARIANTS) if ablations else ())]
+    searched = list(dict.fromkeys(searched))
     pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
     try:
         by_case = dict(zip(todo, run_all(todo, args.jobs, progress, pool), strict=True))
         limit = SEARCH_LIMIT if args.limit is None else args.limit
-        rows = (
-            goodput(traces, policies, seed=args.seed, limit=limit, jobs=args.jobs, progress=progress, pool=pool)
-            if search
+        found = (
+            goodput(traces, searched, seed=args.seed, limit=limit, jobs=args.jobs, progress=progress, pool=pool)
+            if searched
             else []
         )
     finally:
         if pool is not None:
             pool.terminate()
     results = [by_case[c] for c in level_cases] if levels else []
-    ablation = format_ablations([by_case[c] for c in variant_cases]) if ablations else None
+    rows = [r for r in found if r.policy in policies] if search else []
+    ablation = format_ablations([r for r in found if r.policy in (PRISM, *VARIANTS)]) if ablations else None
     print()
     if results:
         print(format_table(results) + "\n")
@@ -399,7 +400,7 @@ def _run(args: argparse.Namespace) -> int:
         command = " ".join(["prism eval", *_argv_echo(args)])
         paths = write_report(results, args.out, command=command, goodput=rows, ablations=ablation)
         print(f"report: {', '.join(str(p) for p in paths if p.suffix == '.md')}")
-    searches = f" and {len(rows)} goodput searches" if search else ""
+    searches = f" and {len(found)} goodput searches" if found else ""
     print(f"{len(by_case)} runs{searches} in {time.monotonic() - started:.0f} s")
     return 0
 

@@ -23,7 +23,7 @@ from prismlb.sim._cluster import Simulation
 from prismlb.sim._eval import PRISM, TEXT_CLUSTER, capacity, policy_factories
 from prismlb.sim._families import family_workload
 from prismlb.sim._prism import PrismPolicy
-from prismlb.sim._types import RunResult, SliceStats
+from prismlb.sim._slo import Goodput
 from prismlb.sim._workload import scale_to_utilisation
 from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector, RoutingTable
 
@@ -44,26 +44,8 @@ def vector(node_id: str, seq: int, p99_ms: float | None, **metrics: float) -> No
     )
 
 
-def _result(policy: str, p99_ms: float) -> RunResult:
-    return RunResult(
-        trace="t",
-        policy=policy,
-        utilisation=0.8,
-        seed=1,
-        requests=10,
-        completed=10,
-        failed_attempts=0,
-        slices={"all": SliceStats(10, p99_ms / 2, p99_ms, 0.9)},
-        kv_hit_rate=0.5,
-        kv_hit_bound=0.6,
-        load_max_over_mean=1.0,
-        cross_numa_share=0.0,
-        killed_node=None,
-        killed_at_s=None,
-        recovery_s=None,
-        timeline=[],
-        wall_s=0.1,
-    )
+def _goodput(trace: str, policy: str, utilisation: float) -> Goodput:
+    return Goodput(trace, policy, utilisation, 10 * utilisation, 0.92, 2 * utilisation, 0.5)
 
 
 def table(brain: Brain, vectors: list[NodeVector]) -> RoutingTable:
@@ -172,26 +154,43 @@ def test_no_sessions_sends_no_session_to_the_router() -> None:
 
 
 def test_eval_ablations_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["eval", "--ablations", "--traces", "mooncake", "--limit", "100", "--levels", "80%", "--no-report"]
+    argv = ["eval", "--ablations", "--traces", "mooncake", "--limit", "60", "--no-report"]
     assert main([*argv, "--jobs", "1"]) == 0
     printed = capsys.readouterr().out
-    header = next(line for line in printed.splitlines() if line.startswith("| workload | level |"))
-    assert header.split(" | ")[2:4] == ["Prism TTFT p99 ms", "Prism KV hit %"]
-    assert all(f"{name} p99 / Prism" in header for name in VARIANTS)
-    row = next(line for line in printed.splitlines() if line.startswith("| mooncake | 80% |"))
-    ratios = [float(cell) for cell in row.strip("| ").split(" | ")[4:]]
+    header = next(line for line in printed.splitlines() if line.startswith("| workload | Prism goodput % |"))
+    assert all(f"{name} / Prism" in header for name in VARIANTS)
+    row = next(line for line in printed.splitlines() if line.startswith("| mooncake |"))
+    cells = row.strip("| ").split(" | ")
+    assert float(cells[1]) > 0, "the full Prism passes the SLO at some load"
+    ratios = [float(cell) for cell in cells[2:]]
     assert len(ratios) == len(VARIANTS) and all(r > 0 for r in ratios)
-    assert "| geometric mean |" in printed and "Goodput:" not in printed and "goodput searches" not in printed
+    assert "| geometric mean |" in printed and "Goodput:" not in printed
+    assert f"{1 + len(VARIANTS)} goodput searches" in printed
     with pytest.raises(SystemExit, match="--policies must name prism"):
         main([*argv, "--policies", "least-conn"])
 
 
+def test_eval_goodput_takes_ablations_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["eval", "--goodput", "--traces", "mooncake", "--limit", "60", "--policies", "no-kv-index", "--jobs", "1"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| mooncake | no-kv-index |" in printed and "1 goodput searches" in printed
+    with pytest.raises(SystemExit, match="unknown policies"):
+        main([*argv[:-4], "--policies", "no-such-thing"])
+
+
 def test_format_ablations_divides_each_variant_by_the_full_prism() -> None:
-    text = format_ablations([_result("prism", 1000.0), _result("flat-weights", 900.0), _result("ewma", 1500.0)])
-    lines = text.splitlines()
-    assert (
-        lines[0]
-        == "| workload | level | Prism TTFT p99 ms | Prism KV hit % | flat-weights p99 / Prism | ewma p99 / Prism |"
+    text = format_ablations(
+        [
+            _goodput("t", "prism", 0.8),
+            _goodput("t", "flat-weights", 0.72),
+            _goodput("t", "ewma", 1.2),
+            _goodput("u", "prism", 0.0),
+            _goodput("u", "flat-weights", 0.4),
+        ]
     )
-    assert lines[2] == "| t | 80% | 1000 | 50.0 | 0.90 | 1.50 |"
-    assert lines[3] == "| geometric mean |  |  |  | 0.90 | 1.50 |"
+    lines = text.splitlines()
+    assert lines[0] == "| workload | Prism goodput % | flat-weights / Prism | ewma / Prism |"
+    assert lines[2] == "| t | 80.0 | 0.90 | 1.50 |"
+    assert lines[3] == "| u | 0.0 | – | – |", "no ratio over a Prism that never met the SLO"
+    assert lines[4] == "| geometric mean |  | 0.90 | 1.50 |"

@@ -29,7 +29,7 @@ def test_reduced_eval_writes_the_report_and_is_deterministic(
     summary = (one / "summary.md").read_text()
     assert "prism eval --traces mooncake,mm --levels 80% --limit 300" in summary and "| mooncake |" in summary
     assert summary.index("## Goodput") < summary.index("## TTFT p99") < summary.index("## Ablations")
-    assert "| mooncake | 80% |" in summary.split("## Ablations")[1], "the ablations ran on every workload"
+    assert "| mooncake |" in summary.split("## Ablations")[1], "the ablations ran on every workload"
     assert main([*argv, "--out", str(tmp_path / "two")]) == 0
     for name in ("mooncake.md", "mm.md", "summary.md", "goodput.png", "attainment.png"):
         assert (one / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
