@@ -18,7 +18,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from prismlb.brain import Brain, BrainConfig, TableBuilder
-from prismlb.brain._features import node_features, observed_p99_ms
+from prismlb.brain._features import node_features, series_p99_ms
 from prismlb.wire import (
     MAX_VECTOR_BYTES,
     GpuState,
@@ -40,11 +40,22 @@ def vectors(nodes: int, seq: int, rng: random.Random) -> list[NodeVector]:
     out = []
     for i in range(nodes):
         gpu = GPU_CLASSES[i % len(GPU_CLASSES)]
-        labels = {"gpu": gpu, "nvlink": "yes" if gpu in ("h100", "h200") else "no", "av1": "yes" if gpu == "l40s" else "no"}
+        labels = {
+            "gpu": gpu,
+            "nvlink": "yes" if gpu in ("h100", "h200") else "no",
+            "av1": "yes" if gpu == "l40s" else "no",
+        }
         if i % 10 == 0:
             labels["vectordb"] = "yes"
         gpus = [
-            GpuState(index=g, uuid=f"GPU-{i}-{g}", mem_used_bytes=40 << 30, mem_total_bytes=80 << 30, numa_node=g // 4, pcie_util_ratio=rng.random())
+            GpuState(
+                index=g,
+                uuid=f"GPU-{i}-{g}",
+                mem_used_bytes=40 << 30,
+                mem_total_bytes=80 << 30,
+                numa_node=g // 4,
+                pcie_util_ratio=rng.random(),
+            )
             for g in range(8 if gpu == "l40s" else 0)
         ]
         out.append(
@@ -83,7 +94,9 @@ def bench(nodes: int, windows: int) -> dict[str, float]:
     receiver_rejects = RejectCounter("bench", brain.rejects._log)
     receiver = VectorReceiver(ctx, endpoint, receiver_rejects)
     address = receiver.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
-    publisher = TablePublisher(ctx, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", RejectCounter("bench", brain.rejects._log))
+    publisher = TablePublisher(
+        ctx, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", RejectCounter("bench", brain.rejects._log)
+    )
     batches = [vectors(nodes, seq, rng) for seq in range(windows)]
     frames = [encode(v) for batch in batches for v in batch]
 
@@ -118,7 +131,7 @@ def bench(nodes: int, windows: int) -> dict[str, float]:
     pusher.join()
     for batch in batches:  # one predictor time step per window, as the brain's control period does
         for v in batch:
-            brain.predictor.observe(v.node_id, node_features(v), observed_p99_ms(v))
+            brain.predictor.observe(v.node_id, node_features(v), series_p99_ms(v))
 
     cycles = []
     table_bytes = 0
@@ -156,8 +169,10 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--windows", type=int, default=20, help="vectors per node ingested before the cycles")
     args = parser.parse_args()
-    print(f"{'nodes':>7} {'ingest vec/s':>13} {'decode-only vec/s':>18} {'ratio':>6} {'predict ms':>11} "
-          f"{'weights+table ms':>17} {'publish ms':>11} {'cycle ms':>9} {'goal ms':>8} {'table KiB':>10}")
+    print(
+        f"{'nodes':>7} {'ingest vec/s':>13} {'decode-only vec/s':>18} {'ratio':>6} {'predict ms':>11} "
+        f"{'weights+table ms':>17} {'publish ms':>11} {'cycle ms':>9} {'goal ms':>8} {'table KiB':>10}"
+    )
     for nodes in args.nodes:
         r = bench(nodes, args.windows)
         goal = 100 if nodes <= 1000 else 1000

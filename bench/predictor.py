@@ -7,7 +7,7 @@ trace-driven queueing approximation); both models train on the first 60% of the 
 minibatches and all four predictors are scored on the held-out last 40%, the same windows for each.
 Baseline (same run): EWMA (α = 0.5, the predictor's default); the best α of a sweep on the held-out windows
 themselves is printed too, as the strongest EWMA possible.
-Inference: one `predict` call for 1,000 nodes (16 windows each), one torch thread, best of 5 repeats.
+Inference: one `predict` call for 1,000 nodes (one series of 16 windows each), one torch thread, best of 5 repeats.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from prismlb.brain._features import FEATURES, observed_p99_ms
+from prismlb.brain._features import NODE_FEATURES, series_p99_ms
 from prismlb.brain._predictor import PREDICTORS, Lstm, LstmAttention, Predictor, PredictorConfig, parameter_count
 from prismlb.brain._trace_replay import (
     AZURE_CONV,
@@ -29,7 +29,7 @@ from prismlb.brain._trace_replay import (
     read_mooncake,
     replay,
 )
-from prismlb.wire import NodeVector
+from prismlb.wire import ENGINE_LATENCY_KEY, NodeVector
 
 TRACES: dict[str, Callable[[], list[TraceRequest]]] = {
     "Mooncake conversation (12,031 requests)": lambda: read_mooncake(MOONCAKE_CONVERSATION),
@@ -39,19 +39,20 @@ HELD_OUT = 0.4
 
 
 def ewma_sweep(windows: list[list[NodeVector]], config: PredictorConfig) -> tuple[float, float]:
-    """(α, MAE ms) of the best EWMA on the predictor's held-out windows."""
+    """(α, MAE ms) of the best EWMA on the predictor's held-out windows, over every series of every node."""
     best = (0.0, float("inf"))
     for alpha in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
         errors = []
         for node in range(len(windows[0])):
-            ewma = None
+            ewma: dict[str, float] = {}
             for t, window in enumerate(windows):
-                p99 = observed_p99_ms(window[node])
-                if p99 is None:
-                    continue
-                if ewma is not None and t >= max(config.steps, len(windows) - config.holdout):
-                    errors.append(abs(p99 - ewma))
-                ewma = p99 if ewma is None else alpha * p99 + (1.0 - alpha) * ewma
+                for key, p99 in series_p99_ms(window[node]).items():
+                    if p99 is None:
+                        continue
+                    before = ewma.get(key)
+                    if before is not None and t >= max(config.steps, len(windows) - config.holdout):
+                        errors.append(abs(p99 - before))
+                    ewma[key] = p99 if before is None else alpha * p99 + (1.0 - alpha) * before
         mae = sum(errors) / len(errors)
         if mae < best[1]:
             best = (alpha, mae)
@@ -94,9 +95,9 @@ def inference(nodes: int = 1000, repeats: int = 20) -> None:
     generator = torch.Generator().manual_seed(0)
     ids = [f"node-{n}" for n in range(nodes)]
     for _ in range(predictor.config.steps):
-        rows = torch.rand(nodes, len(FEATURES), generator=generator).tolist()
+        rows = torch.rand(nodes, len(NODE_FEATURES) + 1, generator=generator).tolist()
         for node_id, row in zip(ids, rows, strict=True):
-            predictor.observe(node_id, row, 1000.0 * row[-1])
+            predictor.observe(node_id, row[:-1], {ENGINE_LATENCY_KEY: 1000.0 * row[-1]})
     print(f"\nInference: one predict() for {nodes:,} nodes × {predictor.config.steps} windows, one torch thread")
     print(f"{'predictor':<16} {'ms / batch':>11} {'µs / node':>10} {'× EWMA':>8}")
     times = {}

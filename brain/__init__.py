@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ._cli import add_parser
 from ._config import BrainConfig, resolve_config
 from ._ctl import add_parsers as add_ctl_parsers
+from ._load_relay import LoadRelay
 from ._registry import EntryKey, NodeState, Registry
 from ._slices import Capabilities, Tier, capabilities, pools
 from ._tables import TableBuilder, next_epoch
@@ -32,6 +33,7 @@ __all__ = [
     "BrainConfig",
     "Capabilities",
     "EntryKey",
+    "LoadRelay",
     "NodeState",
     "Predictions",
     "Registry",

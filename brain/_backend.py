@@ -9,10 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from prismlb.wire import Slice
-
 from ._admin import AdminError
-from ._features import observed_p99_ms
 
 if TYPE_CHECKING:
     from ._brain import Brain
@@ -37,7 +34,9 @@ class Backend:
         now = time.monotonic()
         nodes = []
         for node_id, state in sorted(list(brain.registry.nodes.items())):
-            predicted = brain.predictions.get(node_id, {})
+            # the node's worst slice, predicted beside observed (any latency entry), as one number for `prism top`
+            predicted = brain.predictions.get(node_id, {}).values()
+            observed = [entry.ttft_p99_ms for entry in state.vector.latency.values() if entry.ttft_p99_ms is not None]
             nodes.append(
                 {
                     "node_id": node_id,
@@ -47,8 +46,8 @@ class Backend:
                     "alarms": list(state.health.alarms),
                     "drained": node_id in brain.drained,
                     "weights": weights.get(node_id, {}),
-                    "predicted_p99_ms": predicted.get(Slice.LLM),
-                    "observed_p99_ms": observed_p99_ms(state.vector),
+                    "predicted_p99_ms": max(predicted, default=None),
+                    "observed_p99_ms": max(observed, default=None),
                     "age_s": now - state.last_seen,
                 }
             )

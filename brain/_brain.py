@@ -35,12 +35,13 @@ from ._control import Control
 from ._drift import DriftDetector
 from ._experiments import Experiments
 from ._exporter import PredictorCollector, RegistryCollector
-from ._features import node_features, observed_p99_ms
+from ._features import node_features, series_p99_ms, slice_predictions
 from ._guardian import Guardian, GuardianConfig
 from ._history import History
 from ._holddown import KnownNodes, StartupHold
 from ._identity import start_curve
 from ._kv_relay import KvRelay, KvRelayCollector
+from ._load_relay import LoadRelay, LoadRelayCollector
 from ._predictor import Predictor
 from ._registry import NodeState, Registry
 from ._scale_hook import parse_hook
@@ -124,6 +125,9 @@ class Brain:
         self.kv = KvRelay(self.tables.brain_id, self.tables.epoch)
         """The engines' KV blocks, relayed to the routers as they come (`_kv_relay`)."""
         self.metrics.register(KvRelayCollector(self.kv))
+        self.loads = LoadRelay(self.tables.brain_id)
+        """The routers' queued prefill work, summed for every router (`_load_relay`)."""
+        self.metrics.register(LoadRelayCollector(self.loads))
         self.metrics.register(RegistryCollector(self.registry))
         self.metrics.register(PredictorCollector(self.predictor))
 
@@ -161,6 +165,7 @@ class Brain:
                 curve=cfg.curve_routers,
             )
             publisher.kv_snapshot = self.kv.snapshot
+            publisher.on_router_load = lambda report: self.loads.accept(report, time.monotonic())
             metrics = serve_metrics(cfg.metrics_port, self.metrics, cfg.metrics_addr)
             if cfg.admin_port:
                 admin = AdminServer(
@@ -228,7 +233,7 @@ class Brain:
         next_heartbeat = next_watchdog = next_retain = time.monotonic()
         direct = receiver if isinstance(receiver, VectorReceiver) else None
         while not stop.is_set():
-            wait = max(0.0, min(self._next_cycle, next_heartbeat) - time.monotonic())
+            wait = max(0.0, min(self._next_cycle, next_heartbeat, self.loads.next_due()) - time.monotonic())
             poller.poll(timeout=wait * 1000)
             now = time.monotonic()
             kv: list[KvBlocks] = []
@@ -242,6 +247,7 @@ class Brain:
                 live = [n for n in self.registry.nodes if n not in self.drained]
                 self._guarded("kv", lambda: publisher.publish_kv(self.kv.retain(live, now)))
             self._guarded("snapshots", publisher.serve_snapshots)
+            self._guarded("loads", lambda: self._publish_load(publisher, now))
             self._guarded("admin", self.admin_queue.apply_pending)
             _, table = self._guarded("tick", lambda: self.tick(now, time.time()))
             if isinstance(table, RoutingTable) and self._guarded("publish", lambda: publisher.publish(table))[0]:
@@ -253,6 +259,11 @@ class Brain:
             if watchdog is not None and now >= next_watchdog:
                 next_watchdog = now + watchdog
                 sd_notify("WATCHDOG=1")
+
+    def _publish_load(self, publisher: TablePublisher, now: float) -> None:
+        load = self.loads.due(now)
+        if load is not None:
+            publisher.publish_load(load)
 
     def _guarded(self, stage: str, step: Callable[[], object]) -> tuple[bool, object]:
         """Run one step of the loop: (True, its result), or (False, None) after a failure, which is counted
@@ -336,21 +347,32 @@ class Brain:
         latency is a sliding window, so sampling every vector would feed the model overlapping windows."""
         for node_id, state in self.registry.nodes.items():
             try:
-                self.predictor.observe(node_id, node_features(state.vector), observed_p99_ms(state.vector))
+                self.predictor.observe(node_id, node_features(state.vector), self._series(state.vector))
             except Exception as exc:
                 self.faults.count("node_observe", f"{node_id}: {exc!r}")
 
+    def _series(self, vector: NodeVector) -> dict[str, float | None]:
+        """The node's latency series and this window's P99 of each, by key: each slice's own latency entry and
+        the engine's (`series_p99_ms`). `predict` gives a slice its own series' forecast, else the engine
+        series' (`slice_predictions`), so a subclass that returns one engine-keyed series has that one forecast
+        serve every slice."""
+        return series_p99_ms(vector)
+
     def predict(self) -> None:
-        """One batched inference for every live node, with the predictor that did best on recent data,
-        averaged with the node's earlier predictions (time constant PREDICTION_SMOOTHING_S)."""
+        """One batched inference for every series of every live node, with the predictor that did best on
+        recent data; each slice's forecast (`slice_predictions`) averaged with the node's earlier prediction for
+        that slice (time constant PREDICTION_SMOOTHING_S). A slice without a forecast is absent."""
         predicted = self.predictor.predict(list(self.registry.nodes))
         alpha = 1 - math.exp(-self.config.predict_period_s / PREDICTION_SMOOTHING_S)
         smoothed: dict[str, dict[Slice, float]] = {}
-        for node_id, p99 in predicted.items():
-            if p99 is None:
-                continue
-            before = self.predictions.get(node_id)
-            smoothed[node_id] = {s: p99 if before is None else before[s] + alpha * (p99 - before[s]) for s in Slice}
+        for node_id, series in predicted.items():
+            before = self.predictions.get(node_id, {})
+            per_slice: dict[Slice, float] = {}
+            for slice_, p99 in slice_predictions(series).items():
+                earlier = before.get(slice_)
+                per_slice[slice_] = p99 if earlier is None else earlier + alpha * (p99 - earlier)
+            if per_slice:
+                smoothed[node_id] = per_slice
         self.predictions = smoothed
 
     def cycle(self, now: float) -> RoutingTable | None:

@@ -1,10 +1,20 @@
-"""Next-window P99 latency per node: the design article's LSTM-Attention model, trained online, beside baselines.
+"""Next-window P99 latency per (node, slice) series: the design article's LSTM-Attention model, trained online,
+beside baselines.
+
+A node has one series per latency entry it reports (`_features.series_p99_ms`: each slice's own, and the
+engine's), each with its own history: its target and latency feature are that entry's P99, its other 7 features
+the node's, shared by all its series. A series starts at its first observed P99 and gets a row every window of
+its node from then on (its P99 None in a window without requests); one without an observed P99 in any of its
+`history` kept windows (a slice the node no longer serves) is dropped, so a node never holds more series than
+entries it reported with a value in that many windows, and nothing is kept that training or evaluation could
+use no more. One model serves all series: it trains on samples from every series and infers them in one batch,
+since a latency follows its node's queue and cache the same way whatever the slice.
 
 Four predictors see the same windows: the last observed P99 (`last_value`), an exponentially weighted moving
 average of it (`ewma`), two stacked LSTM layers alone (`lstm`) and the article's model (`lstm_attention`).
-Each node's most recent `holdout` windows are never trained on; `evaluate()` scores all four on them, and
-`best()` names the one with the lowest MAE there. A model must beat EWMA to be used: with too few held-out
-samples, before training, or when it is worse, the choice is EWMA.
+Each series' most recent `holdout` windows are never trained on; `evaluate()` scores all four on them, over all
+series, and `best()` names the one with the lowest MAE there. A model must beat EWMA to be used: with too few
+held-out samples, before training, or when it is worse, the choice is EWMA.
 
 Thread use: `observe`, `predict` and `evaluate` may run on the brain loop while `train_step` runs in a
 background thread. Training works on its own copies of the models and publishes them by swapping one
@@ -19,7 +29,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,7 +38,15 @@ from torch import nn
 
 from prismlb.wire import NodeVector
 
-from ._features import FEATURES, feature_to_latency, latency_to_feature, node_features, observed_p99_ms
+from ._features import (
+    FEATURES,
+    NODE_FEATURES,
+    feature_to_latency,
+    latency_feature,
+    latency_to_feature,
+    node_features,
+    series_p99_ms,
+)
 
 PREDICTORS = ("last_value", "ewma", "lstm", "lstm_attention")
 MODELS = ("lstm", "lstm_attention")
@@ -77,9 +95,9 @@ def parameter_count(model: nn.Module) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PredictorConfig:
-    steps: int = 16  # windows per input sequence; a node with fewer gets no prediction
-    history: int = 512  # windows kept per node
-    holdout: int = 16  # each node's most recent targets: never trained on, scored by evaluate()
+    steps: int = 16  # windows per input sequence; a series with fewer gets no prediction
+    history: int = 512  # windows kept per series; one without an observed P99 in all of them is dropped
+    holdout: int = 16  # each series' most recent targets: never trained on, scored by evaluate()
     ewma_alpha: float = 0.5
     batch_size: int = 256
     learning_rate: float = 3e-4
@@ -112,8 +130,9 @@ _P99, _LAST, _EWMA = len(FEATURES), len(FEATURES) + 1, len(FEATURES) + 2  # colu
 
 
 class _History:
-    """One node's last `capacity` windows, one row each: the features, the observed P99 and the last-value
-    and EWMA forecasts of it made before it was seen (NaN where there is none).
+    """One series' last `capacity` windows, one row each: the features (the node's, then the series' latency),
+    the observed P99 and the last-value and EWMA forecasts of it made before it was seen (NaN where there is
+    none); `idle` counts the windows since its last observed P99.
 
     The buffer holds twice the capacity and is compacted when full, so the recent windows are always one
     contiguous slice.
@@ -124,22 +143,28 @@ class _History:
         self.data = torch.full((2 * capacity, len(FEATURES) + 3), math.nan, dtype=torch.float64)
         self.start = 0
         self.end = 0
-        self.features: tuple[float, ...] = (0.0,) * len(FEATURES)  # the latest row, absent values filled
+        self.latency = 0.0  # the latest latency feature, carried forward through windows without requests
+        self.idle = 0
         self.last_ms: float | None = None
         self.ewma_ms: float | None = None
 
     def __len__(self) -> int:
         return self.end - self.start
 
-    def append(self, row: Sequence[float], p99_ms: float | None, alpha: float) -> None:
+    def append(self, node_row: Sequence[float], p99_ms: float | None, alpha: float) -> None:
+        """One window: the node's features (absent values already filled) and the series' P99 (None: none)."""
         if self.end == len(self.data):
             size = len(self)
             self.data[:size] = self.data[self.start : self.end].clone()
             self.start, self.end = 0, size
-        self.features = tuple(p if math.isnan(v) else v for v, p in zip(row, self.features, strict=True))
+        if p99_ms is None:
+            self.idle += 1
+        else:
+            self.latency, self.idle = latency_feature(p99_ms), 0
         self.data[self.end] = torch.tensor(
             (
-                *self.features,
+                *node_row,
+                self.latency,
                 math.nan if p99_ms is None else p99_ms,
                 math.nan if self.last_ms is None else self.last_ms,
                 math.nan if self.ewma_ms is None else self.ewma_ms,
@@ -169,16 +194,24 @@ class _History:
         return (torch.nonzero(usable)[:, 0] + lo).tolist()
 
 
+class _Node:
+    """One node's series by latency key, and its latest node-feature row (absent values filled), which they share."""
+
+    def __init__(self) -> None:
+        self.features: tuple[float, ...] = (0.0,) * len(NODE_FEATURES)
+        self.series: dict[str, _History] = {}
+
+
 class Predictor:
-    """Per-node history, the four predictors, online training, evaluation and checkpoints."""
+    """Per-series history, the four predictors, online training, evaluation and checkpoints."""
 
     def __init__(self, config: PredictorConfig = PredictorConfig()) -> None:
         if config.history <= config.steps + config.holdout:
             raise ValueError("history must be longer than steps + holdout")
         self.config = config
         self.trained_steps = 0
-        self._histories: dict[str, _History] = {}
-        self._lock = threading.Lock()  # histories, serving models, evaluation
+        self._nodes: dict[str, _Node] = {}
+        self._lock = threading.Lock()  # nodes and their series, serving models, evaluation
         self._training_lock = threading.Lock()  # training models and optimisers
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
@@ -194,33 +227,43 @@ class Predictor:
         self._evaluation_cpu_s = 0.0
         self._best = "ewma"
 
-    def observe(self, node_id: str, features_row: Sequence[float], p99_ms: float | None) -> None:
-        """Append one window of a node: its features (`node_features`, NaN = absent) and its observed P99.
+    def observe(self, node_id: str, features_row: Sequence[float], p99_ms: Mapping[str, float | None]) -> None:
+        """Append one window of a node: its features (`node_features`, NaN = absent) and each series' P99.
 
-        `p99_ms` is this window's P99 (`observed_p99_ms`, None without requests); it is the target for the
-        sequence that ended one window earlier. History is bounded to `config.history` windows per node.
+        `p99_ms` is this window's P99 by series key (`series_p99_ms`, None without requests); each is the target
+        for its series' sequence that ended one window earlier. A key with a P99 and no series yet starts one;
+        a series missing from `p99_ms` gets the window as one without requests. History is bounded to
+        `config.history` windows per series, and a series without an observed P99 in all of them is dropped.
         """
-        if len(features_row) != len(FEATURES):
-            raise ValueError(f"expected {len(FEATURES)} features, got {len(features_row)}")
+        if len(features_row) != len(NODE_FEATURES):
+            raise ValueError(f"expected {len(NODE_FEATURES)} features, got {len(features_row)}")
         with self._lock:
-            history = self._histories.get(node_id)
-            if history is None:
-                history = self._histories[node_id] = _History(self.config.history)
-            history.append(features_row, p99_ms, self.config.ewma_alpha)
+            node = self._nodes.get(node_id)
+            if node is None:
+                node = self._nodes[node_id] = _Node()
+            node.features = tuple(p if math.isnan(v) else v for v, p in zip(features_row, node.features, strict=True))
+            for key, p99 in p99_ms.items():
+                if p99 is not None and key not in node.series:
+                    node.series[key] = _History(self.config.history)
+            for key, history in list(node.series.items()):
+                history.append(node.features, p99_ms.get(key), self.config.ewma_alpha)
+                if history.idle >= self.config.history:
+                    del node.series[key]
 
     def observe_vector(self, vector: NodeVector) -> None:
-        """`observe` a node vector's features and P99."""
-        self.observe(vector.node_id, node_features(vector), observed_p99_ms(vector))
+        """`observe` a node vector's features and series."""
+        self.observe(vector.node_id, node_features(vector), series_p99_ms(vector))
 
     def forget(self, node_id: str) -> None:
-        """Drop a node's history (it left the cluster)."""
+        """Drop a node and all its series (it left the cluster)."""
         with self._lock:
-            self._histories.pop(node_id, None)
+            self._nodes.pop(node_id, None)
 
-    def history_length(self, node_id: str) -> int:
+    def history_lengths(self, node_id: str) -> dict[str, int]:
+        """Windows kept per series of the node; empty for a node without any."""
         with self._lock:
-            history = self._histories.get(node_id)
-            return 0 if history is None else len(history)
+            node = self._nodes.get(node_id)
+            return {} if node is None else {key: len(history) for key, history in node.series.items()}
 
     def best(self) -> str:
         """The predictor the weights should use: the last evaluation's lowest MAE, EWMA unless a model beat it."""
@@ -230,41 +273,46 @@ class Predictor:
     def evaluation(self) -> Evaluation | None:
         return self._evaluation
 
-    def predict(self, node_ids: Iterable[str], predictor: str | None = None) -> dict[str, float | None]:
-        """Next-window P99 in ms per node from `predictor` (default `best()`), one batched inference for all.
+    def predict(self, node_ids: Iterable[str], predictor: str | None = None) -> dict[str, dict[str, float | None]]:
+        """Next-window P99 in ms per node and series key from `predictor` (default `best()`), one batched inference
+        for all series of all the nodes.
 
-        None for a node with fewer than `config.steps` windows or no observed P99 yet, whichever predictor.
+        Every node asked for maps to all its series (none for an unknown node); a series with fewer than
+        `config.steps` windows has None, whichever predictor.
         """
         name = predictor or self._best
         if name not in PREDICTORS:
             raise ValueError(f"unknown predictor {name!r}; one of {', '.join(PREDICTORS)}")
         steps = self.config.steps
-        result: dict[str, float | None] = {}
-        ready: list[str] = []
+        result: dict[str, dict[str, float | None]] = {}
+        ready: list[tuple[str, str]] = []
         windows: list[torch.Tensor] = []
         with self._lock:
             for node_id in node_ids:
-                history = self._histories.get(node_id)
-                if history is None or len(history) < steps or history.last_ms is None:
-                    result[node_id] = None
-                elif name == "last_value":
-                    result[node_id] = history.last_ms
-                elif name == "ewma":
-                    result[node_id] = history.ewma_ms
-                else:
-                    result[node_id] = None  # filled in by the batch below, keeping the callers' order
-                    ready.append(node_id)
-                    windows.append(history.data[history.end - steps : history.end, :_P99])
+                node = self._nodes.get(node_id)
+                forecasts = result[node_id] = {}
+                for key, history in node.series.items() if node is not None else ():
+                    if len(history) < steps:
+                        forecasts[key] = None
+                    elif name == "last_value":
+                        forecasts[key] = history.last_ms
+                    elif name == "ewma":
+                        forecasts[key] = history.ewma_ms
+                    else:
+                        forecasts[key] = None  # filled in by the batch below, keeping the series' order
+                        ready.append((node_id, key))
+                        windows.append(history.data[history.end - steps : history.end, :_P99])
             batch = torch.stack(windows).float() if windows else None
             model = self._serving[name] if name in MODELS else None
         if batch is not None and model is not None:
             with torch.inference_mode():
                 predicted = feature_to_latency(model(batch).double())
-            result.update(zip(ready, predicted.tolist(), strict=True))
+            for (node_id, key), value in zip(ready, predicted.tolist(), strict=True):
+                result[node_id][key] = value
         return result
 
     def train_step(self, budget_s: float, max_steps: int | None = None) -> int:
-        """Train both models on minibatches of the non-held-out windows, publish them and re-evaluate, so
+        """Train both models on minibatches of every series' non-held-out windows, publish them and re-evaluate, so
         `best()` follows; all within `budget_s` seconds of this thread's CPU time (training stops early by the
         previous evaluation's cost) or after `max_steps` steps, whichever ends first.
 
@@ -306,14 +354,14 @@ class Predictor:
         return done
 
     def evaluate(self) -> Evaluation:
-        """Score all four predictors on every node's held-out windows (the same windows for each)."""
+        """Score all four predictors on every series' held-out windows (the same windows for each)."""
         started = time.thread_time()
         steps, holdout = self.config.steps, self.config.holdout
         windows: list[torch.Tensor] = []
         truth: list[torch.Tensor] = []
         baselines: list[torch.Tensor] = []
         with self._lock:
-            for history in self._histories.values():
+            for history in self._series():
                 positions = history.targets(len(history) - holdout, len(history), steps, forecasts=True)
                 if positions:
                     windows.append(history.windows(positions, steps))
@@ -400,14 +448,18 @@ class Predictor:
         """Frozen copies of the averaged models, for inference."""
         return {name: copy.deepcopy(model).eval() for name, model in self._averaged.items()}
 
+    def _series(self) -> list[_History]:
+        """Every node's series; the caller holds `_lock`."""
+        return [history for node in self._nodes.values() for history in node.series.values()]
+
     def _training_snapshot(self) -> _Snapshot:
-        """All nodes' rows and P99 concatenated, and the flat indices of trainable targets (not held out)."""
+        """All series' rows and P99 concatenated, and the flat indices of trainable targets (not held out)."""
         rows: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
         ends: list[int] = []
         offset = 0
         with self._lock:
-            for history in self._histories.values():
+            for history in self._series():
                 usable = len(history) - self.config.holdout
                 if usable <= 0:
                     continue

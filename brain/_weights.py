@@ -13,10 +13,12 @@ quality is averaged over the node's vectors (`_registry.QUALITY_SMOOTHING_S`, 15
 predictions (`_brain.PREDICTION_SMOOTHING_S`, 30 s): one window's noise (a quiet second with no prefix-cache
 misses, a lucky P99) must not swing a weight, or every node in turn becomes the hot spot.
 
-τ̂ is the node's first-token (first-frame) P99 for the slice: the predictor's value when it has one, else the
-node's observed TTFT P99 for that slice, else its engine-wide TTFT P99. A node with none of these takes the
-median sensitivity of its pool's measured nodes (1.0 when none is measured), so a newcomer is treated as a
-typical member rather than as the fastest or slowest.
+τ̂ is the node's first-token (first-frame) P99 for the slice: the predictor's forecast of that slice's own
+latency when it has one (of its engine-wide latency for a node without a series of the slice's own,
+`_features.slice_predictions`), else the node's observed TTFT P99 for that slice, else its engine-wide TTFT P99.
+Each slice's τ̂ is its own, so a node serving images and audio is weighed for audio by its audio latency, not by
+its slower images. A node with none of these takes the median sensitivity of its pool's measured nodes (1.0 when
+none is measured), so a newcomer is treated as a typical member rather than as the fastest or slowest.
 
 The reference is τ0 while the pool's median τ̂ is within it, else that median: s = 1 / (1 + (τ̂ / max(τ0,
 median τ̂))²). With τ0 alone, a pool running past its tolerance (every node at several times τ0) would sit

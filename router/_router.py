@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Collection, Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Self, TypeVar
 from zlib import crc32
 
@@ -15,12 +17,17 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from prismlb.wire import (
+    MAX_PLACED_BLOCKS,
+    MAX_ROUTER_LOAD_NODES,
     BrainAddress,
     ClientCurve,
+    ClusterLoad,
     ConfigError,
     InvalidFieldError,
     NoRouteError,
+    Placed,
     RejectCounter,
+    RouterLoad,
     RoutingTable,
     TableSubscriber,
 )
@@ -40,6 +47,9 @@ from ._snapshot import Endpoint, Group, InFlight, SliceRoute, Snapshot, build
 
 _log = logging.getLogger("prism.router")
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
+MAX_PENDING_PLACED = 4096
+"""Placements a router holds for its next load report; past it the oldest go unreported (peers then learn of
+those prompts from the engines' KV events alone)."""
 
 T = TypeVar("T")
 
@@ -106,6 +116,14 @@ class Router:
             if self.settings.prefix_memory and self.settings.load == "prefill"
             else None
         )
+        self.router_id = uuid.uuid4().hex
+        """This router's name in its load reports (new at every start: a restarted router is a new peer)."""
+        self._load_seq = 0
+        self._reported: dict[str, float] = {}  # the queued prefill per node in the last report sent
+        self._peer_load: dict[str, float] = {}  # peers' queued prefill per node, from the brain's sums
+        self._peer_at = -math.inf  # when `_peer_load` arrived
+        self._placed_out: collections.deque[tuple[str, Sequence[int]]] = collections.deque(maxlen=MAX_PENDING_PLACED)
+        """Placements not reported yet: (node, blocks the node did not hold), appended by any caller's thread."""
         self.index = PrefixIndex(self.settings.placed_ttl_s)
         """Which nodes cache which prompt blocks: fed by the cluster's KV events (the brain's stream, or the
         caller's own feed) and by this router's placements; read by the expected-TTFT choice."""
@@ -167,6 +185,9 @@ class Router:
             slices=slices,
             brain_timeout_s=brain_timeout_s,
             on_kv=router.apply_kv if router.settings.prefix_index else None,
+            load_report=router.load_report if router.shares_load else None,
+            on_load=router._on_cluster_load if router.shares_load else None,
+            load_report_s=router.settings.load_report_s,
         )
         router._subscriber.start()
         _log.info("following routing tables from %s", ", ".join(a.updates for a in addresses))
@@ -272,6 +293,59 @@ class Router:
             self.index.removed(node_id, removed)
         if stored:
             self.index.stored(node_id, stored)
+
+    # --- queued prefill shared with peer routers ------------------------------------------------------------
+
+    @property
+    def shares_load(self) -> bool:
+        """Whether this router reports its queued prefill and counts its peers' (`Settings.share_load`, with
+        `load="prefill"`)."""
+        return self.settings.share_load and self.settings.load == "prefill"
+
+    def load_report(self, force: bool = False) -> RouterLoad | None:
+        """A report for the brain: this router's queued prefill work per node (prompt tokens sent there without a
+        first token yet) and the placements made since the last report; None when neither changed, unless
+        `force`. A router loading more than `MAX_ROUTER_LOAD_NODES` nodes reports its heaviest; placements go in
+        up to `MAX_PLACED_BLOCKS` hashes per report (the rest wait for the next)."""
+        loads: dict[str, float] = {}
+        for label, state in self._states.items():
+            if state.load > 0:
+                node_id = label.partition("/")[0]  # a per-GPU entry's label is node/gpuN
+                loads[node_id] = loads.get(node_id, 0.0) + state.load
+        if len(loads) > MAX_ROUTER_LOAD_NODES:
+            loads = dict(sorted(loads.items(), key=lambda item: -item[1])[:MAX_ROUTER_LOAD_NODES])
+        placed: list[Placed] = []
+        room = MAX_PLACED_BLOCKS
+        pending = self._placed_out
+        while pending and room > 0:
+            node_id, blocks = pending.popleft()
+            placed.append(Placed(node_id=node_id, blocks=list(blocks[:room])))
+            room -= len(placed[-1].blocks)
+        if loads == self._reported and not placed and not force:
+            return None
+        self._reported = loads
+        self._load_seq += 1
+        return RouterLoad(router_id=self.router_id, seq=self._load_seq, loads=loads, placed=placed)
+
+    def apply_cluster_load(self, loads: Mapping[str, float], placed: Sequence[Placed] = ()) -> None:
+        """Every router's queued prefill per node, summed by the brain: what is not this router's own (its last
+        report) is its peers', counted in the expected time to first token for `peer_load_ttl_s`. A report the
+        sums do not include yet makes that difference off by this router's change since, until the next sums.
+        `placed`, the routers' new placements, are claimed in the prefix index as this router's own are."""
+        now = self.clock()
+        for placement in placed:
+            if placement.router_id != self.router_id:
+                self.index.placed(placement.node_id, placement.blocks, now)
+        own = self._reported
+        peers: dict[str, float] = {}
+        for node_id, total in loads.items():
+            rest = total - own.get(node_id, 0.0)
+            if rest > 0.5:  # under a token: rounding
+                peers[node_id] = rest
+        self._peer_load, self._peer_at = peers, now
+
+    def _on_cluster_load(self, load: ClusterLoad) -> None:
+        self.apply_cluster_load(load.loads, load.placed)
 
     def _on_table(self, table: RoutingTable) -> bool:
         try:
@@ -466,6 +540,9 @@ class Router:
         units = request.cost - self._cached(request, depths.get(endpoint.node_id, 0))
         if remember and blocks:
             self.index.placed(endpoint.node_id, blocks, now)
+            depth = depths.get(endpoint.node_id, 0)
+            if depth < len(blocks) and self.shares_load:
+                self._placed_out.append((endpoint.node_id, blocks[depth:]))
         return group, index, moved_from, context, units
 
     @staticmethod
@@ -485,13 +562,14 @@ class Router:
     ) -> int | None:
         """The entry for a request with block hashes, None when no entry is available.
 
-        Each available entry's expected time to first token is its queued prefill work (what this router sent there that
-        has no first token yet) plus the request's tokens its cache lacks, over its prefill speed, stretched by its
-        weight (`Group.stretch`): the queue is weighed by each node's speed, so the equal-share bounded-load limit does
-        not apply. The entry holding the longest prefix wins while its expected time is within `cache_affinity` times
-        the least one, else the entry with the least. In a group larger than `ttft_candidates` only the nodes holding
-        the prefix and the first entries along the key's probe order are weighed. Ties go to the first in the key's
-        probe order, so an idle group places keys as the ring does."""
+        Each available entry's expected time to first token is its queued prefill work (what this router and, through
+        the brain, its peer routers sent there that has no first token yet: `apply_cluster_load`) plus the request's
+        tokens its cache lacks, over its prefill speed, stretched by its weight (`Group.stretch`): the queue is weighed
+        by each node's speed, so the equal-share bounded-load limit does not apply. The entry holding the longest
+        prefix wins while its expected time is within `cache_affinity` times the least one, else the entry with the
+        least. In a group larger than `ttft_candidates` only the nodes holding the prefix and the first entries along
+        the key's probe order are weighed. Ties go to the first in the key's probe order, so an idle group places keys
+        as the ring does."""
         entries = group.entries
         pos = position(key) if key is not None else position(request.blocks[0])
         candidates: list[int] = []
@@ -508,12 +586,17 @@ class Router:
         deep: int | None = None
         deep_key = (0, math.inf)
         cost = request.cost
+        peers = self._peer_load if now - self._peer_at <= self.settings.peer_load_ttl_s else None
         for i in candidates:
             state, _, _, _, endpoint = entries[i]
             if (state.gated and not state.admits(now)) or (exclude and state.label in exclude):
                 continue
-            depth = depths.get(endpoint.node_id, 0)
-            expected = (state.load + cost - self._cached(request, depth)) / group.rates[i] * group.stretch[i]
+            node_id = endpoint.node_id
+            depth = depths.get(node_id, 0)
+            queued = state.load
+            if peers and node_id in peers:  # a node's peers' work spreads over its per-GPU entries
+                queued += peers[node_id] / len(group.by_node[node_id])
+            expected = (queued + cost - self._cached(request, depth)) / group.rates[i] * group.stretch[i]
             if expected < best_expected:
                 best, best_expected = i, expected
             if depth and (-depth, expected) < deep_key:

@@ -39,6 +39,16 @@ class Settings:
     ttft_candidates: int = 16
     """Entries the expected-TTFT choice weighs: every entry of a group this small; in larger groups the nodes
     holding the prompt's prefix and the first ones along the key's probe order, up to this many."""
+    share_load: bool = True
+    """With `load="prefill"`, report this router's queued prefill work per node to the brain it follows and count
+    its peers' (the brain's `ClusterLoad` sums less this router's own report) in the expected time to first token:
+    routers embedded in many callers then see each node's whole queue, not their own share of it (docs/router.md).
+    Reports go every `load_report_s` while they change; peers' figures older than `peer_load_ttl_s` are ignored."""
+    load_report_s: float = 0.02
+    """How often a router connected to a brain sends its queued prefill work while it changes."""
+    peer_load_ttl_s: float = 2.0
+    """How long the peers' queued prefill work from the brain is used after it arrived: past it (a brain gone,
+    a lost stream) the router counts its own queue alone, as it would without peers."""
     balance: float = 1.05
     """Bounded-load factor c: an entry takes a request only while its load stays under c × its weighted share
     of the slice's load (Mirrokni et al.); 0 turns the bound off."""
@@ -109,6 +119,6 @@ class Settings:
             raise ValueError(f"placed_ttl_s must not be negative, got {self.placed_ttl_s}")
         if self.max_ring_points < 1 or self.drop_hold_s < 0:
             raise ValueError("max_ring_points must be at least 1 and drop_hold_s not negative")
-        for name in ("fail_timeout_s", "slow_s", "open_s", "session_ttl_s"):
+        for name in ("fail_timeout_s", "slow_s", "open_s", "session_ttl_s", "load_report_s", "peer_load_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

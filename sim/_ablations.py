@@ -10,14 +10,14 @@ full Prism is what that part earns.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import msgspec
 
 from prismlb.brain import Brain, BrainConfig, NodeState
 from prismlb.brain._predictor import PredictorConfig
 from prismlb.router import Settings
-from prismlb.wire import Slice, TableNode
+from prismlb.wire import ENGINE_LATENCY_KEY, NodeVector, Slice, TableNode
 
 from ._eval import PRISM
 from ._prism import PrismPolicy
@@ -27,26 +27,28 @@ from ._types import Policy
 
 
 class EwmaPredictor:
-    """An exponentially weighted moving average of each node's observed P99, with the `Predictor`'s
-    `observe`/`predict`/`forget` (all the brain's loop calls) and its EWMA factor.
+    """An exponentially weighted moving average of each series' observed P99 (`_features.series_p99_ms`: each
+    slice's latency entry and the engine's), with the `Predictor`'s `observe`/`predict`/`forget` (all the brain's
+    loop calls) and its EWMA factor.
 
-    Unlike `Predictor`, it predicts from a node's first observed P99 on (the `Predictor` waits for a full input
+    Unlike `Predictor`, it predicts from a series' first observed P99 on (the `Predictor` waits for a full input
     sequence of `steps` windows, whichever of its predictors it uses), and it has nothing to train."""
 
     def __init__(self, alpha: float = PredictorConfig().ewma_alpha) -> None:
         self.alpha = alpha
-        self._ewma_ms: dict[str, float] = {}
+        self._ewma_ms: dict[str, dict[str, float]] = {}
 
-    def observe(self, node_id: str, features_row: Sequence[float], p99_ms: float | None) -> None:
-        """Fold one window's P99 into the node's average; a window without requests (None) leaves it."""
-        if p99_ms is None:
-            return
-        before = self._ewma_ms.get(node_id)
-        self._ewma_ms[node_id] = p99_ms if before is None else self.alpha * p99_ms + (1.0 - self.alpha) * before
+    def observe(self, node_id: str, features_row: Sequence[float], p99_ms: Mapping[str, float | None]) -> None:
+        """Fold one window's P99 of each series into its average; a window without requests (None) leaves it."""
+        averages = self._ewma_ms.setdefault(node_id, {})
+        for key, p99 in p99_ms.items():
+            if p99 is not None:
+                before = averages.get(key)
+                averages[key] = p99 if before is None else self.alpha * p99 + (1.0 - self.alpha) * before
 
-    def predict(self, node_ids: Iterable[str]) -> dict[str, float | None]:
-        """The average per node, None for a node without an observed P99."""
-        return {node_id: self._ewma_ms.get(node_id) for node_id in node_ids}
+    def predict(self, node_ids: Iterable[str]) -> dict[str, dict[str, float]]:
+        """The average per node and series; none for a series without an observed P99."""
+        return {node_id: dict(self._ewma_ms.get(node_id, {})) for node_id in node_ids}
 
     def forget(self, node_id: str) -> None:
         self._ewma_ms.pop(node_id, None)
@@ -66,6 +68,18 @@ class NoPredictorBrain(Brain):
 
     def predict(self) -> None:
         self.predictions = {}
+
+
+class NodeMaxPredictionBrain(Brain):
+    """The brain predicting one latency per node, the largest P99 over its slices' and engine's latency entries,
+    for every slice: each slice weighed against its τ0 by the node's slowest, as before per-slice prediction.
+
+    Through the brain's `_series` seam: one series, keyed as the engine's, whose forecast
+    (`_features.slice_predictions`) serves every slice."""
+
+    def _series(self, vector: NodeVector) -> dict[str, float | None]:
+        values = [p99 for p99 in super()._series(vector).values() if p99 is not None]
+        return {ENGINE_LATENCY_KEY: max(values, default=None)}
 
 
 class FlatWeightsBrain(Brain):
@@ -113,6 +127,24 @@ def no_health(block_tokens: int) -> Policy:
     return PrismPolicy(block_tokens=block_tokens, brain=NoHealthBrain)
 
 
+def node_max_prediction(block_tokens: int) -> Policy:
+    """One prediction per node, its slowest slice's P99, for every slice (`NodeMaxPredictionBrain`)."""
+    return PrismPolicy(block_tokens=block_tokens, brain=NodeMaxPredictionBrain)
+
+
+def routers_4(block_tokens: int) -> Policy:
+    """Four routers (requests dealt among them in turn) sharing their queued prefill and placements through the
+    brain, as routers embedded in several callers do: not a part switched off, but what distributing the router
+    costs against the replay's one."""
+    return PrismPolicy(block_tokens=block_tokens, gateways=4)
+
+
+def routers_4_no_share(block_tokens: int) -> Policy:
+    """Four routers that do not share their queued prefill and placements (`Settings(share_load=False)`): each
+    sees only its own share of every node's queue, and its own placements until the engines' KV events come."""
+    return PrismPolicy(block_tokens=block_tokens, gateways=4, settings=Settings(share_load=False))
+
+
 def no_sessions(block_tokens: int) -> Policy:
     """Requests carry no session: a conversation is kept together by its prefix key and prefix memory only."""
     return PrismPolicy(block_tokens=block_tokens, sessions=False)
@@ -135,9 +167,12 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
     "no-cache-affinity": no_cache_affinity,
     "flat-weights": flat_weights,
     "ewma": ewma,
+    "node-max-prediction": node_max_prediction,
     "no-predictor": no_predictor,
     "no-health": no_health,
     "no-sessions": no_sessions,
+    "4-routers": routers_4,
+    "4-routers-no-share": routers_4_no_share,
 }
 """Every ablation by name; each builds its policy from the workload's KV block size."""
 

@@ -4,7 +4,8 @@ Nothing of the policy lives here: the brain's `tick` (predict, control, table bu
 time after ingesting the vectors the simulated agents sent; each new table goes to every gateway's router
 (`Router.apply`, as its subscriber would deliver it); the engines' KV events reach every router's prefix index
 (`Router.index`) `KV_EVENT_DELAY_S` after the engine published them, as the agents' relay through the brain delivers
-them; requests carry their prompt's block ids (`Request.blocks`); requests take `Router.request` leases, which count
+them; the routers' queued prefill work reaches every router through the brain's `LoadRelay` as often; requests carry
+their prompt's block ids (`Request.blocks`); requests take `Router.request` leases, which count
 them in flight and report first tokens and failures to the router's health and circuit breakers. The predictor trains
 `train_steps` optimiser steps every `train_interval_s` (a step count, not a CPU budget, so runs are deterministic). All
 of it runs on the simulation's clock.
@@ -17,8 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prismlb.brain import BrainConfig
+from prismlb.brain import BrainConfig, LoadRelay
 from prismlb.router import PREFIX_TOKENS, Lease, Outcome, Request, Router, Settings
+from prismlb.wire import LOAD_REFRESH_S
 
 from ._cluster import KV_EVENT_DELAY_S
 from ._types import ClusterView, Policy, SimRequest
@@ -67,6 +69,8 @@ class PrismPolicy(Policy):
         self.brain = (brain or Brain)(self.config)
         self.now = 0.0
         self.routers = [Router(settings=settings, clock=self._clock) for _ in range(gateways)]
+        self.loads = LoadRelay("replay")
+        self._next_refresh = 0.0
         self.block_tokens = block_tokens
         self.train_interval_s = train_interval_s
         self.train_steps = train_steps
@@ -82,6 +86,7 @@ class PrismPolicy(Policy):
         for event in view.kv_events():
             for router in self.routers:
                 router.apply_kv(event.node, False, event.stored, event.removed)
+        self._share_load(now)
         if now < self._next_cycle:
             return
         self._next_cycle = now + self.config.cycle_s
@@ -93,6 +98,24 @@ class PrismPolicy(Policy):
         if table is not None:
             for router in self.routers:
                 router.apply(table)
+
+    def _share_load(self, now: float) -> None:
+        """The routers' queued prefill and placements through the brain's `LoadRelay`, as their subscribers exchange
+        them: each router's report (when changed, and every `LOAD_REFRESH_S`), then the relay's sums to every
+        router."""
+        if not self.routers[0].shares_load:
+            return
+        force = now >= self._next_refresh
+        if force:
+            self._next_refresh = now + LOAD_REFRESH_S
+        for router in self.routers:
+            report = router.load_report(force)
+            if report is not None:
+                self.loads.accept(report, now)
+        sums = self.loads.due(now)
+        if sums is not None:
+            for router in self.routers:
+                router.apply_cluster_load(sums.loads, sums.placed)
 
     def start(self, view: ClusterView, now: float) -> None:
         self.tick(view, now)

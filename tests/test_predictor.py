@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prismlb.brain._features import FEATURES, node_features, observed_p99_ms
+from prismlb.brain._features import FEATURES, NODE_FEATURES, node_features, series_p99_ms
 from prismlb.brain._predictor import (
     PREDICTORS,
     Lstm,
@@ -27,7 +27,12 @@ SMALL = PredictorConfig(steps=4, history=12, holdout=4, min_evaluation_samples=4
 
 
 def _row(value: float) -> tuple[float, ...]:
-    return (value,) * len(FEATURES)
+    return (value,) * len(NODE_FEATURES)
+
+
+def _flat(predicted: dict[str, dict[str, float | None]]) -> list[float | None]:
+    """Every series' forecast, in order."""
+    return [value for series in predicted.values() for value in series.values()]
 
 
 def _vector(latency: dict[str, ModalityLatency], metrics: NodeMetrics | None = None) -> NodeVector:
@@ -44,11 +49,11 @@ def _vector(latency: dict[str, ModalityLatency], metrics: NodeMetrics | None = N
 
 
 def _fill(predictor: Predictor, nodes: int, windows: int) -> None:
-    """Load that rises and falls per node: P99 follows the waiting-queue feature one window later."""
+    """Load that rises and falls per node: its engine series' P99 follows the waiting-queue feature."""
     for t in range(windows):
         for n in range(nodes):
             queue = (math.sin(0.7 * t + n) + 1.0) / 2.0
-            predictor.observe(f"n{n}", (0.5, 0.5, queue, 0.1, 0.2, queue, 0.3, 0.6), 500.0 + 1000.0 * queue)
+            predictor.observe(f"n{n}", (0.5, 0.5, queue, 0.1, 0.2, queue, 0.3), {"engine": 500.0 + 1000.0 * queue})
 
 
 @pytest.fixture(scope="module")
@@ -67,53 +72,59 @@ def test_parameter_counts() -> None:
     assert attention(torch.zeros(3, 16, len(FEATURES))).shape == (3,)
 
 
-def test_features_mark_absent_metrics_and_take_the_worst_slice() -> None:
+def test_features_mark_absent_metrics_and_series_are_the_slice_and_engine_entries() -> None:
     vector = _vector(
         {
-            "text": ModalityLatency(requests=3, ttft_p99_ms=120.0),
+            "av": ModalityLatency(requests=3, ttft_p99_ms=120.0),
+            "vlm": ModalityLatency(requests=0),
+            "text": ModalityLatency(requests=3, ttft_p99_ms=900.0),  # no slice of that name: not a series
             "engine": ModalityLatency(requests=3, ttft_p99_ms=300.0),
         },
         NodeMetrics(cpu_util_ratio=0.25, requests_waiting=0),
     )
     row = node_features(vector)
-    assert len(row) == len(FEATURES) == 8
+    assert len(row) == len(NODE_FEATURES) == len(FEATURES) - 1 == 7
     assert row[0] == 0.25 and row[5] == 0.0
     assert math.isnan(row[1]) and math.isnan(row[4])
-    assert observed_p99_ms(vector) == 300.0
-    assert row[7] == pytest.approx(math.log1p(300.0) / 10.0)
-    assert observed_p99_ms(_vector({"text": ModalityLatency(requests=0)})) is None
-    assert math.isnan(node_features(_vector({}))[7])
+    assert series_p99_ms(vector) == {"av": 120.0, "vlm": None, "engine": 300.0}
+    assert series_p99_ms(_vector({})) == {}
 
 
 def test_absent_features_carry_the_last_value_forward() -> None:
+    """The node's features carry forward across its series; a series starts at its first P99 and carries its
+    latency feature through windows without one."""
     predictor = Predictor(SMALL)
     nan = math.nan
-    predictor.observe("n", (nan, 0.5, nan, nan, nan, nan, nan, nan), None)
-    predictor.observe("n", (0.2, nan, nan, nan, nan, nan, nan, 0.4), 100.0)
-    history = predictor._histories["n"]
-    rows = history.data[history.start : history.end, : len(FEATURES)].tolist()
-    assert rows == [[0.0, 0.5, 0, 0, 0, 0, 0, 0], [pytest.approx(0.2), 0.5, 0, 0, 0, 0, 0, pytest.approx(0.4)]]
+    predictor.observe("n", (nan, 0.5, nan, nan, nan, nan, nan), {"engine": None})
+    assert predictor.history_lengths("n") == {}
+    predictor.observe("n", (0.2, nan, nan, nan, nan, nan, nan), {"engine": 100.0})
+    predictor.observe("n", (nan, nan, nan, nan, nan, 0.3, nan), {})
+    history = predictor._nodes["n"].series["engine"]
+    rows = history.data[history.start : history.end, : len(FEATURES) + 1].tolist()
+    latency = pytest.approx(math.log1p(100.0) / 10.0)
+    assert rows[0] == [pytest.approx(0.2), 0.5, 0, 0, 0, 0, 0, latency, 100.0]
+    assert rows[1][:8] == [pytest.approx(0.2), 0.5, 0, 0, 0, pytest.approx(0.3), 0, latency] and math.isnan(rows[1][8])
     with pytest.raises(ValueError):
-        predictor.observe("n", (0.0,) * 7, None)
+        predictor.observe("n", (0.0,) * len(FEATURES), {})
 
 
-def test_history_is_bounded_per_node() -> None:
+def test_history_is_bounded_per_series() -> None:
     predictor = Predictor(SMALL)
     _fill(predictor, nodes=2, windows=100)
-    assert predictor.history_length("n0") == predictor.history_length("n1") == SMALL.history
+    assert predictor.history_lengths("n0") == predictor.history_lengths("n1") == {"engine": SMALL.history}
     latest = 500.0 + 1000.0 * (math.sin(0.7 * 99) + 1.0) / 2.0
-    assert predictor.predict(["n0"], "last_value")["n0"] == pytest.approx(latest)
+    assert predictor.predict(["n0"], "last_value")["n0"]["engine"] == pytest.approx(latest)
     predictor.forget("n0")
-    assert predictor.history_length("n0") == 0
+    assert predictor.history_lengths("n0") == {}
 
 
 def test_predict_is_one_batch_with_none_for_short_histories() -> None:
     predictor = Predictor(SMALL)
     _fill(predictor, nodes=5, windows=SMALL.steps)
     for t in range(SMALL.steps - 1):
-        predictor.observe("young", _row(0.5), 100.0)
+        predictor.observe("young", _row(0.5), {"engine": 100.0})
     for t in range(SMALL.steps):
-        predictor.observe("silent", _row(0.5), None)
+        predictor.observe("silent", _row(0.5), {"engine": None})
     batches: list[int] = []
     for name in ("lstm", "lstm_attention"):
         predictor._serving[name].register_forward_hook(lambda module, args, out: batches.append(args[0].shape[0]))
@@ -121,8 +132,8 @@ def test_predict_is_one_batch_with_none_for_short_histories() -> None:
     for name in PREDICTORS:
         predicted = predictor.predict(ids, name)
         assert list(predicted) == ids
-        assert all(isinstance(predicted[f"n{n}"], float) for n in range(5))
-        assert predicted["young"] is None and predicted["silent"] is None and predicted["unknown"] is None
+        assert all(isinstance(predicted[f"n{n}"]["engine"], float) for n in range(5))
+        assert predicted["young"] == {"engine": None} and predicted["silent"] == predicted["unknown"] == {}
     assert batches == [5, 5]
     assert predictor.predict(ids) == predictor.predict(ids, "ewma")  # nothing evaluated yet
     with pytest.raises(ValueError):
@@ -160,8 +171,8 @@ def test_predict_while_training_in_another_thread() -> None:
     trainer = threading.Thread(target=predictor.train_step, args=(0.5,))
     trainer.start()
     while trainer.is_alive():
-        predicted = predictor.predict([f"n{n}" for n in range(16)], "lstm_attention")
-        assert all(value is not None and math.isfinite(value) for value in predicted.values())
+        predicted = _flat(predictor.predict([f"n{n}" for n in range(16)], "lstm_attention"))
+        assert len(predicted) == 16 and all(value is not None and math.isfinite(value) for value in predicted)
         _fill(predictor, nodes=16, windows=1)
     trainer.join()
 
@@ -185,7 +196,9 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
         assert restored.predict(ids, name) == predictor.predict(ids, name)
     predictor.train_step(60.0, max_steps=2)
     restored.train_step(60.0, max_steps=2)  # optimiser state came along: training continues identically
-    assert restored.predict(ids, "lstm_attention") == pytest.approx(predictor.predict(ids, "lstm_attention"))
+    assert _flat(restored.predict(ids, "lstm_attention")) == pytest.approx(
+        _flat(predictor.predict(ids, "lstm_attention"))
+    )
     with pytest.raises(ValueError):
         Predictor(PredictorConfig(steps=4, history=64, holdout=8)).load(path)
 
@@ -199,7 +212,7 @@ def test_replay_is_deterministic_and_valid_on_the_wire(replayed: list[list[NodeV
     for window in replayed[::37]:
         for vector in window:
             assert decode(encode(vector), (NodeVector,), MAX_VECTOR_BYTES) == vector
-    targets = [observed_p99_ms(v) for window in replayed for v in window]
+    targets = [series_p99_ms(v).get("engine") for window in replayed for v in window]
     assert sum(t is not None for t in targets) > 0.9 * len(targets)
     assert any(v.metrics.requests_waiting for window in replayed for v in window)
     misses = [v.metrics.kv_cache_miss_ratio for window in replayed for v in window]

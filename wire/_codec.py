@@ -19,12 +19,14 @@ from ._exceptions import (
 )
 from ._messages import (
     SCHEMA_VERSION,
+    ClusterLoad,
     Heartbeat,
     KvBlocks,
     KvDelta,
     KvSnapshotEnd,
     Message,
     NodeVector,
+    RouterLoad,
     RoutingTable,
     SliceUpdate,
     SnapshotRequest,
@@ -44,6 +46,8 @@ KINDS: dict[type, bytes] = {
     KvBlocks: b"prism.kvblocks",
     KvDelta: b"prism.kvdelta",
     KvSnapshotEnd: b"prism.kvend",
+    RouterLoad: b"prism.routerload",
+    ClusterLoad: b"prism.load",
 }
 TOPIC_SEPARATOR = b"/"
 """A message's first frame is its kind, optionally followed by a topic (a slice update's slice name) between

@@ -27,6 +27,8 @@ Requests = Annotated[int, msgspec.Meta(ge=0, le=MAX_REQUESTS)]
 Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Millis = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_MS)]
 Rate = Annotated[float, msgspec.Meta(ge=0.0, le=float(MAX_REQUESTS))]
+PerConnection = Annotated[float, msgspec.Meta(ge=0.0, le=float(MAX_COUNT))]
+"""Events per connection over a window: a count divided by at least one connection."""
 UnixSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_UNIX_S)]
 NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
@@ -53,6 +55,15 @@ class NodeMetrics(_Message, kw_only=True):
     mem_used_bytes: Count | None = None
     mem_total_bytes: Count | None = None
     connect_calls_total: Count | None = None
+    # the host's TCP connections on the traced ports and processes, from the eBPF program, over the agent's period
+    tcp_retransmits_per_conn: PerConnection | None = None
+    """Segments retransmitted per connection open during the period (absent without any)."""
+    tcp_handshake_p95_ms: Millis | None = None
+    """P95 of the handshakes this host completed as a client in the period (absent without any)."""
+    tcp_resets_per_s: Rate | None = None
+    """RSTs sent or received."""
+    tcp_refused_per_s: Rate | None = None
+    """Connects that never completed: refused, timed out, unreachable or abandoned."""
     # the design article's four health dimensions
     gpu_mem_frag_ratio: Ratio | None = None
     kv_cache_miss_ratio: Ratio | None = None
@@ -333,6 +344,58 @@ class KvSnapshotEnd(_Message, kw_only=True):
     nodes: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=128)]], msgspec.Meta(max_length=100_000)]
 
 
+MAX_ROUTER_LOAD_NODES = 400
+"""Nodes in one `RouterLoad`'s `loads`: 139 bytes each at most (a 128-character id and a float); a router loading
+more nodes reports its heaviest."""
+MAX_PLACED_BLOCKS = 12_000
+"""Block hashes in one `Placed` (and, the router sees to it, in one `RouterLoad`): 9 bytes each at most, so a
+report stays under `MAX_REPORT_BYTES` with its loads."""
+MAX_REPORT_BYTES = 256 * 1024
+"""Largest frame the brain's snapshot socket takes, where routers' reports arrive beside snapshot requests."""
+MAX_CLUSTER_LOAD_NODES = 100_000
+RouterId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+
+
+class Placed(_Message, kw_only=True):
+    """A prompt's blocks a router sent to a node, which that node will cache once it has computed them; in a
+    `ClusterLoad`, `router_id` names the router that placed it (so that it skips its own)."""
+
+    node_id: NodeId
+    blocks: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_PLACED_BLOCKS)]
+    router_id: Annotated[str, msgspec.Meta(max_length=64)] = ""
+
+
+class RouterLoad(_Message, kw_only=True):
+    """Router → brain (on the snapshot socket's DEALER): the prefill work this router has queued on each node,
+    and the prompts it placed since its last report.
+
+    `loads` maps a node to the prompt tokens (cache hits left out) of the requests this router sent there that
+    have no first token yet; a node absent from it has none. It is the router's whole figure each time, not a
+    change, so a lost report is made good by the next; `seq` (+1 each) lets the brain drop one that arrives after
+    a newer one. `placed` are the router's new placements (the blocks the chosen node does not hold yet): its
+    peers count them as cached there, as the router itself does, until the engine's KV events confirm them."""
+
+    router_id: RouterId
+    seq: Count
+    loads: Annotated[dict[NodeId, Bounded], msgspec.Meta(max_length=MAX_ROUTER_LOAD_NODES)] = {}
+    placed: Annotated[list[Placed], msgspec.Meta(max_length=MAX_PLACED_BLOCKS)] = []
+
+
+class ClusterLoad(_Message, kw_only=True):
+    """Brain → routers (PUB, topic `prism.load`): every router's queued prefill work per node, summed, and their
+    new placements.
+
+    A router subtracts its own last report to see what its peers have queued. `routers` counts the routers
+    whose reports are in the sums (those heard within the brain's expiry)."""
+
+    brain_id: Name = ""
+    seq: Count
+    routers: Count
+    loads: Annotated[dict[NodeId, Bounded], msgspec.Meta(max_length=MAX_CLUSTER_LOAD_NODES)] = {}
+    placed: Annotated[list[Placed], msgspec.Meta(max_length=MAX_CLUSTER_LOAD_NODES)] = []
+    """Every router's placements reported since the last `ClusterLoad`."""
+
+
 Message = (
     NodeVector
     | RoutingTable
@@ -343,4 +406,6 @@ Message = (
     | KvBlocks
     | KvDelta
     | KvSnapshotEnd
+    | RouterLoad
+    | ClusterLoad
 )

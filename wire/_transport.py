@@ -19,11 +19,14 @@ from ._curve import ClientCurve, ServerCurve
 from ._exceptions import WireError
 from ._kv import KvApply, KvFollower
 from ._messages import (
+    MAX_REPORT_BYTES,
+    ClusterLoad,
     Heartbeat,
     KvBlocks,
     KvDelta,
     KvSnapshotEnd,
     NodeVector,
+    RouterLoad,
     RoutingTable,
     SliceUpdate,
     SnapshotRequest,
@@ -34,6 +37,8 @@ from ._tables import TableAssembler, TableEncoder
 
 _log = logging.getLogger("prism.wire")
 _LOOP_IDLE_S = 0.5  # the subscriber loop wakes at least this often
+LOAD_REFRESH_S = 0.5
+"""A router's load report goes at least this often, changed or not, so that the brain keeps it in its sums."""
 _FRAME_SLACK = 1024
 
 
@@ -271,7 +276,7 @@ class TablePublisher:
     ) -> None:
         self._pub = _attach(_socket(ctx, zmq.PUB, hwm=1000, max_bytes=MAX_TABLE_BYTES, curve=curve), updates, bind=True)
         try:
-            sock = _socket(ctx, zmq.ROUTER, hwm=1000, max_bytes=MAX_VECTOR_BYTES, curve=curve)
+            sock = _socket(ctx, zmq.ROUTER, hwm=1000, max_bytes=MAX_REPORT_BYTES, curve=curve)
             self.snapshot_socket = _attach(sock, snapshot, bind=True)
         except BaseException:
             self._pub.close()
@@ -281,6 +286,8 @@ class TablePublisher:
         self.current: RoutingTable | None = None
         self.kv_snapshot: Callable[[], list[list[bytes]]] | None = None
         """The KV index as snapshot messages (`KvRelay.snapshot`), for requests with `kv`; None: not served."""
+        self.on_router_load: Callable[[RouterLoad], None] | None = None
+        """Takes the routers' `RouterLoad` reports, which come on the snapshot socket; None: they are ignored."""
         self.snapshots_served = 0
         self.snapshots_dropped = 0
         self.bytes_published = 0
@@ -301,6 +308,12 @@ class TablePublisher:
             self._pub.send_multipart(frames)
             self.bytes_published += sum(len(f) for f in frames)
 
+    def publish_load(self, load: ClusterLoad) -> None:
+        """Send the routers' summed queued prefill work on its own topic."""
+        frames = encode(load)
+        self._pub.send_multipart(frames)
+        self.bytes_published += sum(len(f) for f in frames)
+
     def heartbeat(self) -> None:
         if self.current is not None:
             current = self.current
@@ -314,8 +327,9 @@ class TablePublisher:
             self._pub.send_multipart(encode(hb))
 
     def serve_snapshots(self) -> None:
-        """Answer every waiting snapshot request with the current table's state; never blocks (a reply that
-        does not fit the router's queue is cut short and counted: the router asks again)."""
+        """Answer every waiting snapshot request with the current table's state, and hand routers' load reports
+        to `on_router_load`; never blocks (a reply that does not fit the router's queue is cut short and counted:
+        the router asks again)."""
         while True:
             try:
                 frames = self.snapshot_socket.recv_multipart(flags=zmq.NOBLOCK)
@@ -323,9 +337,13 @@ class TablePublisher:
                 return
             identity, body = frames[0], frames[1:]
             try:
-                request = decode(body, (SnapshotRequest,), MAX_VECTOR_BYTES)
+                request = decode(body, (SnapshotRequest, RouterLoad), MAX_REPORT_BYTES)
             except WireError as exc:
                 self._rejects.record(exc)
+                continue
+            if isinstance(request, RouterLoad):
+                if self.on_router_load is not None:
+                    self.on_router_load(request)
                 continue
             if request.kv:
                 messages = self.kv_snapshot() if self.kv_snapshot is not None else []
@@ -489,6 +507,10 @@ class TableSubscriber:
     brain followed are handed to `on_kv` in order by a `_kv.KvFollower`: at the first table, whenever the router
     goes over to another brain and when a delta is missing, the followed brain is asked for a KV snapshot, every
     `kv_snapshot_retry_s` until it answers; tables never wait for it.
+
+    With `load_report`, the router's queued prefill work goes to every brain (on the snapshot dealers) every
+    `load_report_s` while it changes and every `LOAD_REFRESH_S` regardless; the followed brain's `ClusterLoad`
+    sums are handed to `on_load` (their topic is subscribed to only then).
     """
 
     def __init__(
@@ -504,6 +526,9 @@ class TableSubscriber:
         slices: Sequence[str] | None = None,
         on_kv: KvApply | None = None,
         kv_snapshot_retry_s: float = 1.0,
+        load_report: Callable[[bool], RouterLoad | None] | None = None,
+        on_load: Callable[[ClusterLoad], None] | None = None,
+        load_report_s: float = 0.02,
     ) -> None:
         if not brains:
             raise ValueError("at least one brain address is needed")
@@ -536,6 +561,14 @@ class TableSubscriber:
         self._kinds: tuple[type, ...] = (SliceUpdate, TableHead, Heartbeat)
         if self.kv is not None:
             self._kinds += (KvDelta, KvSnapshotEnd)
+        self._load_report = load_report
+        self._on_load = on_load
+        self._load_report_s = load_report_s
+        self._next_report = 0.0
+        self._next_refresh = 0.0
+        self.load_reports_sent = 0
+        if on_load is not None:
+            self._kinds += (ClusterLoad,)
 
     def start(self) -> None:
         if self._started:
@@ -586,6 +619,8 @@ class TableSubscriber:
             sub.setsockopt(zmq.SUBSCRIBE, topic_prefix(SliceUpdate, name))
         if self.kv is not None:
             sub.setsockopt(zmq.SUBSCRIBE, topic_prefix(KvDelta))
+        if self._on_load is not None:
+            sub.setsockopt(zmq.SUBSCRIBE, topic_prefix(ClusterLoad))
         self._dealers = []
         for _ in self._brains:
             dealer = self._make(zmq.DEALER, MAX_TABLE_BYTES)
@@ -611,7 +646,8 @@ class TableSubscriber:
             if check <= time.monotonic():  # already silent: the loop's idle wake-up checks again
                 check = math.inf
         kv = self._kv_next_request if self._kv_dealer() is not None else math.inf
-        return min(self._next_request if self._unanswered else math.inf, check, kv)
+        report = self._next_report if self._load_report is not None else math.inf
+        return min(self._next_request if self._unanswered else math.inf, check, kv, report)
 
     def _kv_dealer(self) -> zmq.Socket | None:
         """The dealer to ask for a KV snapshot now, if one is wanted and the followed brain's dealer is known."""
@@ -620,9 +656,11 @@ class TableSubscriber:
         return self._dealer_of.get(self.kv.brain_id)
 
     def tick(self, now: float) -> None:
-        """Follow the leader if it changed (a brain died), and ask the brains that have not answered for a
-        snapshot, every `snapshot_retry_s`."""
+        """Follow the leader if it changed (a brain died), send the router's load report when due, and ask the
+        brains that have not answered for a snapshot, every `snapshot_retry_s`."""
         self._follow(now)
+        if self._load_report is not None and now >= self._next_report:
+            self._send_load(now)
         dealer = self._kv_dealer()
         if dealer is not None and now >= self._kv_next_request:
             try:
@@ -639,6 +677,23 @@ class TableSubscriber:
             except zmq.Again:
                 pass
         self._next_request = now + self._retry_s
+
+    def _send_load(self, now: float) -> None:
+        """The router's report to every brain, if it changed or a refresh is due; a dealer not connected yet or
+        full drops it (the next report replaces it anyway), and a report no brain took is sent again next time."""
+        assert self._load_report is not None
+        self._next_report = now + self._load_report_s
+        report = self._load_report(now >= self._next_refresh)
+        if report is None:
+            return
+        frames = encode(report)
+        for dealer in self._dealers:
+            try:
+                dealer.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            self.load_reports_sent += 1
+            self._next_refresh = now + LOAD_REFRESH_S
 
     def readable(self, sock: zmq.Socket) -> None:
         wanted = self.kv is not None and self.kv.wants_snapshot
@@ -692,6 +747,10 @@ class TableSubscriber:
                 continue
             if isinstance(msg, KvDelta | KvSnapshotEnd):
                 self._receive_kv(msg, dealer)
+                continue
+            if isinstance(msg, ClusterLoad):
+                if self._on_load is not None and msg.brain_id == self.following:
+                    self._on_load(msg)
                 continue
             if dealer:
                 self._unanswered.discard(sock)
