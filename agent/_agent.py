@@ -70,7 +70,13 @@ class Agent:
         trace_path: TracePath | None = None
         try:
             signals = SpanSignals(invalid=self.invalid)
-            trace_path = TracePath(config, counter.tracer if counter is not None else None, signals, self.registry)
+            trace_path = TracePath(
+                config,
+                counter.tracer if counter is not None else None,
+                signals,
+                self.registry,
+                counter.network if counter is not None else None,
+            )
             trace_path.start()
             self.trace_path = trace_path
             with node_sources(config, counter, signals, self.registry) as sources:
@@ -95,11 +101,11 @@ class Agent:
 
     def _open_counter(self) -> ConnectCounter | None:
         if not self.config.ebpf:
-            _log.info("eBPF off: disabled by --no-ebpf; connection tracing and connect_calls_total stay off")
+            _log.info("eBPF off: disabled by --no-ebpf; connection tracing, connect_calls_total and tcp_* stay off")
             return None
         counter, detail = probe_ebpf(self.config.trace_ports, self.config.trace_pids)
         if counter is None:
-            _log.warning("eBPF off: %s; connection tracing and connect_calls_total stay off", detail)
+            _log.warning("eBPF off: %s; connection tracing, connect_calls_total and tcp_* stay off", detail)
         else:
             _log.info("eBPF on: %s", detail)
             self._ebpf_up.set(1)

@@ -46,7 +46,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"reporting period (PRISM_PERIOD_S; default: {DEFAULT_PERIOD_S})",
     )
     parser.add_argument(
-        "--no-ebpf", dest="ebpf", action="store_false", default=None, help="do not load the eBPF program (no connection tracing, no connect() count)"
+        "--no-ebpf",
+        dest="ebpf",
+        action="store_false",
+        default=None,
+        help="do not load the eBPF program (no connection tracing, no connect() count, no TCP health)",
     )
     parser.add_argument("--curve-secret", metavar="FILE", help="our CURVE secret key file (PRISM_CURVE_SECRET)")
     parser.add_argument("--brain-public", metavar="FILE", help="the brain's CURVE public key file (PRISM_BRAIN_PUBLIC)")

@@ -16,6 +16,7 @@ from prismlb.bpf import program_text
 
 from ._clock import UnixClock
 from ._connections import Connection
+from ._network import TcpCounts
 
 PROGRAM = "conntrack"
 TRACEFS = Path("/sys/kernel/tracing")
@@ -83,9 +84,16 @@ def prerequisites() -> list[CheckRow]:
 
 
 def _cflags() -> list[str]:
-    """-DPRISM_RETRANSMIT_HAS_ERR where tcp_retransmit_skb also reports failed attempts (its `err` field)."""
-    fmt = TRACEFS / "events" / "tcp" / "tcp_retransmit_skb" / "format"
-    return ["-DPRISM_RETRANSMIT_HAS_ERR"] if re.search(r"field:int err;", fmt.read_text()) else []
+    """The program's variants for this kernel's tracepoint formats: -DPRISM_RETRANSMIT_HAS_ERR where
+    tcp_retransmit_skb also reports failed attempts (its `err` field), -DPRISM_SEND_RESET_SOCKADDR where
+    tcp_send_reset gives its addresses as sockaddrs (Linux 6.10 on) rather than as ports and addresses."""
+    events = TRACEFS / "events" / "tcp"
+    flags = []
+    if re.search(r"field:int err;", (events / "tcp_retransmit_skb" / "format").read_text()):
+        flags.append("-DPRISM_RETRANSMIT_HAS_ERR")
+    if re.search(r"field:__u8 saddr\[28\];", (events / "tcp_send_reset" / "format").read_text()):
+        flags.append("-DPRISM_SEND_RESET_SOCKADDR")
+    return flags
 
 
 def _checked(values: Iterable[int], low: int, high: int, what: str) -> frozenset[int]:
@@ -154,6 +162,7 @@ class ConnectionTracer:
         self._closed = False
         self._conns = bpf[b"conns"]
         self._connect_calls = bpf[b"connect_calls"]
+        self._tcp_counts = bpf[b"tcp_counts"]
         self._fill(bpf[b"ports"], ports)
         self._fill(bpf[b"pids"], pids)
         match_all = bpf[b"match_all"]
@@ -192,7 +201,7 @@ class ConnectionTracer:
         filters = (("ports", port_set), ("pids", pid_set))
         scope = "; ".join(f"{what} {sorted(values)}" for what, values in filters if values)
         return tracer, (
-            f"tracing TCP connections ({scope or 'all'}) and counting connect() calls "
+            f"tracing TCP connections ({scope or 'all'}), counting connect() calls and TCP health signals "
             f"({PROGRAM}.c on {len(TRACEPOINTS)} tracepoints)"
         )
 
@@ -262,6 +271,11 @@ class ConnectionTracer:
     def connect_calls_total(self) -> int:
         """connect() calls on this host since the program was attached (any socket, any filter)."""
         return int(self._connect_calls.sum(self._connect_calls.Key(0)).value)
+
+    def tcp_counts(self) -> TcpCounts:
+        """The program's TCP health counters since it was attached (bpf/conntrack.c `tcp_counts`)."""
+        table = self._tcp_counts
+        return TcpCounts(*(int(table.sum(table.Key(i)).value) for i in range(len(TcpCounts._fields))))
 
     @staticmethod
     def program_text() -> str:

@@ -1,5 +1,5 @@
-"""The connect() counter the agent reports (read from the connection tracer's one program) and the host check
-behind `prism agent --check`."""
+"""What the agent reports from the connection tracer's one program (the connect() count and the TCP health
+window) and the host check behind `prism agent --check`."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ from collections.abc import Iterable
 import pynvml
 
 from ._conntrack import CheckRow, ConnectionTracer, prerequisites
+from ._network import NetworkWindow
 
 
 class ConnectCounter:
     """connect() calls on this host since the program was attached (syscalls:sys_enter_connect), counted by
-    the same BPF program that traces connections: `tracer` is that program, for connection events."""
+    the same BPF program that traces connections: `tracer` is that program, for connection events; `network`
+    its TCP health per agent window, which its ESTABLISHED events feed (`TracePath`)."""
 
     def __init__(self, tracer: ConnectionTracer) -> None:
         self.tracer = tracer
+        self.network = NetworkWindow(tracer.tcp_counts)
 
     def total(self) -> int:
         """The per-CPU counts, summed."""

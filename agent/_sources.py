@@ -64,6 +64,11 @@ def _host(sampler: HostSampler) -> Reading:
     )
 
 
+def _ebpf(counter: ConnectCounter) -> Reading:
+    """The connect() count and the TCP health of the window since the previous read (the source's period)."""
+    return Reading(metrics={"connect_calls_total": counter.total(), **counter.network.read()})
+
+
 class _CollectorCounts(Collector):
     """The engine scraper's, the KV-event subscriber's and the KV stream's own counters on /metrics."""
 
@@ -131,7 +136,7 @@ def node_sources(
         ),
     ]
     if counter is not None:
-        sources.append(Source("ebpf", period, lambda: Reading(metrics={"connect_calls_total": counter.total()})))
+        sources.append(Source("ebpf", period, lambda: _ebpf(counter)))
     with ExitStack() as stack:
         gpus, detail = GpuCollector.open()
         if gpus is None:

@@ -13,8 +13,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ._config import AgentConfig
+from ._connections import Connection
 from ._conntrack import ConnectionTracer
 from ._join import ConnectionIndex, SpanJoiner
+from ._network import NetworkWindow
 from ._otlp_forward import SpanForwarder, upstream_exporter
 from ._otlp_receiver import OtlpReceiver
 from ._signals import SpanSignals
@@ -25,12 +27,19 @@ _log = logging.getLogger("prism.agent")
 
 class TracePath:
     """Owns the connection index fed by the tracer (when there is one), the OTLP receiver, the join and the
-    forwarder. Spans flow without eBPF too: they are then forwarded unjoined."""
+    forwarder. Spans flow without eBPF too: they are then forwarded unjoined. The tracer's ESTABLISHED events
+    also go to `network` (the TCP health window's handshake times), when given."""
 
     def __init__(
-        self, config: AgentConfig, tracer: ConnectionTracer | None, signals: SpanSignals, registry: CollectorRegistry
+        self,
+        config: AgentConfig,
+        tracer: ConnectionTracer | None,
+        signals: SpanSignals,
+        registry: CollectorRegistry,
+        network: NetworkWindow | None = None,
     ) -> None:
         self.tracer = tracer
+        self.network = network
         self.signals = signals
         self.index = ConnectionIndex()
         self.joiner = SpanJoiner(self.index, stats=tracer.stats if tracer is not None else None)
@@ -55,7 +64,7 @@ class TracePath:
 
     def start(self) -> None:
         if self.tracer is not None:
-            self.tracer.on_established = self.index.established
+            self.tracer.on_established = self._established
             self.tracer.on_closed = self.index.closed
             self._kernel.start()
         if self.receiver is not None:
@@ -64,6 +73,11 @@ class TracePath:
                 "OTLP receiver on %s",
                 ", ".join(f"{host}:{port}" for host, port in self.receiver.addresses),
             )
+
+    def _established(self, connection: Connection) -> None:
+        self.index.established(connection)
+        if self.network is not None:
+            self.network.established(connection)
 
     def _on_traces(self, request: ExportTraceServiceRequest) -> None:
         self.signals.on_traces(request)

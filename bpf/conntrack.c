@@ -1,7 +1,8 @@
 // Every TCP connection on this host, client and server side, IPv4 and IPv6, from tracepoints only: one
 // ESTABLISHED event (handshake time on the client side) and one CLOSED event (bytes, retransmits) each,
-// plus a per-CPU count of connect() calls. Every field comes from a tracepoint's own arguments or a BPF
-// helper; no kernel struct is read, so the program does not depend on the kernel's struct layouts.
+// plus per-CPU counts of connect() calls and of the TCP signals of node health (`tcp_counts`). Every field
+// comes from a tracepoint's own arguments or a BPF helper; no kernel struct is read, so the program does not
+// depend on the kernel's struct layouts.
 //
 // The live state of a connection is kept in `conns`, keyed by the socket's address (skaddr), created when
 // the connection starts (client: CLOSE->SYN_SENT inside connect(); server: SYN_RECV->ESTABLISHED) and
@@ -9,6 +10,14 @@
 // socket can reach CLOSE with data still to read (a FIN or RST behind it), and those bytes count too.
 // The pid is only read in process context: inside connect() on the client side, on the first
 // sendmsg/recvmsg on the server side (where the ESTABLISHED event waits for it); never in softirq.
+//
+// A connection is *traced* once it is known to pass both filters: a client at ESTABLISHED (pid checked at
+// SYN_SENT, ports there); a server at ESTABLISHED without a pid filter, else at its first send/recv by a wanted
+// process. Only traced connections have events and count in `tcp_counts`, which are counters rather than
+// events so that a full perf buffer loses none of them and a connection that stays open shows its
+// retransmits in the window they happen in: opened and ended (the agent's connections active in a window are
+// those opened by its end less those ended before its start), retransmits, resets sent or received, and
+// connects that never completed (refused, timed out, unreachable or abandoned: SYN_SENT -> CLOSE).
 
 #define PRISM_AF_INET 2
 #define PRISM_AF_INET6 10
@@ -29,6 +38,14 @@
 #define FILTER_PORTS 0
 #define FILTER_PIDS 1
 
+// Indices in `tcp_counts`, read by agent/_conntrack.py in this order.
+#define COUNT_OPENED 0       // connections that became traced
+#define COUNT_ENDED 1        // traced connections whose CLOSED event was sent (socket freed, or reused)
+#define COUNT_RETRANSMITS 2  // segments retransmitted on traced connections (a client's SYNs once established)
+#define COUNT_RESETS 3       // RSTs sent or received (see on_reset)
+#define COUNT_REFUSED 4      // connects that ended without being established
+#define COUNTS 5
+
 // A connection as it stands (the value in `conns`) and, with kind and ts_ns set, the event sent to user
 // space: the one definition of the event, which Python reads through bcc's events.event(data).
 struct conn {
@@ -48,12 +65,14 @@ struct conn {
     u16 rport;
     u8 kind;              // event: EVENT_ESTABLISHED or EVENT_CLOSED; 0 in the map
     u8 role;              // ROLE_CLIENT or ROLE_SERVER
+    u8 traced;            // 1 once the connection passes both filters (counted in tcp_counts from then on)
     u8 laddr[16];         // IPv4 in the first 4 bytes
     u8 raddr[16];
     char comm[16];
 };
 
 BPF_PERCPU_ARRAY(connect_calls, u64, 1);
+BPF_PERCPU_ARRAY(tcp_counts, u64, COUNTS);
 BPF_TABLE("lru_hash", u64, struct conn, conns, 65536);
 BPF_HASH(ports, u16, u8, 1024);   // local or remote ports to trace
 BPF_HASH(pids, u32, u8, 1024);    // processes to trace
@@ -82,6 +101,21 @@ static __always_inline void take_process(struct conn *c) {
     bpf_get_current_comm(&c->comm, sizeof(c->comm));
 }
 
+static __always_inline void count(u32 which, u64 n) {
+    u64 *slot = tcp_counts.lookup(&which);
+    if (slot) {
+        __sync_fetch_and_add(slot, n);
+    }
+}
+
+// The connection passes both filters from now on: count it open, with the retransmits it already had (a
+// client's SYNs).
+static __always_inline void start_tracing(struct conn *c) {
+    c->traced = 1;
+    count(COUNT_OPENED, 1);
+    count(COUNT_RETRANSMITS, c->retransmits);
+}
+
 static __always_inline void emit(void *ctx, struct conn *c, u8 kind) {
     struct conn event = *c;
     event.kind = kind;
@@ -89,11 +123,27 @@ static __always_inline void emit(void *ctx, struct conn *c, u8 kind) {
     events.perf_submit(ctx, &event, sizeof(event));
 }
 
-// The CLOSED event of an established connection. A server-side one that no process ever read or wrote has
-// no pid, so a pid filter drops it.
+// The CLOSED event of a traced connection. A server-side one that no process ever read or wrote has no pid,
+// so under a pid filter it never was traced.
 static __always_inline void finish(void *ctx, struct conn *c) {
-    if (c->established_ns && (c->announced || !filter_on(FILTER_PIDS))) {
+    if (c->traced) {
+        count(COUNT_ENDED, 1);
         emit(ctx, c, EVENT_CLOSED);
+    }
+}
+
+// A RST sent or received on socket `sk` (0: none), `lport` and `rport` as this host sees them. A connection in
+// `conns` counts once traced (a refused connect's RST is counted as refused, at CLOSE); any other socket (none:
+// a segment to a port nobody listens on; or a connection older than the program) only without a pid filter,
+// as no process can be checked in softirq, and when its ports pass the port filter.
+static __always_inline void on_reset(u64 sk, u16 lport, u16 rport) {
+    struct conn *c = sk ? conns.lookup(&sk) : 0;
+    if (c) {
+        if (c->traced) {
+            count(COUNT_RESETS, 1);
+        }
+    } else if (!filter_on(FILTER_PIDS) && ports_wanted(lport, rport)) {
+        count(COUNT_RESETS, 1);
     }
 }
 
@@ -120,6 +170,9 @@ static __always_inline void on_io(void *ctx, u64 sk, int bytes, int received) {
         return;
     }
     take_process(c);
+    if (!c->traced) {
+        start_tracing(c);
+    }
     emit(ctx, c, EVENT_ESTABLISHED);
 }
 
@@ -168,9 +221,14 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state) {
         }
         if (c->established_ns) {
             c->closed_ns = bpf_ktime_get_ns();  // the CLOSED event waits for tcp_destroy_sock
-        } else {
-            conns.delete(&sk);  // never established (refused, timed out, closed while connecting): no event
+            return 0;
         }
+        // Never established (only a client is in `conns` before ESTABLISHED): refused, timed out, unreachable
+        // or closed while connecting. No event; counted when its ports, known by now, pass the port filter.
+        if (ports_wanted(args->sport, args->dport)) {
+            count(COUNT_REFUSED, 1);
+        }
+        conns.delete(&sk);
         return 0;
     }
 
@@ -212,10 +270,14 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state) {
         __builtin_memcpy(c->raddr, args->daddr_v6, 16);
     }
     if (c->role == ROLE_SERVER) {
+        if (!filter_on(FILTER_PIDS)) {
+            start_tracing(c);
+        }
         conns.update(&sk, c);
         return 0;
     }
     c->announced = 1;
+    start_tracing(c);
     emit(args, c, EVENT_ESTABLISHED);
     return 0;
 }
@@ -244,7 +306,35 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb) {
     struct conn *c = conns.lookup(&sk);
     if (c) {
         __sync_fetch_and_add(&c->retransmits, 1);
+        if (c->traced) {
+            count(COUNT_RETRANSMITS, 1);
+        }
     }
+    return 0;
+}
+
+TRACEPOINT_PROBE(tcp, tcp_receive_reset) {
+    on_reset((u64)args->skaddr, args->sport, args->dport);
+    return 0;
+}
+
+// tcp_send_reset's `reason` field (Linux 6.10 on) has a kernel enum type, which bcc copies into the arguments'
+// struct but which no header the program includes defines (or may, with newer headers): renamed to an enum of the
+// same size (int) defined here, so that either way the struct compiles. The field is never read.
+#define sk_rst_reason prism_sk_rst_reason
+enum prism_sk_rst_reason { PRISM_RST_REASON_UNREAD };
+
+TRACEPOINT_PROBE(tcp, tcp_send_reset) {
+#ifdef PRISM_SEND_RESET_SOCKADDR
+    // Linux 6.10 on: the local and remote addresses as sockaddr_in/_in6, whose port (big-endian) is at offset 2
+    // in both; the socket may be absent (a reply to a segment no socket holds).
+    u16 lport = (args->saddr[2] << 8) | args->saddr[3];
+    u16 rport = (args->daddr[2] << 8) | args->daddr[3];
+#else
+    u16 lport = args->sport;
+    u16 rport = args->dport;
+#endif
+    on_reset((u64)args->skaddr, lport, rport);
     return 0;
 }
 

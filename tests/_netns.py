@@ -1,4 +1,4 @@
-"""Two network namespaces joined by a veth pair, for tests that need real routed TCP (root only).
+"""Network namespaces joined by veth pairs, for tests that need real routed TCP (root only).
 
     with veth_pair() as (a, b):               # a.address == "10.N.M.1", b.address == "10.N.M.2"
         with b.entered():                     # this thread's new sockets live in namespace b
@@ -7,9 +7,13 @@
         client = a.popen([sys.executable, "-c", CODE])               # `ip netns exec a-name python -c CODE`
         b.run(["nft", "-f", "-"], stdin=RULES)                       # a command to completion, its stdout
 
-Names are unique per process and pair; on exit every process started by `popen` is killed and both
-namespaces are deleted, whatever happened inside. The pid and tid of code run through `entered`/`call`
-are the test's own (only the calling thread switches namespaces; it switches back afterwards).
+    with host_veth() as node:                 # one namespace, reached from the test's own (root) namespace
+        socket.create_connection((node.address, port))               # node.address == "198.18.K.2"
+
+Names are unique per process and pair; on exit every process started by `popen` is killed and the
+namespaces are deleted (with them their veth pairs), whatever happened inside. The pid and tid of code
+run through `entered`/`call` are the test's own (only the calling thread switches namespaces; it switches
+back afterwards).
 """
 
 from __future__ import annotations
@@ -99,7 +103,33 @@ def veth_pair() -> Iterator[tuple[Namespace, Namespace]]:
             cleanup.callback(ns._kill_children)
         _run(["ip", "link", "add", "veth0", "netns", a.name, "type", "veth", "peer", "name", "veth0", "netns", b.name])
         for ns in (a, b):
-            ns.run(["ip", "addr", "add", f"{ns.address}/24", "dev", "veth0"])
-            ns.run(["ip", "link", "set", "veth0", "up"])
-            ns.run(["ip", "link", "set", "lo", "up"])
+            _configure(ns)
         yield a, b
+
+
+def _configure(ns: Namespace) -> None:
+    ns.run(["ip", "addr", "add", f"{ns.address}/24", "dev", "veth0"])
+    ns.run(["ip", "link", "set", "veth0", "up"])
+    ns.run(["ip", "link", "set", "lo", "up"])
+
+
+@contextmanager
+def host_veth() -> Iterator[Namespace]:
+    """A namespace whose veth0 (198.18.K.2/24) is joined to the calling process's own namespace (198.18.K.1/24),
+    so that the test's own sockets reach it. 198.18.0.0/15 is set aside for benchmarking networks (RFC 2544),
+    so the /24 route this adds to the host is one no real network uses."""
+    n = next(_pairs)
+    k = (os.getpid() * 16 + n) % 512
+    subnet = f"198.{18 + k // 256}.{k % 256}"
+    ns = Namespace(f"prism{os.getpid()}x{n}", f"{subnet}.2")
+    host_end = f"pr{os.getpid()}x{n}"
+    with ExitStack() as cleanup:
+        _run(["ip", "netns", "add", ns.name])
+        cleanup.callback(subprocess.run, ["ip", "netns", "delete", ns.name], capture_output=True)
+        cleanup.callback(ns._kill_children)
+        _run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", "veth0", "netns", ns.name])
+        cleanup.callback(subprocess.run, ["ip", "link", "delete", host_end], capture_output=True)
+        _run(["ip", "addr", "add", f"{subnet}.1/24", "dev", host_end])
+        _run(["ip", "link", "set", host_end, "up"])
+        _configure(ns)
+        yield ns

@@ -122,30 +122,38 @@ def _assert_stream(vectors: list[NodeVector]) -> None:
         assert metrics.mem_used_bytes is not None and 0 < metrics.mem_used_bytes <= metrics.mem_total_bytes
 
 
-def test_vectors_carry_connect_calls_with_ebpf(ctx: zmq.Context) -> None:
+def test_vectors_carry_connect_calls_and_tcp_health_with_ebpf(ctx: zmq.Context) -> None:
     require_ebpf()
     pull, brain = _pull(ctx)
     registry = CollectorRegistry()
     running = _Running(Agent(_config(brain), registry=registry))
     received = _receive(pull, 2)
-    with socket.create_server(("127.0.0.1", 0)) as listener:
+    with socket.create_server(("127.0.0.1", 0)) as listener, socket.socket() as closed:
         for _ in range(5):
             socket.create_connection(listener.getsockname(), timeout=2).close()
+        closed.bind(("127.0.0.1", 0))
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(closed.getsockname(), timeout=2)
     connects_done = time.time()
-    while received[-1][0].sample_time_unix_s <= connects_done:
+    # the handshakes reach the window through the tracer's polling thread: a vector or two later
+    while received[-1][0].sample_time_unix_s <= connects_done + 2 * PERIOD_S:
         received += _receive(pull, 1)
     assert running.end() < 2.0
     vectors = [v for v, _ in received]
     _assert_stream(vectors)
     calls = [v.metrics.connect_calls_total for v in vectors]
     assert all(c is not None for c in calls), calls
-    assert calls[-1] - calls[1] >= 5  # type: ignore[operator]
+    assert calls[-1] - calls[1] >= 6  # type: ignore[operator]
+    # every window is measured (rates of 0 included); handshakes and the refused connect show up in some
+    assert all(v.metrics.tcp_resets_per_s is not None and v.metrics.tcp_refused_per_s is not None for v in vectors)
+    assert any(v.metrics.tcp_handshake_p95_ms is not None for v in vectors[2:])
+    assert any((v.metrics.tcp_refused_per_s or 0.0) > 0.0 for v in vectors[2:])
     assert registry.get_sample_value("prism_agent_ebpf_up") == 0  # detached at exit
     sent = registry.get_sample_value("prism_agent_vectors_sent_total")
     assert sent is not None and sent >= len(vectors)
 
 
-def test_without_ebpf_connect_calls_are_absent(ctx: zmq.Context) -> None:
+def test_without_ebpf_connect_calls_and_tcp_health_are_absent(ctx: zmq.Context) -> None:
     pull, brain = _pull(ctx)
     registry = CollectorRegistry()
     running = _Running(Agent(_config(brain, ebpf=False), registry=registry))
@@ -154,7 +162,7 @@ def test_without_ebpf_connect_calls_are_absent(ctx: zmq.Context) -> None:
     _assert_stream([v for v, _ in received])
     for vector, payload in received:
         assert vector.metrics.connect_calls_total is None
-        assert b"connect_calls_total" not in payload
+        assert b"connect_calls_total" not in payload and b"tcp_" not in payload  # not measured, so absent
         # no GPU on this machine: every GPU dimension is absent from the wire, never 0
         assert vector.gpus == [] and vector.metrics.gpu_count is None
         assert b"gpu_" not in payload and b"nvlink" not in payload

@@ -22,6 +22,8 @@ TRACEPOINTS = [
     "sock:sock_send_length",
     "sock:sock_recv_length",
     "tcp:tcp_retransmit_skb",
+    "tcp:tcp_receive_reset",
+    "tcp:tcp_send_reset",
     "tcp:tcp_destroy_sock",
 ]
 CHECK_NAMES = [

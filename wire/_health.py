@@ -33,6 +33,23 @@ DIMENSIONS: tuple[Dimension, ...] = (
     # Host dimensions (not in the design article): weighted below every GPU/engine dimension.
     Dimension("cpu_util_ratio", attrgetter("cpu_util_ratio"), 0.90, 0.10),
     Dimension("mem_util_ratio", _mem_util, 0.90, 0.10),
+    # Network dimensions (not in the design article either), from the agent's eBPF path over its period. A lost
+    # segment stalls its stream until it is resent (a retransmission timeout is 200 ms at least), a lost SYN for
+    # a second, so a lossy node is slow for every request it serves: retransmits weigh like NVLink, the rest like
+    # the host's dimensions.
+    # - retransmits per connection: a sound network retransmits almost never; 0.5 means every other
+    #   connection lost a segment in the period (about 0.1% loss on a 500-token stream, one segment a token).
+    Dimension("tcp_retransmits_per_conn", attrgetter("tcp_retransmits_per_conn"), 0.5, 0.20),
+    # - handshake P95 (this host as a client): a lost SYN or SYN-ACK costs the 1 s initial retransmission
+    #   timeout and a full listen queue drops SYNs, so over 200 ms means more than 5% of handshakes hit one;
+    #   a sound path, even between zones, completes well under it.
+    Dimension("tcp_handshake_p95_ms", attrgetter("tcp_handshake_p95_ms"), 200.0, 0.10),
+    # - resets: cancelled requests reset some connections on a sound node; several a second sustained means
+    #   connections dying (a crashed engine's port, a peer aborting), so its alarm is at 5/s and its weight low.
+    Dimension("tcp_resets_per_s", attrgetter("tcp_resets_per_s"), 5.0, 0.05),
+    # - connects that never completed: one a second sustained is a peer or a port down (an agent retrying a dead
+    #   brain backs off to one connect in 2 s: 0.5/s, under the alarm, and shared by every node).
+    Dimension("tcp_refused_per_s", attrgetter("tcp_refused_per_s"), 1.0, 0.10),
 )
 
 
