@@ -162,8 +162,9 @@ class Router:
         names the slices this caller routes to, fallbacks included (None: all): only their entries are
         received and kept, which is what lets a router in a large fleet hold the part of the table it uses.
         With `Settings.prefix_index` (the default) the brains' KV deltas are followed too and fill `index`
-        (`apply_kv`); placement never waits for them. Raises ConfigError at once for an unusable CURVE key file
-        or a malformed endpoint.
+        (`apply_kv`); placement never waits for them. With `Settings.share_load` (the default) the router reports
+        its queued prefill and placements to the brains and counts its peers' (`load_report`,
+        `apply_cluster_load`). Raises ConfigError at once for an unusable CURVE key file or a malformed endpoint.
         """
         addresses = [brains] if isinstance(brains, BrainAddress) else list(brains)
         if not addresses:

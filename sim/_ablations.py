@@ -22,7 +22,7 @@ from prismlb.wire import ENGINE_LATENCY_KEY, NodeVector, Slice, TableNode
 from ._eval import PRISM
 from ._prism import PrismPolicy
 from ._report import MISSING, _md_table, format_pct, geometric_mean
-from ._slo import Goodput
+from ._slo import SEARCH_LOW, Goodput
 from ._types import Policy
 
 
@@ -180,23 +180,35 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
 def format_ablations(rows: Sequence[Goodput]) -> str:
     """One Markdown table, a row per workload: the full Prism's goodput (utilisation at the SLO, `_slo.search`)
     and each variant's goodput over it (below 1: the part switched off was earning its keep); a last row with
-    each variant's geometric mean over the workloads."""
+    each variant's geometric mean over the workloads.
+
+    A variant that missed the SLO even at the search's lowest load has a goodput below `SEARCH_LOW`: its ratio
+    is shown as that bound ("< 0.12"), and a geometric mean taken over such bounds is itself a bound ("≤")."""
     variants = [v for v in VARIANTS if any(r.policy == v for r in rows)]
     found = {(r.trace, r.policy): r for r in rows}
     out: list[list[str]] = []
     ratios: dict[str, list[float]] = {v: [] for v in variants}
+    bounded: set[str] = set()
     for trace in dict.fromkeys(r.trace for r in rows):
         full = found.get((trace, PRISM))
         reference = 0.0 if full is None else full.utilisation
         cells = []
         for variant in variants:
             run = found.get((trace, variant))
-            ratio = run.utilisation / reference if run is not None and reference > 0 else None
-            if ratio is not None:
-                ratios[variant].append(ratio)
-            cells.append(MISSING if ratio is None else f"{ratio:.2f}")
+            if run is None or reference <= 0:
+                cells.append(MISSING)
+                continue
+            below = run.utilisation <= 0
+            ratio = (SEARCH_LOW if below else run.utilisation) / reference
+            ratios[variant].append(ratio)
+            if below:
+                bounded.add(variant)
+            cells.append(f"< {ratio:.2f}" if below else f"{ratio:.2f}")
         out.append([trace, MISSING if full is None else format_pct(reference), *cells])
-    means = [MISSING if (mean := geometric_mean(ratios[v])) is None else f"{mean:.2f}" for v in variants]
+    means = []
+    for variant in variants:
+        mean = geometric_mean(ratios[variant])
+        means.append(MISSING if mean is None else f"≤ {mean:.2f}" if variant in bounded else f"{mean:.2f}")
     out.append(["geometric mean", "", *means])
     header = ["workload", "Prism goodput %", *(f"{v} / Prism" for v in variants)]
     return _md_table(header, out, text_columns=(0,))
