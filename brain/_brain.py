@@ -223,23 +223,19 @@ class Brain:
     ) -> None:
         """Ingest (vectors, and KV blocks relayed at once), snapshots, admin, the periodic tick and heartbeats.
 
-        KV blocks come only through the brain's own receiver: the sharded ingest's workers take vectors alone and
-        count KV messages as unexpected."""
+        KV blocks come through either receiver (the sharded ingest's workers forward them in their batches)."""
         cfg = self.config
         poller = zmq.Poller()
         poller.register(receiver.socket, zmq.POLLIN)
         poller.register(publisher.snapshot_socket, zmq.POLLIN)
         watchdog = watchdog_interval_s()
         next_heartbeat = next_watchdog = next_retain = time.monotonic()
-        direct = receiver if isinstance(receiver, VectorReceiver) else None
         while not stop.is_set():
             wait = max(0.0, min(self._next_cycle, next_heartbeat, self.loads.next_due()) - time.monotonic())
             poller.poll(timeout=wait * 1000)
             now = time.monotonic()
             kv: list[KvBlocks] = []
-            self._guarded(
-                "ingest", lambda: self.ingest(receiver.drain() if direct is None else direct.drain(kv=kv), now)
-            )
+            self._guarded("ingest", lambda: self.ingest(receiver.drain(kv=kv), now))
             if kv:
                 self._guarded("kv", lambda: publisher.publish_kv(self.kv.accept(kv, now)))
             if now >= next_retain:

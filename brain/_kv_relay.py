@@ -4,12 +4,13 @@ Each accepted `KvBlocks` becomes one `KvDelta` published in the same turn of the
 cycle: a cached prefix is worth the most to the requests that follow it within the second. The relay keeps every
 node's current set, only to answer routers' snapshots (late joiners, routers that lost a delta).
 
-An agent numbers its messages (`KvBlocks.seq`, +1 each). When one is missing (dropped by a full queue) or the
-numbers go back (the agent restarted), the brain no longer knows the node's set: it tells the routers the set is
-empty (a reset with no blocks: routers fall back to their own placements for that node) and ignores the node's
-changes until its next reset, which agents send at start and every `kv_full_every_s`. A node that leaves the
-brain's registry (stale, drained) is dropped the same way, once it has had `grace_s` to send its first vector
-(an agent's KV stream can start before its first vector arrives).
+An agent numbers its messages (`KvBlocks.seq`, +1 each). One that comes early is held until the ones before it
+arrive, for `REORDER_S` at most (the sharded ingest can reorder them). When one is missing past that (dropped by a
+full queue) or the numbers go back (the agent restarted), the brain no longer knows the node's set: it tells the
+routers the set is empty (a reset with no blocks: routers fall back to their own placements for that node) and
+ignores the node's changes until its next reset, which agents send at start and every `kv_full_every_s`. A node
+that leaves the brain's registry (stale, drained) is dropped the same way, once it has had `grace_s` to send its
+first vector (an agent's KV stream can start before its first vector arrives).
 
 Bounded: at most `max_blocks` hashes over all nodes and `max_nodes` nodes. A change that would pass either is
 refused and counted (`overflow`), and the node's set is unknown until a reset that fits.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -33,6 +34,10 @@ MAX_BLOCKS = 4_000_000
 MAX_NODES = 100_000
 """Nodes held: a snapshot's end names them all, in 13 MB at most, under the 16 MiB table frame limit."""
 GRACE_S = 10.0
+REORDER_MAX = 16
+REORDER_S = 0.5
+"""A node's messages may come out of order (the sharded ingest's workers, `_shards`): up to this many that come
+early are held for up to this long for the ones before them, before those count as lost."""
 
 
 @dataclass
@@ -42,6 +47,8 @@ class _Node:
     """The agent seq expected next; None: the set is unknown until the agent's next reset."""
     first_heard: float
     block_size: int | None = None
+    early: dict[int, tuple[float, KvBlocks]] = field(default_factory=dict)
+    """Messages that came ahead of `next_seq` (by seq: when, message), held until the ones before them come."""
 
 
 class KvRelay:
@@ -80,6 +87,8 @@ class KvRelay:
             "overflow": 0,  # changes refused because they would pass max_blocks or max_nodes
             "dropped_nodes": 0,  # nodes dropped because they left the registry
             "deltas": 0,  # KvDeltas published
+            "reordered": 0,  # KvBlocks that came ahead of their node's next one and were held
+            "late": 0,  # KvBlocks that came after a later one had been applied, dropped
         }
 
     @property
@@ -99,7 +108,27 @@ class KvRelay:
         return out
 
     def _accept(self, message: KvBlocks, now: float, out: list[KvDelta]) -> None:
+        """One message in its node's order: one that comes early is held (`REORDER_MAX`, `REORDER_S`) until the
+        ones before it arrive, and one that comes late after that is dropped."""
         node = self._nodes.get(message.node_id)
+        expected = None if node is None else node.next_seq
+        if node is not None and expected is not None:
+            if not message.reset and expected < message.seq and len(node.early) < REORDER_MAX:
+                node.early[message.seq] = (now, message)
+                self.counts["reordered"] += 1
+                return
+            if not message.reset and expected - REORDER_MAX <= message.seq < expected:
+                self.counts["late"] += 1
+                return
+        self._apply(message, node, now, out)
+        node = self._nodes.get(message.node_id)
+        while node is not None and node.next_seq is not None and node.next_seq in node.early:
+            _, held = node.early.pop(node.next_seq)
+            self._apply(held, node, now, out)
+        if node is not None and node.early:
+            node.early = {} if node.next_seq is None else {s: m for s, m in node.early.items() if s > node.next_seq}
+
+    def _apply(self, message: KvBlocks, node: _Node | None, now: float, out: list[KvDelta]) -> None:
         if message.reset:
             if node is not None and node.next_seq is not None and message.seq != node.next_seq:
                 self._note_skip(node, message)
@@ -167,8 +196,15 @@ class KvRelay:
         out.append(self._delta(node_id, True, [], [], node.block_size))
 
     def retain(self, live: Collection[str], now: float) -> list[KvDelta]:
-        """Drop the nodes not in `live` (the registry's, less drained ones) heard first more than `grace_s` ago."""
+        """Drop the nodes not in `live` (the registry's, less drained ones) heard first more than `grace_s` ago,
+        and give up on messages missing for more than `REORDER_S` (the node's set is then unknown until its next
+        reset, as after any lost message)."""
         out: list[KvDelta] = []
+        for node_id, node in self._nodes.items():
+            if node.early and node.next_seq is not None and min(t for t, _ in node.early.values()) < now - REORDER_S:
+                self.counts["lost"] += min(node.early) - node.next_seq
+                node.early = {}
+                self._unknown(node_id, node, out)
         for node_id in [
             n for n, node in self._nodes.items() if n not in live and now - node.first_heard > self.grace_s
         ]:

@@ -3,18 +3,19 @@ decode in time.
 
 Agents still PUSH to one PULL endpoint. libzmq's steerable proxy, in a process of its own (so that receiving the
 agents' TCP traffic costs the brain's process nothing), fans their messages out PULL → PUSH to N worker processes
-over ipc; each worker decodes and fully validates its share (`wire.decode`), counts rejects, and forwards the
-valid payloads in batches of up to BATCH_VECTORS to the brain's PULL socket, one message per batch; the brain
-decodes each batch with one call. What moves off the brain's process is the TCP receive, one receive call per
-vector, the first validation and the reject handling; what stays is building the vector objects, the registry
-(health) and history. The proxy and the workers end when the brain's process does (they watch their parent),
-so a restarted brain can bind again.
+over ipc; each worker decodes and fully validates its share (`wire.decode`), counts rejects, and forwards the valid
+payloads (vectors, and the agents' `KvBlocks`) in batches of up to BATCH_VECTORS to the brain's PULL socket, one
+message per batch; the brain decodes each batch with one call. What moves off the brain's process is the TCP
+receive, one receive call per vector, the first validation and the reject handling; what stays is building the
+vector objects, the registry (health) and history. The proxy and the workers end when the brain's process does (they
+watch their parent), so a restarted brain can bind again.
 
 Not with CURVE: the proxy forwards the frames without the connection's `User-Id` and `Peer-Address`, so the
 identity policy could not run; the configuration refuses the combination. One node's consecutive vectors may be
 handled by different workers, so while the brain lags (several vectors of a node queued at once) they can reach it
 out of order: the registry drops the older one as a replay, and the sequence-gap count has already counted it as
-lost (bench/ingest.py: a few hundred at 5,000 nodes with a backlog, none without one).
+lost (bench/ingest.py: a few hundred at 5,000 nodes with a backlog, none without one). A node's `KvBlocks` can be
+reordered the same way; the KV relay puts them back in order (`_kv_relay`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import zmq
 
 from prismlb.wire import (
     MAX_VECTOR_BYTES,
+    KvBlocks,
     NodeVector,
     RejectCounter,
     VectorReceiver,
@@ -55,18 +57,21 @@ _MAX_FRAME = VectorReceiver.OVERSIZE_COUNTED * MAX_VECTOR_BYTES + 1024
 
 
 class _Batch(msgspec.Struct):
-    """A worker's message to the brain: rejects by kind, and the msgpack payloads of the valid vectors."""
+    """A worker's message to the brain: rejects by kind, and the msgpack payloads of the valid vectors and of
+    the valid `KvBlocks`."""
 
     rejects: dict[str, int]
     vectors: list[msgspec.Raw]
+    kv: list[msgspec.Raw] = []
 
 
 class _DecodedBatch(msgspec.Struct):
-    """`_Batch` as the brain decodes it: the payloads become vectors in the same call (range checks run again,
-    in C, cheaply; the node-id pattern and the rejects were the worker's)."""
+    """`_Batch` as the brain decodes it: the payloads become vectors and KV blocks in the same call (range checks
+    run again, in C, cheaply; the node-id pattern and the rejects were the worker's)."""
 
     rejects: dict[str, int]
     vectors: list[NodeVector]
+    kv: list[KvBlocks] = []
 
 
 _BATCH = msgspec.msgpack.Decoder(_DecodedBatch)
@@ -139,8 +144,9 @@ def _work(fan_out: str, collect: str, parent: int) -> None:
             continue
         rejects: dict[str, int] = {}
         payloads: list[msgspec.Raw] = []
+        kv: list[msgspec.Raw] = []
         deadline = time.monotonic() + BATCH_WAIT_S
-        while len(payloads) < BATCH_VECTORS:
+        while len(payloads) + len(kv) < BATCH_VECTORS:
             try:
                 frames = pull.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -149,12 +155,12 @@ def _work(fan_out: str, collect: str, parent: int) -> None:
                     break
                 continue
             try:
-                decode(frames, (NodeVector,), MAX_VECTOR_BYTES)
+                message = decode(frames, (NodeVector, KvBlocks), MAX_VECTOR_BYTES)
             except WireError as exc:
                 rejects[exc.kind] = rejects.get(exc.kind, 0) + 1
                 continue
-            payloads.append(msgspec.Raw(frames[2]))
-        push.send(encoder.encode(_Batch(rejects=rejects, vectors=payloads)))  # blocks: back-pressure
+            (payloads if isinstance(message, NodeVector) else kv).append(msgspec.Raw(frames[2]))
+        push.send(encoder.encode(_Batch(rejects=rejects, vectors=payloads, kv=kv)))  # blocks: back-pressure
 
 
 class ShardedReceiver:
@@ -197,8 +203,9 @@ class ShardedReceiver:
         self._processes.append(process)
         return process
 
-    def drain(self, limit: int = VectorReceiver.DRAIN_LIMIT) -> list[NodeVector]:
-        """Every vector the workers have forwarded, in whole batches, until at least `limit`; never blocks."""
+    def drain(self, limit: int = VectorReceiver.DRAIN_LIMIT, *, kv: list[KvBlocks] | None = None) -> list[NodeVector]:
+        """Every vector the workers have forwarded, in whole batches, until at least `limit`; never blocks. The
+        agents' `KvBlocks` go to `kv` (without it they are dropped, as `VectorReceiver.drain` counts them)."""
         out: list[NodeVector] = []
         while len(out) < limit:
             try:
@@ -211,6 +218,12 @@ class ShardedReceiver:
                 for _ in range(count):
                     self._rejects.count(kind, "a vector rejected by an ingest worker")
             out.extend(batch.vectors)
+            if batch.kv:
+                if kv is None:
+                    for _ in batch.kv:
+                        self._rejects.count("unknown_kind", "KV blocks where only vectors are taken")
+                else:
+                    kv.extend(batch.kv)
         self.backlog += 1
         return out
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from prismlb.agent._kv_events import KvChanges
 from prismlb.agent._kv_stream import KvStream
 from prismlb.brain import Brain, BrainConfig
-from prismlb.brain._kv_relay import KvRelay
+from prismlb.brain._kv_relay import REORDER_S, KvRelay
 from prismlb.router import Router
 from prismlb.wire import (
     MAX_TABLE_BYTES,
@@ -74,23 +74,40 @@ def test_relay_forwards_changes_in_order_with_its_own_numbers() -> None:
 def test_relay_gap_empties_the_node_until_its_next_reset() -> None:
     relay = KvRelay("b", 0)
     relay.accept([blocks("n1", 0, [1, 2], reset=True)], now=0.0)
-    out = relay.accept([blocks("n1", 2, [5])], now=0.0)  # seq 1 was lost
+    assert relay.accept([blocks("n1", 2, [5])], now=0.0) == []  # held: seq 1 may still come
+    assert relay.retain({"n1"}, now=REORDER_S - 0.1) == []
+    out = relay.retain({"n1"}, now=REORDER_S + 0.1)  # seq 1 never came
     assert [(d.node_id, d.reset, d.stored) for d in out] == [("n1", True, [])]
     assert relay.counts["lost"] == 1 and relay.blocks("n1") == frozenset()
-    assert relay.accept([blocks("n1", 3, [6])], now=0.0) == []
+    assert relay.accept([blocks("n1", 3, [6])], now=1.0) == []
     assert relay.counts["awaiting_reset"] == 1
-    out = relay.accept([blocks("n1", 4, [7, 8], reset=True), blocks("n1", 5, [9])], now=0.0)
+    out = relay.accept([blocks("n1", 4, [7, 8], reset=True), blocks("n1", 5, [9])], now=1.0)
     assert [d.reset for d in out] == [True, False] and relay.blocks("n1") == {7, 8, 9}
+
+
+def test_relay_puts_a_nodes_reordered_messages_back_in_order() -> None:
+    relay = KvRelay("b", 0)
+    relay.accept([blocks("n1", 0, [1], reset=True)], now=0.0)
+    out = relay.accept([blocks("n1", 2, [3]), blocks("n1", 3, [4], [2]), blocks("n1", 1, [2])], now=0.0)
+    assert [(d.stored, d.removed) for d in out] == [([2], []), ([3], []), ([4], [2])], "applied in the agent's order"
+    assert relay.blocks("n1") == {1, 3, 4} and relay.counts["reordered"] == 2 and relay.counts["lost"] == 0
+    assert relay.accept([blocks("n1", 2, [9])], now=0.0) == [] and relay.counts["late"] == 1, "a duplicate is late"
+    assert relay.retain({"n1"}, now=10.0) == []
 
 
 def test_relay_agent_restart_is_seen_when_the_sequence_goes_back() -> None:
     relay = KvRelay("b", 0)
     relay.accept([blocks("n1", 0, [1], reset=True), blocks("n1", 1, [2]), blocks("n1", 2, [3])], now=0.0)
-    out = relay.accept([blocks("n1", 0, [7])], now=0.0)  # a restarted agent's plain change: set unknown
-    assert relay.counts["restarts"] == 1 and [(d.reset, d.stored) for d in out] == [(True, [])]
-    relay.accept([blocks("n1", 0, [1], reset=True), blocks("n1", 1, [2])], now=0.0)
-    relay.accept([blocks("n1", 0, [5], reset=True)], now=0.0)  # restarted again, starting with its reset
+    assert relay.accept([blocks("n1", 0, [7])], now=0.0) == []  # within the reorder window: taken as late
+    assert relay.counts["late"] == 1 and relay.blocks("n1") == {1, 2, 3}
+    relay.accept([blocks("n1", 0, [1], reset=True), blocks("n1", 1, [2])], now=0.0)  # the restart's own reset
+    assert relay.counts["restarts"] == 1 and relay.blocks("n1") == {1, 2}
+    relay.accept([blocks("n1", 0, [5], reset=True)], now=0.0)  # restarted again
     assert relay.counts["restarts"] == 2 and relay.blocks("n1") == {5}
+    for seq in range(1, 40):
+        relay.accept([blocks("n1", seq, [100 + seq])], now=0.0)
+    out = relay.accept([blocks("n1", 1, [7])], now=0.0)  # far behind the window: a restart without its reset
+    assert relay.counts["restarts"] == 3 and [(d.reset, d.stored) for d in out] == [(True, [])]
 
 
 def test_relay_drops_nodes_that_left_the_registry_after_their_grace() -> None:
@@ -209,6 +226,7 @@ class Hub:
             kv: list[KvBlocks] = []
             self.receiver.drain(kv=kv)
             self.publisher.publish_kv(self.relay.accept(kv, time.monotonic()))
+            self.publisher.publish_kv(self.relay.retain({"n1", "n2"}, time.monotonic()))
             self.publisher.serve_snapshots()
             if time.monotonic() >= next_heartbeat:
                 next_heartbeat = time.monotonic() + 0.5
@@ -349,7 +367,8 @@ def test_routers_without_the_prefix_index_do_not_receive_deltas(hub: Hub) -> Non
         router.close()
 
 
-def test_brain_service_relays_kv_blocks_to_a_router() -> None:
+@pytest.mark.parametrize("workers", [0, 2], ids=["direct", "sharded"])
+def test_brain_service_relays_kv_blocks_to_a_router(workers: int) -> None:
     config = BrainConfig(
         ingest=f"tcp://127.0.0.1:{free_port()}",
         updates=f"tcp://127.0.0.1:{free_port()}",
@@ -357,6 +376,7 @@ def test_brain_service_relays_kv_blocks_to_a_router() -> None:
         train_budget_s=0.0,
         admin_port=0,
         cycle_s=0.05,
+        ingest_workers=workers,
     )
     brain = Brain(config, CollectorRegistry())
     stop = threading.Event()
