@@ -26,6 +26,7 @@ from prismlb.wire import (
     ConfigError,
     EndpointNotAllowedError,
     EndpointRule,
+    KvBlocks,
     NodeMetrics,
     NodeVector,
     RejectCounter,
@@ -139,6 +140,21 @@ def test_a_node_claiming_another_nodes_id_is_rejected_and_counted(
     assert set(ingest.rejects.counts()) == {"spoofed_identity"}
     logged = [r.getMessage() for r in caplog.records if "spoofed_identity" in r.getMessage()]
     assert len(logged) == 1 and "key of node-a" in logged[0] and "node-b" in logged[0]
+
+
+def test_kv_blocks_are_taken_only_under_their_nodes_key(ingest: Ingest) -> None:
+    """A node's KV blocks carry no endpoint: the key must be filed under the node id they claim (`check_node`)."""
+    kv: list[KvBlocks] = []
+    deadline = time.monotonic() + 5.0
+    seq = 0
+    while time.monotonic() < deadline and not (kv and ingest.rejects.counts().get("spoofed_identity", 0) >= 3):
+        seq += 1
+        ingest.senders["node-a"].send(KvBlocks(node_id="node-a", seq=seq, stored=[seq]))
+        ingest.senders["node-a"].send(KvBlocks(node_id="node-b", seq=seq, stored=[seq]))
+        ingest.receiver.socket.poll(20)
+        ingest.receiver.drain(kv=kv)
+    assert kv and {message.node_id for message in kv} == {"node-a"}
+    assert set(ingest.rejects.counts()) == {"spoofed_identity"}
 
 
 def test_each_node_is_accepted_under_its_own_key(ingest: Ingest) -> None:
