@@ -2,7 +2,8 @@
 
 A router knows only the requests it placed itself. With many routers embedded in callers, each sees a fraction of
 every node's queue, and all of them send the next long prompt to the node that looks idle to each: with 16
-routers on eight nodes the replay's TTFT p99 was several times one router's (docs/router.md). So every router
+routers on eight nodes the replay's goodput fell to 0.14–0.50 of one router's on five of six workloads
+(docs/router.md). So every router
 reports its own queued prefill tokens per node (`RouterLoad`, its whole figure each time) and the relay publishes
 the sums over every router heard within `expiry_s`: when they changed, at most every `publish_s`, and at least
 every `refresh_s` so that routers can tell a quiet cluster from a silent brain. A router subtracts its own last
