@@ -171,8 +171,8 @@ def test_eval_ablations_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     row = next(line for line in printed.splitlines() if line.startswith("| mooncake |"))
     cells = row.strip("| ").split(" | ")
     assert float(cells[1]) > 0, "the full Prism passes the SLO at some load"
-    ratios = [float(cell) for cell in cells[2:]]
-    assert len(ratios) == len(VARIANTS) and all(r >= 0 for r in ratios) and any(r > 0 for r in ratios)
+    ratios = [float(cell.removeprefix("< ")) for cell in cells[2:]]  # "< x": the variant missed even at 10% load
+    assert len(ratios) == len(VARIANTS) and all(r > 0 for r in ratios)
     assert "| geometric mean |" in printed and "Goodput:" not in printed
     assert f"{1 + len(VARIANTS)} goodput searches" in printed
     with pytest.raises(SystemExit, match="--policies must name prism"):
