@@ -1,11 +1,12 @@
-"""Shared fixtures: free loopback ports and a zmq context."""
+"""Shared fixtures: free loopback ports, a zmq context, and waiting for a condition."""
 
 from __future__ import annotations
 
 import importlib
 import os
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import zmq
@@ -15,6 +16,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Poll `check` every 5 ms until it holds or `timeout_s` passes; its last answer (assert on it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.005)
+    return check()
 
 
 @pytest.fixture

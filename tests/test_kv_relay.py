@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import zmq
@@ -36,7 +36,7 @@ from prismlb.wire import (
     split_kv_changes,
 )
 
-from .conftest import free_port
+from .conftest import free_port, wait_for
 
 LOG = logging.getLogger("test")
 
@@ -47,15 +47,6 @@ def blocks(
     return KvBlocks(
         node_id=node, seq=seq, reset=reset, block_size_tokens=16, stored=list(stored), removed=list(removed)
     )
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.005)
-    return check()
 
 
 # --- KvRelay -------------------------------------------------------------------------------------------------

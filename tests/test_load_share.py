@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 import zmq
 from prometheus_client import CollectorRegistry
@@ -32,7 +31,7 @@ from prismlb.wire import (
     encode,
 )
 
-from .conftest import free_port
+from .conftest import free_port, wait_for
 
 BLOCK = 16
 PROMPT = list(range(64 * BLOCK))
@@ -55,15 +54,6 @@ def report(router_id: str, seq: int, **loads: float) -> RouterLoad:
 def table(*names: str) -> RoutingTable:
     nodes = [TableNode(node_id=n, endpoint=f"http://{n}:8000", weight=1.0) for n in names]
     return RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="llm", nodes=nodes)])
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.005)
-    return check()
 
 
 # --- the brain's relay ---------------------------------------------------------------------------------------
