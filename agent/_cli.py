@@ -71,6 +71,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--engine-url", help="the inference engine's Prometheus /metrics URL (PRISM_ENGINE_URL)")
     parser.add_argument("--kv-events", help="the engine's KV-event ZeroMQ publisher, tcp://HOST:PORT (PRISM_KV_EVENTS)")
     parser.add_argument("--kv-replay", help="the engine's KV-event replay endpoint (PRISM_KV_REPLAY)")
+    parser.add_argument(
+        "--kv-full-every",
+        help="seconds between sends of the node's whole KV block set to the brain (60; PRISM_KV_FULL_EVERY_S)",
+    )
     parser.add_argument("--config", help="TOML settings file; flags and PRISM_* variables override it (PRISM_AGENT_CONFIG)")
     parser.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, help="log level (default: INFO)")
     parser.add_argument("--print-bpf", action="store_true", help="print the BPF program and exit")

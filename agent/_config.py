@@ -67,7 +67,7 @@ FILE_KEYS = frozenset(
     {
         "node_id", "host", "endpoint", "brain", "zone", "labels", "period", "ebpf", "curve_secret", "brain_public",
         "metrics_port", "metrics_addr", "otlp_host", "otlp_grpc_port", "otlp_http_port", "trace_port", "trace_pid",
-        "join_delay", "engine_url", "kv_events", "kv_replay",
+        "join_delay", "engine_url", "kv_events", "kv_replay", "kv_full_every",
     }
 )
 
@@ -310,4 +310,6 @@ def _engine(src: _Sources) -> dict[str, Any]:
             _check_zmq(value, source, "KV-event endpoint")
     if kv_replay is not None and kv_events is None:
         raise ConfigError(f"{replay_source} given without --kv-events (PRISM_KV_EVENTS)")
-    return {"engine_url": url, "kv_events": kv_events, "kv_replay": kv_replay}
+    raw_full, full_source = src.pick("kv_full_every", "--kv-full-every", "PRISM_KV_FULL_EVERY_S")
+    full_every = _period(raw_full, full_source) if raw_full is not None else AgentConfig.kv_full_every_s
+    return {"engine_url": url, "kv_events": kv_events, "kv_replay": kv_replay, "kv_full_every_s": full_every}

@@ -43,6 +43,7 @@ def test_file_then_env_then_flag(tmp_path: Path) -> None:
         ('ebpf = "yes"\n', "true or false"),
         ('kv_replay = "tcp://127.0.0.1:1"\n', "without --kv-events"),
         ('engine_url = "ftp://x"\n', "http://HOST:PORT"),
+        ("kv_full_every = 0\n", "positive number of seconds"),
     ],
 )
 def test_bad_files_are_config_errors(tmp_path: Path, text: str, message: str) -> None:
@@ -53,3 +54,13 @@ def test_bad_files_are_config_errors(tmp_path: Path, text: str, message: str) ->
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         resolve_config(argparse.Namespace(config=str(tmp_path / "nope.toml")), {})
+
+
+def test_kv_full_every_from_file_env_and_flag(tmp_path: Path) -> None:
+    assert resolve_config(argparse.Namespace(), {}).kv_full_every_s == 60.0
+    path = write(tmp_path, "kv_full_every = 30\n")
+    assert resolve_config(argparse.Namespace(config=str(path)), {}).kv_full_every_s == 30.0
+    env = {"PRISM_KV_FULL_EVERY_S": "15"}
+    assert resolve_config(argparse.Namespace(config=str(path)), env).kv_full_every_s == 15.0
+    flag = argparse.Namespace(config=str(path), kv_full_every="5")
+    assert resolve_config(flag, env).kv_full_every_s == 5.0
