@@ -320,6 +320,8 @@ class Router:
         pending = self._placed_out
         while pending and room > 0:
             node_id, blocks = pending.popleft()
+            if len(blocks) > room:  # the rest of this prompt's blocks go first in the next report
+                pending.appendleft((node_id, blocks[room:]))
             placed.append(Placed(node_id=node_id, blocks=list(blocks[:room])))
             room -= len(placed[-1].blocks)
         if loads == self._reported and not placed and not force:

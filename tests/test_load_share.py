@@ -16,6 +16,7 @@ from prismlb.sim._families import family_workload
 from prismlb.sim._prism import PrismPolicy
 from prismlb.sim._workload import scale_to_utilisation
 from prismlb.wire import (
+    MAX_PLACED_BLOCKS,
     MAX_ROUTER_LOAD_NODES,
     BrainAddress,
     ClusterLoad,
@@ -122,6 +123,16 @@ def test_router_reports_its_heaviest_nodes_past_the_message_cap() -> None:
     sent = r.load_report()
     assert sent is not None and len(sent.loads) == MAX_ROUTER_LOAD_NODES
     assert min(sent.loads.values()) == 11.0, "the ten lightest are left out"
+
+
+def test_a_placement_past_the_reports_cap_goes_on_in_the_next_report() -> None:
+    r = Router.from_table(table("a", "b"))
+    long_prompt = tuple(range(1, MAX_PLACED_BLOCKS + 101))
+    r._placed_out.append(("a", long_prompt))
+    first, second = r.load_report(), r.load_report()
+    assert first is not None and second is not None
+    assert [len(p.blocks) for p in first.placed] == [MAX_PLACED_BLOCKS]
+    assert second.placed[0].blocks == list(long_prompt[MAX_PLACED_BLOCKS:]) and r.load_report() is None
 
 
 def test_peers_queue_steers_placement_until_it_goes_stale() -> None:
