@@ -56,7 +56,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -68,7 +68,7 @@ from prometheus_client import CollectorRegistry
 from prismlb.brain import Brain, BrainConfig
 from prismlb.router import AsyncPrismTransport, Router, Settings
 from prismlb.sim._ablations import FlatWeightsBrain, NoHealthBrain
-from prismlb.sim._demo import free_port, percentile, spawn, stop
+from prismlb.sim._demo import free_port, percentile, signals_interrupt, spawn, stop
 from prismlb.wire import BrainAddress, RoutingTable, Slice
 
 PORT = 8000
@@ -366,20 +366,13 @@ def start_agents(stack: contextlib.ExitStack, nodes: Sequence[Node], ingest: str
         agents.append(node.agent)
 
 
-def _here(argv: Sequence[str], stdin: str | None = None) -> str:
-    done = subprocess.run(argv, input=stdin, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited with {done.returncode}: {done.stderr.strip()}")
-    return done.stdout
-
-
 class Loss:
     """The loss rule on one side of a node's link (`loss_table`): `apply`, `remove` (idempotent, also after a
     failure); `dropped` is the rule's packet counter, read before its removal."""
 
     def __init__(self, node: Node, drop_percent: float, direction: str) -> None:
         self.name, self.text = loss_table(drop_percent, direction, node.ns.address)
-        self.run = node.ns.run if direction == "to-node" else _here
+        self.run = node.ns.run if direction == "to-node" else _netns()._run
         self.applied = False
         self.dropped: int | None = None
 
@@ -653,22 +646,6 @@ def timeline(run: Run) -> str:
 # --- main -------------------------------------------------------------------------------------------------
 
 
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _signals_interrupt() -> Iterator[None]:
-    """SIGINT and SIGTERM stop the run through the same clean-up (SIGINT set explicitly: a shell without job
-    control starts a background command with SIGINT ignored)."""
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--nodes", type=int, default=3)
@@ -736,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     runs: list[Run] = []
     status = 0
-    with _signals_interrupt():
+    with signals_interrupt():
         try:
             with contextlib.ExitStack() as stack:
                 ingest = f"tcp://127.0.0.1:{free_port()}"

@@ -31,12 +31,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +59,7 @@ from prismlb.sim._demo import (
     percentile,
     prefill_work_s,
     prefix_cache_bound,
+    signals_interrupt,
     spawn,
     stop,
 )
@@ -359,22 +359,6 @@ def agreement(outcomes: Sequence[Outcome], replayed: dict[str, float]) -> list[s
     return lines
 
 
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _signals_interrupt() -> Iterator[None]:
-    """SIGINT and SIGTERM stop the run through the same clean-up. SIGINT is set explicitly: a shell without job
-    control starts a background command with SIGINT ignored, and Python then leaves it ignored."""
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
@@ -403,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     outcomes: list[Outcome] = []
     status = 0
-    with _signals_interrupt():
+    with signals_interrupt():
         try:
             packages = sorted({c.package for c in contenders if c.package is not None})
             versions = install_peers(args.venv, packages, logs / "pip.log") if packages else {}

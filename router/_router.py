@@ -116,6 +116,9 @@ class Router:
             if self.settings.prefix_memory and self.settings.load == "prefill"
             else None
         )
+        self.shares_load = self.settings.share_load and self.settings.load == "prefill"
+        """Whether this router reports its queued prefill and placements and counts its peers' (`Settings.share_load`,
+        with `load="prefill"`)."""
         self.router_id = uuid.uuid4().hex
         """This router's name in its load reports (new at every start: a restarted router is a new peer)."""
         self._load_seq = 0
@@ -296,12 +299,6 @@ class Router:
             self.index.stored(node_id, stored)
 
     # --- queued prefill shared with peer routers ------------------------------------------------------------
-
-    @property
-    def shares_load(self) -> bool:
-        """Whether this router reports its queued prefill and counts its peers' (`Settings.share_load`, with
-        `load="prefill"`)."""
-        return self.settings.share_load and self.settings.load == "prefill"
 
     def load_report(self, force: bool = False) -> RouterLoad | None:
         """A report for the brain: this router's queued prefill work per node (prompt tokens sent there without a

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -966,6 +966,19 @@ async def _main(demo: Demo) -> None:
 
 def _raise_interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt inside the block, so that a script stops through its own clean-up.
+    SIGINT is set explicitly: a shell without job control starts a background command with SIGINT ignored, and
+    Python then leaves it ignored."""
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 # --- one engine per process -------------------------------------------------------------------------------

@@ -1,15 +1,22 @@
-"""Shared fixtures: free loopback ports, a zmq context, and waiting for a condition."""
+"""Shared fixtures: free loopback ports, a zmq context, a running brain, and waiting for a condition."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import zmq
+from prometheus_client import CollectorRegistry
+
+if TYPE_CHECKING:
+    from prismlb.brain import Brain
 
 
 def free_port() -> int:
@@ -26,6 +33,32 @@ def wait_for(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.005)
     return check()
+
+
+@contextlib.contextmanager
+def running_brain(**config: Any) -> Iterator[Brain]:
+    """The brain service in a thread on fresh loopback ports (no admin port, no training, 50 ms cycles unless
+    `config` says otherwise), stopped on the way out, its thread checked to have ended."""
+    from prismlb.brain import Brain, BrainConfig
+
+    defaults: dict[str, Any] = {
+        "ingest": f"tcp://127.0.0.1:{free_port()}",
+        "updates": f"tcp://127.0.0.1:{free_port()}",
+        "snapshot": f"tcp://127.0.0.1:{free_port()}",
+        "train_budget_s": 0.0,
+        "admin_port": 0,
+        "cycle_s": 0.05,
+    }
+    brain = Brain(BrainConfig(**(defaults | config)), CollectorRegistry())
+    stop = threading.Event()
+    thread = threading.Thread(target=brain.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield brain
+    finally:
+        stop.set()
+        thread.join(timeout=20)
+    assert not thread.is_alive()
 
 
 @pytest.fixture

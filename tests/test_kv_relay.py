@@ -9,11 +9,9 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import zmq
-from prometheus_client import CollectorRegistry
 
 from prismlb.agent._kv_events import KvChanges
 from prismlb.agent._kv_stream import KvStream
-from prismlb.brain import Brain, BrainConfig
 from prismlb.brain._kv_relay import REORDER_S, KvRelay
 from prismlb.router import Router
 from prismlb.wire import (
@@ -36,7 +34,7 @@ from prismlb.wire import (
     split_kv_changes,
 )
 
-from .conftest import free_port, wait_for
+from .conftest import free_port, running_brain, wait_for
 
 LOG = logging.getLogger("test")
 
@@ -360,23 +358,12 @@ def test_routers_without_the_prefix_index_do_not_receive_deltas(hub: Hub) -> Non
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["direct", "sharded"])
 def test_brain_service_relays_kv_blocks_to_a_router(workers: int) -> None:
-    config = BrainConfig(
-        ingest=f"tcp://127.0.0.1:{free_port()}",
-        updates=f"tcp://127.0.0.1:{free_port()}",
-        snapshot=f"tcp://127.0.0.1:{free_port()}",
-        train_budget_s=0.0,
-        admin_port=0,
-        cycle_s=0.05,
-        ingest_workers=workers,
-    )
-    brain = Brain(config, CollectorRegistry())
-    stop = threading.Event()
-    thread = threading.Thread(target=brain.run, args=(stop,), daemon=True)
-    thread.start()
-    ctx = zmq.Context()
-    sender = VectorSender(ctx, config.ingest)
-    router = Router.connect(BrainAddress(config.updates, config.snapshot))
-    try:
+    with (
+        running_brain(ingest_workers=workers) as brain,
+        zmq.Context() as ctx,
+        VectorSender(ctx, brain.config.ingest) as sender,
+        Router.connect(BrainAddress(brain.config.updates, brain.config.snapshot)) as router,
+    ):
         vector = NodeVector(
             node_id="n1",
             host="h",
@@ -395,13 +382,6 @@ def test_brain_service_relays_kv_blocks_to_a_router(workers: int) -> None:
         assert brain.kv.counts["messages"] == 2
         metrics = brain.metrics.get_sample_value("prism_brain_kv_total", {"kind": "deltas"})
         assert metrics == 2
-    finally:
-        router.close()
-        sender.close()
-        ctx.term()
-        stop.set()
-        thread.join(timeout=20)
-    assert not thread.is_alive()
 
 
 def test_kv_stream_sends_a_reset_soon_after_a_drop_and_periodically(ctx: zmq.Context) -> None:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import zmq
-from prometheus_client import CollectorRegistry
 
-from prismlb.brain import Brain, BrainConfig, LoadRelay
+from prismlb.brain import LoadRelay
 from prismlb.router import Request, Router, Settings, block_hashes
 from prismlb.sim._cluster import Simulation
 from prismlb.sim._eval import TEXT_CLUSTER, capacity
@@ -32,7 +30,7 @@ from prismlb.wire import (
     encode,
 )
 
-from .conftest import free_port, wait_for
+from .conftest import free_port, running_brain, wait_for
 
 BLOCK = 16
 PROMPT = list(range(64 * BLOCK))
@@ -188,59 +186,37 @@ def test_router_subtracts_its_own_report_from_the_sums() -> None:
 
 
 def test_two_routers_see_each_others_queue_through_the_brain() -> None:
-    config = BrainConfig(
-        ingest=f"tcp://127.0.0.1:{free_port()}",
-        updates=f"tcp://127.0.0.1:{free_port()}",
-        snapshot=f"tcp://127.0.0.1:{free_port()}",
-        train_budget_s=0.0,
-        admin_port=0,
-        cycle_s=0.05,
-    )
-    brain = Brain(config, CollectorRegistry())
-    stop = threading.Event()
-    thread = threading.Thread(target=brain.run, args=(stop,), daemon=True)
-    thread.start()
-    ctx = zmq.Context()
-    sender = VectorSender(ctx, config.ingest)
-    address = BrainAddress(config.updates, config.snapshot)
-    one, two = Router.connect(address), Router.connect(address)
-    try:
-        for seq, name in enumerate(("n1", "n2")):
-            sender.send(
-                NodeVector(
-                    node_id=name,
-                    host=name,
-                    endpoint=f"http://{name}:8000",
-                    seq=seq,
-                    sample_time_unix_s=time.time(),
-                    period_s=1.0,
-                    metrics=NodeMetrics(cpu_util_ratio=0.1, requests_running=0, requests_waiting=0),
+    with running_brain() as brain, zmq.Context() as ctx, VectorSender(ctx, brain.config.ingest) as sender:
+        address = BrainAddress(brain.config.updates, brain.config.snapshot)
+        with Router.connect(address) as one, Router.connect(address) as two:
+            for seq, name in enumerate(("n1", "n2")):
+                sender.send(
+                    NodeVector(
+                        node_id=name,
+                        host=name,
+                        endpoint=f"http://{name}:8000",
+                        seq=seq,
+                        sample_time_unix_s=time.time(),
+                        period_s=1.0,
+                        metrics=NodeMetrics(cpu_util_ratio=0.1, requests_running=0, requests_waiting=0),
+                    )
                 )
-            )
-        assert one.wait_for_table(15) and two.wait_for_table(15)
-        assert wait_for(lambda: all(len(r.status()) == 2 for r in (one, two)))
-        request = Request(blocks=BLOCKS, cost=len(PROMPT), block_size=BLOCK)
-        lease = one.request(request)
-        lease.begin()
-        busy = lease.node_id
-        assert wait_for(lambda: two._peer_load.get(busy) == float(len(PROMPT)))
-        assert two.index.match(list(BLOCKS), time.monotonic()) == {busy: len(BLOCKS)}, "the placement is shared"
-        other = Request(blocks=OTHER, cost=len(PROMPT), block_size=BLOCK)
-        assert two.route(other).node_id != busy, "the second router sends another prompt to the idle node"
-        assert one._peer_load.get(busy) is None, "a router does not count its own work twice"
-        lease.first_token()
-        assert wait_for(lambda: busy not in two._peer_load)
-        assert brain.loads.routers == 2
-        published = brain.metrics.get_sample_value("prism_brain_router_load_total", {"kind": "published"})
-        assert published is not None and published >= 2
-    finally:
-        one.close()
-        two.close()
-        sender.close()
-        ctx.term()
-        stop.set()
-        thread.join(timeout=20)
-    assert not thread.is_alive()
+            assert one.wait_for_table(15) and two.wait_for_table(15)
+            assert wait_for(lambda: all(len(r.status()) == 2 for r in (one, two)))
+            request = Request(blocks=BLOCKS, cost=len(PROMPT), block_size=BLOCK)
+            lease = one.request(request)
+            lease.begin()
+            busy = lease.node_id
+            assert wait_for(lambda: two._peer_load.get(busy) == float(len(PROMPT)))
+            assert two.index.match(list(BLOCKS), time.monotonic()) == {busy: len(BLOCKS)}, "the placement is shared"
+            other = Request(blocks=OTHER, cost=len(PROMPT), block_size=BLOCK)
+            assert two.route(other).node_id != busy, "the second router sends another prompt to the idle node"
+            assert one._peer_load.get(busy) is None, "a router does not count its own work twice"
+            lease.first_token()
+            assert wait_for(lambda: busy not in two._peer_load)
+            assert brain.loads.routers == 2
+            published = brain.metrics.get_sample_value("prism_brain_router_load_total", {"kind": "published"})
+            assert published is not None and published >= 2
 
 
 def test_routers_that_do_not_share_load_send_and_take_nothing() -> None:
