@@ -537,10 +537,10 @@ class Router:
             self._sessions.put(request.session, label, endpoint.node_id, endpoint.model_version, context, now)
         if memory is not None and key is not None:
             memory.put(key, label, request.cost)
-        units = request.cost - self._cached(request, depths.get(endpoint.node_id, 0))
+        depth = depths.get(endpoint.node_id, 0)
+        units = request.cost - self._cached(request, depth)
         if remember and blocks:
             self.index.placed(endpoint.node_id, blocks, now)
-            depth = depths.get(endpoint.node_id, 0)
             if depth < len(blocks) and self.shares_load:
                 self._placed_out.append((endpoint.node_id, blocks[depth:]))
         return group, index, moved_from, context, units
