@@ -182,6 +182,47 @@ def test_router_subtracts_its_own_report_from_the_sums() -> None:
     assert r._peer_load == {lease.node_id: 300.0}
 
 
+def _prompt(n: int) -> Request:
+    tokens = [t + 1_000_000 * n for t in range(1000)]
+    return Request(blocks=tuple(block_hashes(tokens, BLOCK)), cost=len(tokens), block_size=BLOCK)
+
+
+def _echo_run(routers: int) -> tuple[str, str]:
+    """Where a router puts two new prompts after its peers' sums arrive: 'a' holds this router's 1,000 tokens
+    and 3,500 of its peers', 'b' 2,000 of its peers'."""
+    clock = Clock()
+    r = Router.from_table(table("a", "b"), clock=clock)
+    r.apply_cluster_load({"b": 100_000.0})
+    r.request(_prompt(0)).begin()  # lands on the idle 'a'
+    mine = r.load_report()
+    assert mine is not None and mine.loads == {"a": 1000.0}
+    r.apply_cluster_load({"a": 4500.0, "b": 2000.0}, routers=routers)
+    first = r.request(_prompt(1))
+    first.begin()
+    return first.node_id, r.request(_prompt(2)).node_id
+
+
+def test_peers_are_taken_to_place_alike_until_their_next_sums() -> None:
+    # With three peers queueing 5,500 tokens to this router's 1,000, each token it places counts as three of
+    # theirs too until the next sums: a burst it places is spread as the peers' part of it would be.
+    assert _echo_run(routers=4) == ("b", "a")
+    # Alone (the sums are its own) it counts only what it knows: both go to the emptier 'b'.
+    assert _echo_run(routers=1) == ("b", "b")
+
+
+def test_new_sums_replace_the_echo_of_placements() -> None:
+    clock = Clock()
+    r = Router.from_table(table("a", "b"), clock=clock)
+    sums = {"a": 6000.0, "b": 8500.0}
+    r.apply_cluster_load(sums, routers=4)  # busy peers, an idle router: each token it places echoes three times
+    first = r.request(_prompt(1))
+    first.begin()
+    assert first.node_id == "a"
+    assert r.route(_prompt(2)).node_id == "b", "a: 6,000 + 1,000 + 3 × 1,000 echoed + 1,000 over b's 9,500"
+    r.apply_cluster_load(sums, routers=4)  # the next sums: the peers placed nothing meanwhile after all
+    assert r.route(_prompt(2)).node_id == "a", "a: 8,000 with the echo gone"
+
+
 # --- over ZeroMQ, through the brain service -----------------------------------------------------------------
 
 
