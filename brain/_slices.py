@@ -24,6 +24,10 @@ Pools are tiered: a slice's pool is its preferred nodes while any is live, with 
 | rag | vector-database host | — | llm |
 
 A table names, for each empty slice, the nearest non-empty slice along that chain as its fallback.
+
+A non-empty slice also lists, as overflow entries, the other nodes whose model serves it (`slices` label,
+default every slice): an H100 without an AV1 codec can still decode audio and video, only it is kept for images.
+Routers send a slice's requests there only while its pool is expected to be much slower (`Settings.overflow`).
 """
 
 from __future__ import annotations
@@ -147,6 +151,18 @@ def pools(vectors: Iterable[NodeVector]) -> dict[Slice, list[str]]:
             or (fit[slice_] == Tier.ACCEPTABLE and (not preferred or node_id in generalists))
         ]
     return result
+
+
+def overflow(vectors: Iterable[NodeVector], members: Mapping[Slice, Collection[str]]) -> dict[Slice, list[str]]:
+    """Node ids per slice, in input order: the nodes outside the slice's pool (`members`, from `pools`) whose
+    model serves it; none for an empty pool, whose requests take its fallback slice."""
+    described = [(vector.node_id, capabilities(vector).slices) for vector in vectors]
+    return {
+        slice_: [node_id for node_id, served in described if slice_ in served and node_id not in pool]
+        if (pool := set(members.get(slice_, ())))
+        else []
+        for slice_ in _SLICES
+    }
 
 
 def fallback(slice_: Slice, nonempty: Collection[Slice]) -> Slice | None:

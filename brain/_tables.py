@@ -34,7 +34,7 @@ WEIGHT_THRESHOLD = 0.05
 WEIGHT_FLOOR = 0.05
 _log = logging.getLogger("prism.brain")
 
-_Identity = tuple[str, int | None, str, str, str, int | None, float | None]
+_Identity = tuple[str, int | None, str, str, str, int | None, float | None, bool]
 
 
 def _identity(node: TableNode) -> _Identity:
@@ -48,6 +48,7 @@ def _identity(node: TableNode) -> _Identity:
         node.model_version,
         node.numa_node,
         node.prefill_tokens_per_s,
+        node.overflow,
     )
 
 

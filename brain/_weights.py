@@ -39,6 +39,9 @@ The held weight is `raw` rounded to steps of 0.05, never below 0.05 (a live node
 traffic, so its latency stays measured) nor above 1.0, and moves only when `raw` drifts more than 0.075 from
 it. Topology-aware slices (`_topology`) hold one weight per GPU, `raw` × the GPU's PCIe factor.
 
+A slice's overflow entries (nodes outside its pool whose model serves it, `_slices.overflow`) are weighed the
+same way, their quality against the pool's best (at most 1) and their τ̂ against their own median.
+
 Each entry also carries the node's `model_version` label, its load (requests_running + requests_waiting,
 whichever are known; split evenly over per-GPU entries), the predictor's P99 for the slice, if any, and its
 prefill speed (`prefill_rate`), which routers weigh a node's queued prompt tokens by.
@@ -53,7 +56,7 @@ from collections.abc import Iterable, Mapping
 from prismlb.wire import ENGINE_LATENCY_KEY, MAX_MS, MAX_TABLE_VALUE, NodeVector, Slice, TableNode
 
 from ._registry import EntryKey, NodeState
-from ._slices import pools
+from ._slices import overflow, pools
 from ._topology import TOPOLOGY_SLICES, WHOLE_NODE, gpu_entries
 
 TAU0_MS: Mapping[Slice, float] = {Slice.LLM: 800.0, Slice.VLM: 1200.0, Slice.AV: 250.0, Slice.RAG: 800.0}
@@ -172,14 +175,19 @@ def compute_weights(
     held: dict[str, dict[EntryKey, float]] = {node_id: {} for node_id in states}
     rates = prefill_rates(states)
     result: dict[Slice, list[TableNode]] = {}
-    for slice_, members in pools(s.vector for s in states.values()).items():
-        pool = [states[node_id] for node_id in sorted(members)]
+    members = pools(s.vector for s in states.values())
+    extra = overflow((s.vector for s in states.values()), members)
+    for slice_, pool_ids in members.items():
+        pool = [states[node_id] for node_id in sorted(pool_ids)]
+        spill_ids = set(extra[slice_])
+        spill = [states[node_id] for node_id in sorted(spill_ids)]
         sens = _sensitivities(pool, predictions, slice_, tau0_ms[slice_])
+        sens |= _sensitivities(spill, predictions, slice_, tau0_ms[slice_])
         best = max((state.quality for state in pool), default=0.0)
         entries: list[TableNode] = []
-        for state in pool:
+        for state in pool + spill:
             vector = state.vector
-            raw = (state.quality / best if best > 0 else 1.0) * sens[vector.node_id]
+            raw = min(1.0, state.quality / best if best > 0 else 1.0) * sens[vector.node_id]
             load = _load(vector)
             predicted = _predicted(predictions, vector.node_id, slice_)
             rate = rates.get(vector.node_id)
@@ -200,6 +208,7 @@ def compute_weights(
                         prefill_tokens_per_s=None if rate is None else rate * entry.share,
                         gpu=entry.gpu,
                         numa_node=entry.numa_node,
+                        overflow=vector.node_id in spill_ids,
                     )
                 )
         result[slice_] = entries

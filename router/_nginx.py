@@ -29,10 +29,14 @@ def _block(name: str, source: SliceTable, max_fails: int, fail_timeout_s: float,
     weights: dict[str, float] = {}
     nodes: dict[str, list[str]] = {}
     skipped: list[str] = []
+    spill: dict[str, list[str]] = {}
     for node in source.nodes:
         server = _server(node.endpoint)
         if server is None:
             skipped.append(node.node_id)
+            continue
+        if node.overflow:
+            spill.setdefault(server, []).append(node.node_id)
             continue
         weights[server] = weights.get(server, 0.0) + node.weight  # one server per address: its GPU entries add up
         nodes.setdefault(server, []).append(node.node_id)
@@ -45,6 +49,15 @@ def _block(name: str, source: SliceTable, max_fails: int, fail_timeout_s: float,
             f"    server {server} weight={nginx_weight} max_fails={max_fails} fail_timeout={fail_timeout_s:g}s;"
             f"  # {', '.join(sorted(set(nodes[server])))}"
         )
+    for server, ids in spill.items():
+        if server in weights:
+            continue
+        label = ", ".join(sorted(set(ids)))
+        if hash_key:  # nginx takes no backup servers with hash: overflow is Prism routers' choice by expected TTFT
+            lines.append(f"    # {server} ({label}): overflow entry, left out (no backup servers with hash)")
+        else:
+            limits = f"max_fails={max_fails} fail_timeout={fail_timeout_s:g}s"
+            lines.append(f"    server {server} backup {limits};  # {label}")
     lines.extend(f"    # node {node_id}: endpoint is not host:port, left out" for node_id in skipped)
     lines.append("}")
     return lines
@@ -60,7 +73,9 @@ def render_nginx(
 ) -> str:
     """One `upstream prism_<slice>` block per slice (or only `slice_name`), with nginx weights, `max_fails`
     and `fail_timeout`, hashing on `hash_key` (empty: nginx's weighted round robin). An empty slice gets its
-    fallback's servers; a slice with neither gets a comment, since nginx refuses an empty upstream.
+    fallback's servers; a slice with neither gets a comment, since nginx refuses an empty upstream. A slice's
+    overflow entries (`TableNode.overflow`) are `backup` servers under round robin; nginx takes no backup servers
+    with `hash`, so there they are left out, with a comment.
     """
     if max_fails < 0 or fail_timeout_s <= 0:
         raise ValueError("max_fails must be at least 0 and fail_timeout_s positive")

@@ -505,8 +505,9 @@ class Router:
 
         The steps: the slice; the experiment arm; the session's endpoint while it is available; for a keyed request
         whose blocks no node is known to hold, the prefix memory (which outlives the index's claims of this router's
-        own placements); for a request with blocks, the expected-TTFT choice over the prefix index; else the key's
-        ring owner while it fits, else the bounded-load walk (`_choose`)."""
+        own placements); for a request with blocks, the expected-TTFT choice over the prefix index, which takes the
+        slice's overflow entries while they are `Settings.overflow` times faster; else the key's ring owner while it
+        fits, else the bounded-load walk (`_choose`)."""
         snapshot = self._snapshot
         if snapshot is None:
             raise NoRouteError("no routing table yet")
@@ -519,19 +520,27 @@ class Router:
         if target.arms:
             arm_key = request.session or key
             group = target.arm(_key_bytes(arm_key) if arm_key is not None else random.randbytes(8))
+        home = group
+        spill = target.overflow if group is target.group and self.settings.overflow else None
         session = self._sessions.get(request.session, now) if request.session else None
         index = None if session is None else group.index.get(session.label)
+        if index is None and session is not None and spill is not None and session.label in spill.index:
+            group, index = spill, spill.index[session.label]
         if index is not None:
             state = group.entries[index][0]
             if state.label in exclude or (state.gated and not state.admits(now)):
-                index = None
+                group, index = home, None
         blocks = request.blocks if self.settings.prefix_index else ()
         depths = self.index.match(blocks, now) if blocks else {}
         memory = self._memory if remember else None
         if index is None and memory is not None and key is not None and not depths:
             index = self._remembered(group, memory, key, request.cost, exclude, now)
         if index is None and blocks:
-            index = self._by_ttft(group, request, depths, key, exclude, now)
+            index, expected = self._by_ttft(group, request, depths, key, exclude, now)
+            if spill is not None:
+                other, detour = self._by_ttft(spill, request, depths, key, exclude, now)
+                if other is not None and detour * self.settings.overflow < expected:
+                    group, index = spill, other
         if index is None:
             pos = position(key) if key is not None else random.getrandbits(32)
             owner = group.ring.owner(pos)
@@ -576,8 +585,9 @@ class Router:
         key: Key | None,
         exclude: Collection[str],
         now: float,
-    ) -> int | None:
-        """The entry for a request with block hashes, None when no entry is available.
+    ) -> tuple[int | None, float]:
+        """The entry for a request with block hashes and its expected time to first token; (None, inf) when no
+        entry is available.
 
         Each available entry's expected time to first token is its queued prefill work (what this router and, through
         the brain, its peer routers sent there that has no first token yet: `apply_cluster_load`) plus the request's
@@ -623,8 +633,8 @@ class Router:
                 deep, deep_key = i, (-depth, expected)
         affinity = self.settings.cache_affinity
         if deep is not None and deep_key[1] <= affinity * best_expected:
-            return deep
-        return best
+            return deep, deep_key[1]
+        return best, best_expected
 
     def _remembered(
         self, group: Group, memory: PrefixMemory, key: Key, cost: int, exclude: Collection[str], now: float

@@ -39,6 +39,12 @@ class Settings:
     ttft_candidates: int = 16
     """Entries the expected-TTFT choice weighs: every entry of a group this small; in larger groups the nodes
     holding the prompt's prefix and the first ones along the key's probe order, up to this many."""
+    overflow: float = 2.0
+    """A request with block hashes goes to one of its slice's overflow entries (capable nodes outside the slice's
+    pool, which the brain keeps for other slices) when its expected time to first token there, times this, is
+    still under the pool's best: a pool's preferred hardware waits its turn until queueing on it costs more than
+    twice the detour, so the detour's queue, which the other slice's requests would have to wait behind, is taken
+    only to halve a wait (0: never; docs/router.md)."""
     share_load: bool = True
     """With `load="prefill"`, report this router's queued prefill work per node to the brain it follows and count
     its peers' (the brain's `ClusterLoad` sums less this router's own report) in the expected time to first token:
@@ -113,6 +119,8 @@ class Settings:
             raise ValueError(f"max_open_share must be within [0, 1], got {self.max_open_share}")
         if not 0.0 <= self.max_drop_share <= 1.0:
             raise ValueError(f"max_drop_share must be within [0, 1], got {self.max_drop_share}")
+        if not (self.overflow == 0 or self.overflow >= 1):
+            raise ValueError(f"overflow must be 0 (off) or at least 1, got {self.overflow}")
         if not self.cache_affinity >= 1.0:
             raise ValueError(f"cache_affinity must be at least 1, got {self.cache_affinity}")
         if self.placed_ttl_s < 0:

@@ -85,6 +85,9 @@ class SliceRoute:
     arms: Mapping[str, Group]  # model version -> group; empty without an experiment
     fallbacks: tuple[str, ...]
     source: SliceTable  # what it was built from: a later table with the same object reuses its groups
+    overflow: Group | None = None
+    """The slice's overflow entries (`TableNode.overflow`), outside its ring: taken by expected time to first
+    token only (`Settings.overflow`)."""
 
     def arm(self, key: bytes) -> Group:
         """The group of the arm a session or affinity key is assigned to (the brain's `assign_arm`)."""
@@ -165,7 +168,7 @@ def _arms(
     """One group per arm over the slice's nodes of the arm's model version (the whole slice when it has none)."""
     arms: dict[str, Group] = {}
     for arm in experiment.arms:
-        nodes: list[TableNode] = [n for n in slice_table.nodes if n.model_version == arm.model_version]
+        nodes: list[TableNode] = [n for n in _regular(slice_table) if n.model_version == arm.model_version]
         if not nodes:
             arms[arm.model_version] = base
             continue
@@ -176,6 +179,12 @@ def _arms(
             f"{slice_table.name}@{arm.model_version}", ring, settings, state_for, counter_for
         )
     return arms
+
+
+def _regular(slice_table: SliceTable) -> list[TableNode]:
+    """The slice's own entries, on its ring: all but the overflow ones (all of them when every one is)."""
+    own = [n for n in slice_table.nodes if not n.overflow]
+    return own or slice_table.nodes
 
 
 def _chain(name: str, fallback_of: Mapping[str, str | None]) -> list[str]:
@@ -220,26 +229,31 @@ def build(
         fallbacks = tuple(n for n in _chain(slice_table.name, fallback_of) if n in nonempty)
         before = None if previous is None else previous.routes.get(slice_table.name)
         if before is not None and before.source is slice_table and before.experiment == experiment:
-            for group in (before.group, *before.arms.values()):
+            spill = () if before.overflow is None else (before.overflow,)
+            for group in (before.group, *before.arms.values(), *spill):
                 counter_for(group.name)
                 for name in group.index:
                     state_for(name)
             routes[slice_table.name] = SliceRoute(
-                slice_table.name, before.group, experiment, before.arms, fallbacks, slice_table
+                slice_table.name, before.group, experiment, before.arms, fallbacks, slice_table, before.overflow
             )
             continue
-        try:
-            ring = Ring.build(
-                slice_table.nodes,
-                settings.base_points,
-                numa_node=settings.numa_node,
-                max_points=settings.max_ring_points,
-            )
-        except ValueError as exc:
-            raise ValueError(f"slice {slice_table.name!r}: {exc}") from None
-        base = _group(slice_table.name, ring, settings, state_for, counter_for)
+        regular = _regular(slice_table)
+        extra = [n for n in slice_table.nodes if n.overflow] if len(regular) < len(slice_table.nodes) else []
+        rings: list[Ring] = []
+        for nodes in (regular, extra) if extra else (regular,):
+            try:
+                rings.append(
+                    Ring.build(
+                        nodes, settings.base_points, numa_node=settings.numa_node, max_points=settings.max_ring_points
+                    )
+                )
+            except ValueError as exc:
+                raise ValueError(f"slice {slice_table.name!r}: {exc}") from None
+        base = _group(slice_table.name, rings[0], settings, state_for, counter_for)
+        spill = _group(f"{slice_table.name}+overflow", rings[1], settings, state_for, counter_for) if extra else None
         arms = {} if experiment is None else _arms(slice_table, experiment, base, settings, state_for, counter_for)
-        routes[slice_table.name] = SliceRoute(slice_table.name, base, experiment, arms, fallbacks, slice_table)
+        routes[slice_table.name] = SliceRoute(slice_table.name, base, experiment, arms, fallbacks, slice_table, spill)
     slices: dict[str, SliceRoute | None] = {}
     for name in fallback_of:
         slices[name] = routes.get(name) or next((routes[n] for n in _chain(name, fallback_of) if n in routes), None)

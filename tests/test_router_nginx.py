@@ -92,3 +92,18 @@ def test_bad_settings_are_refused() -> None:
         render_nginx(TABLE, hash_key="$x; evil")
     with pytest.raises(ValueError, match="max_fails"):
         render_nginx(TABLE, max_fails=-1)
+
+
+def test_overflow_entries_are_backup_servers_or_left_out_under_hash() -> None:
+    spill = TableNode(node_id="h100-1", endpoint="http://10.0.2.1:8000", weight=1.0, overflow=True)
+    pool = node("l40s-1", "http://10.0.1.1:8000", 1.0)
+    table = RoutingTable(epoch=1, version=1, issued_unix_s=0.0, slices=[SliceTable(name="av", nodes=[pool, spill])])
+    assert render_nginx(table, hash_key="").splitlines()[1:] == [
+        "upstream prism_av {",
+        "    server 10.0.1.1:8000 weight=20 max_fails=1 fail_timeout=10s;  # l40s-1",
+        "    server 10.0.2.1:8000 backup max_fails=1 fail_timeout=10s;  # h100-1",
+        "}",
+    ]
+    hashed = render_nginx(table).splitlines()
+    assert "    # 10.0.2.1:8000 (h100-1): overflow entry, left out (no backup servers with hash)" in hashed
+    assert not any("server 10.0.2.1" in line for line in hashed)

@@ -141,3 +141,54 @@ def test_settings_refuse_an_affinity_below_one() -> None:
         Settings(cache_affinity=0.5)
     with pytest.raises(ValueError, match="block_size"):
         Request(blocks=BLOCKS, block_size=0)
+
+
+# --- overflow entries: capable nodes outside the slice's pool ------------------------------------------------
+
+
+def av_router(**settings: object) -> tuple[Router, Clock]:
+    """An av slice: two pool nodes at 6,000 tokens/s, one overflow node at 20,000 (it is in llm's pool too)."""
+    pool = [node("l1", rate=6000.0), node("l2", rate=6000.0)]
+    spill = TableNode(node_id="h1", endpoint="http://h1:8000", weight=1.0, prefill_tokens_per_s=20_000.0, overflow=True)
+    slices = [
+        SliceTable(name="llm", nodes=[node("h1", rate=20_000.0)]),
+        SliceTable(name="av", nodes=[*pool, spill]),
+    ]
+    clock = Clock()
+    built = RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=slices)
+    return Router.from_table(built, settings=Settings(**settings), clock=clock), clock  # type: ignore[arg-type]
+
+
+def av_request(n: int, cost: int = 6000) -> Request:
+    tokens = [t + 1_000_000 * n for t in range(cost)]
+    return Request(blocks=tuple(block_hashes(tokens, BLOCK)), cost=cost, block_size=BLOCK, modality="audio+text")
+
+
+def test_overflow_entries_are_off_the_ring_and_taken_only_when_twice_as_fast() -> None:
+    r, _ = av_router()
+    assert {r.route(key, "av").node_id for key in range(200)} == {"l1", "l2"}, "bare keys stay on the pool's ring"
+    # Idle, the overflow node is 3.3 times as fast (0.3 s against 1 s): worth the detour.
+    assert r.route(av_request(0)).node_id == "h1"
+    # Text queued on it (12,000 tokens: 0.9 s with this request) makes the pool's idle 1 s less than twice that.
+    sent(r, Request(blocks=tuple(block_hashes(list(range(12_000)), BLOCK)), cost=12_000, block_size=BLOCK))
+    assert {sent(r, av_request(n)).node_id for n in (1, 2)} == {"l1", "l2"}
+    # Both pool nodes 1 s deep (2 s with this request): 0.9 s on the overflow node is now under half of it.
+    assert r.route(av_request(3)).node_id == "h1"
+
+
+def test_overflow_off_keeps_a_slice_on_its_pool() -> None:
+    r, _ = av_router(overflow=0.0)
+    assert {r.route(av_request(n)).node_id for n in range(20)} <= {"l1", "l2"}
+    with pytest.raises(ValueError, match="overflow"):
+        Settings(overflow=0.5)
+
+
+def test_a_session_placed_on_an_overflow_node_stays_there() -> None:
+    r, _ = av_router()
+    first = Request(blocks=av_request(0).blocks, cost=6000, block_size=BLOCK, modality="audio", session="s1")
+    assert r.request(first).node_id == "h1"
+    for n in (1, 2, 3, 4):  # the overflow node gets busy: a new conversation would go to the pool now
+        sent(r, Request(blocks=av_request(10 + n).blocks, cost=6000, block_size=BLOCK, slice="llm"))
+    assert r.route(av_request(9)).node_id in {"l1", "l2"}
+    follow = Request(blocks=av_request(1).blocks, cost=6000, block_size=BLOCK, modality="audio", session="s1")
+    assert r.route(follow).node_id == "h1"

@@ -163,4 +163,23 @@ def test_signature_grammar_picks_the_table_slice(signature: str, owner: str) -> 
     )
     slice_, _ = parse_signature(signature)
     (found,) = [s for s in table.slices if s.name == slice_.value]
-    assert [n.node_id for n in found.nodes] == [owner]
+    assert [n.node_id for n in found.nodes if not n.overflow] == [owner]
+
+
+def test_a_pool_lists_the_other_nodes_its_model_runs_on_as_overflow() -> None:
+    table = table_for(
+        node("h100", {"gpu": "h100", "nvlink": "yes"}),
+        node("l40s", {"gpu": "l40s", "cuda_graphs": "yes"}),
+        node("texter", {"gpu": "l40s", "slices": "llm"}),
+    )
+    by_name = {s.name: s for s in table.slices}
+
+    def split(name: str) -> tuple[list[str], list[str]]:
+        nodes = by_name[name].nodes
+        return [n.node_id for n in nodes if not n.overflow], [n.node_id for n in nodes if n.overflow]
+
+    assert split("av") == (["l40s"], ["h100"]), "the H100 decodes audio too, kept for images until the L40S queue"
+    assert split("vlm") == (["h100"], ["l40s"]), "a text-only model never takes images"
+    assert split("llm") == (["h100", "l40s", "texter"], []), "text runs everywhere already"
+    assert by_name["rag"].nodes == [] and by_name["rag"].fallback == "llm", "an empty pool falls back, no overflow"
+    assert all(n.weight == 1.0 for s in table.slices for n in s.nodes), "weighed as the pool's members are"

@@ -161,6 +161,9 @@ class TableNode(_Message, kw_only=True):
     router divides queued prompt tokens by to expect a time to first token."""
     gpu: Count | None = None
     numa_node: Count | None = None
+    overflow: bool = False
+    """A node outside the slice's pool whose model serves the slice: routers send the slice's requests here only
+    while the pool's nodes are expected to be much slower to a first token (`Settings.overflow`)."""
 
 
 class SliceTable(_Message, kw_only=True):
