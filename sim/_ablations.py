@@ -175,6 +175,9 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
     "4-routers-no-share": routers_4_no_share,
 }
 """Every ablation by name; each builds its policy from the workload's KV block size."""
+GRAY_VARIANTS = ("flat-weights", "no-health", "no-predictor", "ewma")
+"""The ablations of the signals that exist for nodes going bad, searched again under a gray failure
+(`_eval.gray_failure`): on a sound cluster they have little to find."""
 
 
 def format_ablations(rows: Sequence[Goodput]) -> str:

@@ -7,7 +7,9 @@ Each live node's agent sends a node vector every `vector_period_s` (what `prism 
 arrival rate, and over the last `LATENCY_WINDOW_S` (the agent's engine period) the prefix-cache miss ratio and
 the TTFT quantiles per slice); the policy's `tick`
 runs every `tick_s`. A node killed mid-run loses its requests in flight (each tried again elsewhere) and stops
-answering and reporting.
+answering and reporting. A degraded node (`Degrade`, a gray failure) keeps answering, slower: its GPU at a
+fraction of its speed, or its network losing segments, which stall requests on retransmission timeouts and show
+in its agent's kernel counters (`tcp_retransmits_per_conn`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 from prismlb.brain import TAU0_MS
@@ -37,6 +40,13 @@ KV_EVENT_DELAY_S = 0.05
 """From a cache change to its KV event at a subscriber: vLLM takes the events at the end of the engine step
 that made them (tens of milliseconds with a busy batch) and publishes them on ZeroMQ, which a router reads
 directly or through a relay (Dynamo's NATS). The replay has no engine steps, so one busy step's worth."""
+RTO_S = 0.2
+"""Linux's minimum retransmission timeout: what a lost segment of a request costs when nothing follows it in
+flight to trigger a fast retransmit (a request is one burst, so its last segments have nothing behind them)."""
+SEGMENT_BYTES = 1448
+"""TCP payload per segment on a 1,500-byte MTU."""
+BYTES_PER_TOKEN = 4
+"""Prompt bytes per token on the wire (JSON text of English prose, roughly)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +62,23 @@ class Kill:
     node: str
     at_fraction: float = 0.5
     """When, as a share of the workload's arrival span."""
+
+
+@dataclass(frozen=True, slots=True)
+class Degrade:
+    """A gray failure from `at_fraction` of the arrival span on: the node keeps answering and reporting, but
+    its GPU runs `slowdown` times slower (thermal throttling, a noisy neighbour, a failing memory stack) and each
+    segment of a request sent to it is lost with probability `loss` (a flaky NIC, a congested switch port),
+    stalling the request `RTO_S` per lost segment before the engine sees it."""
+
+    node: str
+    at_fraction: float = 0.25
+    slowdown: float = 1.0
+    loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.slowdown >= 1 and 0 <= self.loss < 1 and 0 <= self.at_fraction <= 1):
+            raise ValueError(f"a degradation needs slowdown >= 1, 0 <= loss < 1 and 0 <= at_fraction <= 1: {self}")
 
 
 def recovery_s(killed_at: float, refused: Sequence[float]) -> float:
@@ -96,6 +123,9 @@ class _Node:
         self.inflight = 0
         self.last_change = 0.0
         self.jobs: set[Job] = set()
+        self.loss = 0.0  # share of segments lost on the way to it (`Degrade`)
+        self.connections = 0  # requests sent to it since the last vector
+        self.retransmits = 0  # segments of those resent
 
     def account(self, now: float, delta: int) -> None:
         self.busy_area += self.inflight * (now - self.last_change)
@@ -144,8 +174,9 @@ class _Node:
             requests_waiting=len(m.waiting),
             requests_per_s=self.arrivals / period_s,
             prefill_tokens_per_s=self.prefill_rate,
+            tcp_retransmits_per_conn=self.retransmits / self.connections if self.connections else 0.0,
         )
-        self.arrivals = 0
+        self.arrivals = self.connections = self.retransmits = 0
         self.seq += 1
         labels = {"gpu": self.spec.gpu_class, **(self.spec.labels or {})}
         return NodeVector(
@@ -211,6 +242,7 @@ class Simulation:
         utilisation: float,
         seed: int,
         kill: Kill | None = None,
+        degrade: Sequence[Degrade] = (),
         vector_period_s: float = 1.0,
         gateways_numa: Sequence[int] = (0, 1),
         slo_s: Callable[[SimRequest], float] | None = None,
@@ -231,6 +263,11 @@ class Simulation:
         self.nodes = {spec.name: _Node(spec, workload.block_tokens, i) for i, spec in enumerate(nodes)}
         if kill is not None and kill.node not in self.nodes:
             raise ValueError(f"cannot kill {kill.node!r}: not a node of the cluster")
+        for fault in degrade:
+            if fault.node not in self.nodes:
+                raise ValueError(f"cannot degrade {fault.node!r}: not a node of the cluster")
+        self.degrade = tuple(degrade)
+        self._rng = random.Random(seed)  # lost segments
         self.view = _View(self.nodes)
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
@@ -258,6 +295,8 @@ class Simulation:
         self._push(0.0, "tick")
         if self.kill is not None:
             self._push(self.kill.at_fraction * span, "kill", self.kill.node)
+        for fault in self.degrade:
+            self._push(fault.at_fraction * span, "degrade", fault)
         remaining = len(requests)
         handlers = {
             "arrive": self._arrive,
@@ -265,6 +304,8 @@ class Simulation:
             "tick": self._tick,
             "vectors": self._vectors,
             "kill": self._kill,
+            "degrade": self._degrade,
+            "deliver": self._deliver,
         }
         now = 0.0
         while remaining:
@@ -311,8 +352,25 @@ class Simulation:
         if not node.model.fits(job):
             job.output_tokens = 1  # an engine truncates what cannot fit; the prompt itself always fits here
         node.arrivals += 1
+        node.connections += 1
         node.account(now, +1)
         node.jobs.add(job)
+        if node.loss:
+            segments = math.ceil((request.input_tokens - request.media_tokens) * BYTES_PER_TOKEN / SEGMENT_BYTES) + 1
+            lost = sum(self._rng.random() < node.loss for _ in range(segments))
+            if lost:
+                node.retransmits += lost
+                self._push(now + lost * RTO_S, "deliver", (name, job))
+                return 0
+        return self._apply(node, now, node.model.advance(now) + node.model.submit(job, now))
+
+    def _deliver(self, now: float, payload: object) -> int:
+        """A request held up by lost segments reaches its engine (unless the node died meanwhile: its kill
+        already sent the request elsewhere)."""
+        name, job = cast(tuple[str, Job], payload)
+        node = self.nodes[name]
+        if not node.alive or job not in node.jobs:
+            return 0
         return self._apply(node, now, node.model.advance(now) + node.model.submit(job, now))
 
     def _gateway_numa(self, request: SimRequest) -> int:
@@ -387,6 +445,20 @@ class Simulation:
                 done += self._apply(node, now, node.model.advance(now))
                 self.view.pending.append(node.vector(now, self.vector_period_s))
         self._push(now + self.vector_period_s, "vectors")
+        return done
+
+    def _degrade(self, now: float, payload: object) -> int:
+        fault = cast(Degrade, payload)
+        node = self.nodes[fault.node]
+        done = self._apply(node, now, node.model.advance(now))  # work so far at full speed
+        p = node.model.profile
+        node.model.profile = replace(
+            p,
+            prefill_tokens_per_s=p.prefill_tokens_per_s / fault.slowdown,
+            decode_tokens_per_s=p.decode_tokens_per_s / fault.slowdown,
+            encoder_s={m: s * fault.slowdown for m, s in p.encoder_s.items()},
+        )
+        node.loss = fault.loss
         return done
 
     def _kill(self, now: float, name: object) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ._cluster import Kill, NodeSpec, Simulation
+from ._cluster import Degrade, Kill, NodeSpec, Simulation
 from ._families import PRESETS, family_workload
 from ._model import PROFILES
 from ._slo import Goodput, Probe, attainment, format_goodput, pool_classes, search, slo_s
@@ -39,6 +39,10 @@ EVAL_FAMILIES = tuple(f"{name}:{seed}" for name in PRESETS for seed in (1, 2))
 SEARCH_LIMIT = 2000
 """Requests per workload in the goodput search unless `--limit` says otherwise: a search replays each workload
 seven to ten times per policy."""
+GRAY_SLOWDOWN = 3.0
+"""How much slower the gray-failure replays' first node runs from a quarter of the way in (`gray_failure`)."""
+GRAY_LOSS = 0.05
+"""The share of segments lost on the way to the gray-failure replays' last node from a quarter of the way in."""
 QUICK_LIMIT = 1000
 """Requests per workload in `prism eval --quick`."""
 QUICK_FAMILIES = ("tenants:1", "sessions:1", "agentic:1", "multimodal:1")
@@ -102,6 +106,8 @@ class Case:
     seed: int
     limit: int | None
     kill: bool = False
+    degraded: bool = False
+    """With the cluster's `gray_failure`."""
 
 
 @lru_cache(maxsize=32)
@@ -123,8 +129,16 @@ def run_case(case: Case) -> RunResult:
     workload, bound = _workload(case.trace, case.seed, case.limit)
     nodes = cluster_for(case.trace, workload)
     kill = Kill(nodes[len(nodes) // 2 - 1].name) if case.kill else None
-    result = replay(workload, case.policy, nodes, case.utilisation, seed=case.seed, kill=kill)
+    degrade = gray_failure(nodes) if case.degraded else ()
+    result = replay(workload, case.policy, nodes, case.utilisation, seed=case.seed, kill=kill, degrade=degrade)
     return dataclasses.replace(result, kv_hit_bound=bound)
+
+
+def gray_failure(nodes: Sequence[NodeSpec]) -> tuple[Degrade, ...]:
+    """Two nodes going bad without going down, a quarter of the way in: the first runs `GRAY_SLOWDOWN` times
+    slower (a GPU throttled by heat or a failing fan), the last loses `GRAY_LOSS` of the segments sent to it (a
+    flaky NIC or cable). Health checks pass on both; what they cost is what the brain's signals are for."""
+    return (Degrade(nodes[0].name, slowdown=GRAY_SLOWDOWN), Degrade(nodes[-1].name, loss=GRAY_LOSS))
 
 
 def replay(
@@ -135,6 +149,7 @@ def replay(
     *,
     seed: int,
     kill: Kill | None = None,
+    degrade: Sequence[Degrade] = (),
 ) -> RunResult:
     """The workload scaled to `utilisation` of the nodes' prefill capacity, replayed through the named policy
     (`policy_factories` or an ablation), its SLO attainment against each request's own SLO (`_slo.slo_s`):
@@ -143,7 +158,14 @@ def replay(
     chosen = _policy(policy, workload.block_tokens)
     classes = pool_classes(nodes)
     return Simulation(
-        scaled, chosen, nodes, utilisation=utilisation, seed=seed, kill=kill, slo_s=lambda r: slo_s(r, classes)
+        scaled,
+        chosen,
+        nodes,
+        utilisation=utilisation,
+        seed=seed,
+        kill=kill,
+        degrade=degrade,
+        slo_s=lambda r: slo_s(r, classes),
     ).run()
 
 
@@ -203,15 +225,18 @@ def goodput(
     jobs: int = 1,
     progress: Callable[[RunResult], None] | None = None,
     pool: multiprocessing.pool.Pool | None = None,
+    degraded: bool = False,
 ) -> list[Goodput]:
     """Each policy's goodput on each trace (`_slo.search`), its probes run as cases through `run_all` (in
-    `pool` when given)."""
+    `pool` when given); `degraded`: with the cluster's `gray_failure`."""
     if pool is None and jobs > 1:
         with multiprocessing.get_context("spawn").Pool(jobs) as own:
-            return goodput(traces, policies, seed=seed, limit=limit, jobs=jobs, progress=progress, pool=own)
+            return goodput(
+                traces, policies, seed=seed, limit=limit, jobs=jobs, progress=progress, pool=own, degraded=degraded
+            )
 
     def measure(probes: Sequence[Probe]) -> list[float]:
-        todo = [Case(trace, policy, utilisation, seed, limit) for trace, policy, utilisation in probes]
+        todo = [Case(trace, policy, load, seed, limit, degraded=degraded) for trace, policy, load in probes]
         out = []
         for case, result in zip(todo, run_all(todo, jobs, progress, pool), strict=True):
             workload, _ = _workload(case.trace, seed, limit)
@@ -341,7 +366,7 @@ def _traces(args: argparse.Namespace) -> list[str | Path]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ._ablations import VARIANTS, format_ablations
+    from ._ablations import GRAY_VARIANTS, VARIANTS, format_ablations
     from ._report import format_table, write_report
 
     if args.quick:
@@ -383,12 +408,34 @@ def _run(args: argparse.Namespace) -> int:
             if searched
             else []
         )
+        gray = (
+            goodput(
+                traces,
+                [PRISM, *GRAY_VARIANTS],
+                seed=args.seed,
+                limit=limit,
+                jobs=args.jobs,
+                progress=progress,
+                pool=pool,
+                degraded=True,
+            )
+            if ablations
+            else []
+        )
     finally:
         if pool is not None:
             pool.terminate()
     results = [by_case[c] for c in level_cases] if levels else []
     rows = [r for r in found if r.policy in policies] if search else []
-    ablation = format_ablations([r for r in found if r.policy in (PRISM, *VARIANTS)]) if ablations else None
+    ablation = None
+    if ablations:
+        ablation = (
+            format_ablations([r for r in found if r.policy in (PRISM, *VARIANTS)])
+            + f"\n\n### Under a gray failure\n\nThe same goodput search with two nodes going bad a quarter of the way "
+            f"into every probe (`_eval.gray_failure`): the first {GRAY_SLOWDOWN:g} times slower, the last losing "
+            f"{GRAY_LOSS:.0%} of the segments sent to it; Prism's goodput is its own under the same failure.\n\n"
+            + format_ablations(gray)
+        )
     print()
     if results:
         print(format_table(results) + "\n")
@@ -400,7 +447,7 @@ def _run(args: argparse.Namespace) -> int:
         command = " ".join(["prism eval", *_argv_echo(args)])
         paths = write_report(results, args.out, command=command, goodput=rows, ablations=ablation)
         print(f"report: {', '.join(str(p) for p in paths if p.suffix == '.md')}")
-    searches = f" and {len(found)} goodput searches" if found else ""
+    searches = f" and {len(found) + len(gray)} goodput searches" if found or gray else ""
     print(f"{len(by_case)} runs{searches} in {time.monotonic() - started:.0f} s")
     return 0
 

@@ -10,6 +10,7 @@ from prismlb.brain import Brain, BrainConfig
 from prismlb.cli import main
 from prismlb.router import Settings
 from prismlb.sim._ablations import (
+    GRAY_VARIANTS,
     VARIANTS,
     EwmaBrain,
     EwmaPredictor,
@@ -174,7 +175,12 @@ def test_eval_ablations_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     ratios = [float(cell.removeprefix("< ")) for cell in cells[2:]]  # "< x": the variant missed even at 10% load
     assert len(ratios) == len(VARIANTS) and all(r > 0 for r in ratios)
     assert "| geometric mean |" in printed and "Goodput:" not in printed
-    assert f"{1 + len(VARIANTS)} goodput searches" in printed
+    gray = printed.split("### Under a gray failure", 1)[1]
+    gray_header = next(line for line in gray.splitlines() if line.startswith("| workload | Prism goodput % |"))
+    assert [cell for cell in gray_header.strip("| ").split(" | ") if cell.endswith(" / Prism")] == [
+        f"{name} / Prism" for name in VARIANTS if name in GRAY_VARIANTS
+    ]
+    assert f"{1 + len(VARIANTS) + 1 + len(GRAY_VARIANTS)} goodput searches" in printed
     with pytest.raises(SystemExit, match="--policies must name prism"):
         main([*argv, "--policies", "least-conn"])
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from prismlb.sim import Outcome, Policy, SimRequest, Workload
-from prismlb.sim._cluster import Kill, NodeSpec, Simulation, recovery_s
+from prismlb.sim._cluster import RTO_S, Degrade, Kill, NodeSpec, Simulation, recovery_s
 from prismlb.sim._prism import PrismPolicy, affinity_key
 from prismlb.sim._types import ClusterView
 
@@ -116,6 +116,55 @@ def test_bad_setups_are_refused() -> None:
         Simulation(Workload("empty", [], 512, "x"), Spread(), NODES, utilisation=0.5, seed=0)
     with pytest.raises(ValueError, match="not a node"):
         Simulation(workload(), Spread(), NODES, utilisation=0.5, seed=0, kill=Kill("ghost"))
+    with pytest.raises(ValueError, match="not a node"):
+        Simulation(workload(), Spread(), NODES, utilisation=0.5, seed=0, degrade=[Degrade("ghost", slowdown=2)])
+    with pytest.raises(ValueError, match="slowdown"):
+        Degrade("n0", slowdown=0.5)
+
+
+class Watch(Spread):
+    """Round robin that keeps every TTFT and the agents' vectors."""
+
+    tick_s = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ttft: dict[int, tuple[str, float]] = {}
+        self.vectors: list[tuple[float, str, float | None, float | None]] = []
+
+    def first_token(self, node: str, request: SimRequest, now: float) -> None:
+        self.ttft[request.id] = (node, now - request.arrival_s)
+
+    def tick(self, view: ClusterView, now: float) -> None:
+        for v in view.vectors():
+            self.vectors.append((now, v.node_id, v.metrics.prefill_tokens_per_s, v.metrics.tcp_retransmits_per_conn))
+
+
+def test_a_degraded_node_keeps_answering_slower_and_its_agent_shows_it() -> None:
+    healthy, slowed = Watch(), Watch()
+    Simulation(workload(), healthy, NODES, utilisation=0.3, seed=0).run()
+    faults = [Degrade("n1", at_fraction=0.0, slowdown=4.0), Degrade("n3", at_fraction=0.0, loss=0.5)]
+    result = Simulation(workload(), slowed, NODES, utilisation=0.3, seed=0, degrade=faults).run()
+    assert result.completed == 400 and result.failed_attempts == 0, "a gray failure fails nothing"
+
+    def rates(policy: Watch, node: str) -> list[float]:
+        return [rate for _, name, rate, _ in policy.vectors if name == node and rate is not None]
+
+    assert max(rates(slowed, "n1")) < 0.3 * min(rates(healthy, "n1")), "the agent measures the slower prefill"
+    assert min(rates(slowed, "n0")) > 0.9 * min(rates(healthy, "n0"))
+    lossy = [r for _, name, _, r in slowed.vectors if name == "n3" and r]
+    assert lossy and min(lossy) > 0.5, "half the segments lost: retransmits per connection in its vectors"
+    assert all(r == 0.0 for _, name, _, r in slowed.vectors if name != "n3"), "sound nodes retransmit nothing"
+    stalled = [slowed.ttft[i][1] - healthy.ttft[i][1] for i in slowed.ttft if slowed.ttft[i][0] == "n3"]
+    assert sum(s >= RTO_S - 1e-9 for s in stalled) > 0.6 * len(stalled), "most lost a segment: an RTO or more"
+
+
+def test_prism_sends_less_to_a_slowed_node() -> None:
+    policy = PrismPolicy(block_tokens=512)
+    fault = [Degrade("n2", at_fraction=0.0, slowdown=4.0)]
+    Simulation(workload(800), policy, NODES, utilisation=0.5, seed=0, degrade=fault).run()
+    rates = {n.node_id: n.prefill_tokens_per_s for n in policy.routers[0].table.slices[0].nodes}  # type: ignore[union-attr]
+    assert rates["n2"] is not None and all(rates["n2"] < 0.5 * r for n, r in rates.items() if n != "n2" and r)
 
 
 def test_recovery_ignores_lone_probes() -> None:
