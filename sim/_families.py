@@ -98,11 +98,18 @@ def _request(
     media_tokens: int = 0,
     session: str | None = None,
 ) -> SimRequest:
-    """A request whose text is `pieces` (blocks cover the text only) plus `media_tokens` of media."""
+    """A request whose text is `pieces` (blocks cover the text only) plus `media_tokens` of media; its skeleton
+    is each piece's kind (a content id's first part) and log2 length bucket, then each media part's modality."""
     text = sum(tokens for _, tokens in pieces)
     blocks = chain.blocks(pieces)
     media = dict(media or {})
-    return SimRequest(0, arrival_s, text + media_tokens, output, blocks, signature, media, media_tokens, session)
+    skeleton = (
+        *(f"{key[0] if isinstance(key, tuple) else key}:{tokens.bit_length() - 1}" for key, tokens in pieces),
+        *(modality for modality, parts in media.items() for _ in range(parts)),
+    )
+    return SimRequest(
+        0, arrival_s, text + media_tokens, output, blocks, signature, media, media_tokens, session, skeleton
+    )
 
 
 def _workload(name: str, seed: int, requests: list[SimRequest], how: str) -> Workload:

@@ -33,6 +33,9 @@ class SimRequest:
     """Tokens the media parts add to the prompt (counted in `input_tokens` too)."""
     session: str | None = None
     """The conversation the request belongs to, when the trace tells."""
+    skeleton: tuple[str, ...] = ()
+    """The prompt's structure, piece kinds in order (`kind:log2 length`, then one entry per media part), for
+    structure-aware placement experiments (`bench/semantic_affinity.py`); empty when the trace does not tell."""
 
 
 @dataclass(frozen=True, slots=True)
