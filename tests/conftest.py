@@ -25,14 +25,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    """Poll `check` every 5 ms until it holds or `timeout_s` passes; its last answer (assert on it)."""
+def wait_for(check: Callable[[], object], timeout_s: float = 10.0, what: str | None = None) -> bool:
+    """Poll `check` every 5 ms until it holds or `timeout_s` passes; its last answer (assert on it), or with `what`
+    an AssertionError naming what never came."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if check():
             return True
         time.sleep(0.005)
-    return check()
+    if check():
+        return True
+    if what is not None:
+        raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+    return False
 
 
 @contextlib.contextmanager

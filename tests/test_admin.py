@@ -8,7 +8,6 @@ import json
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,8 @@ from prismlb.brain import resolve_config
 from prismlb.brain._admin import MAX_BODY, AdminAccess, AdminQueue, AdminServer, load_token
 from prismlb.cli import main as prism
 from prismlb.wire import ConfigError
+
+from .conftest import wait_for
 
 TOKEN = "s3cret-admin-token-0123456789abcdef"
 
@@ -133,14 +134,6 @@ def token_file(tmp_path: Path, mode: int = 0o600, token: str = TOKEN) -> Path:
     path.write_text(token + "\n")
     path.chmod(mode)
     return path
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.02)
 
 
 def test_mutation_without_a_token_is_401_and_never_reaches_the_brain(
@@ -272,7 +265,7 @@ def test_a_slow_body_or_slow_headers_time_out(serve: Callable[..., Served]) -> N
     with socket.create_connection(("127.0.0.1", admin.port), timeout=5) as s:
         s.sendall(b"GET /v1/status HTTP/1.0\r\nHost: ")
         assert s.recv(100) == b"", "the server hangs up on headers that never finish"
-    wait_for(lambda: admin.rejected("slow_headers") == 1)
+    assert wait_for(lambda: admin.rejected("slow_headers") == 1)
 
 
 def test_connections_are_capped(serve: Callable[..., Served]) -> None:
@@ -281,12 +274,12 @@ def test_connections_are_capped(serve: Callable[..., Served]) -> None:
     try:
         for s in holders:
             s.sendall(b"GET /v1/status HTTP/1.0\r\n")  # a handler thread waits for the rest of the headers
-        wait_for(lambda: b" 503 " in admin.raw(b""))
+        assert wait_for(lambda: b" 503 " in admin.raw(b""))
         assert admin.rejected("too_many_connections") >= 1
     finally:
         for s in holders:
             s.close()
-    wait_for(lambda: admin.request("GET", "/v1/status", bearer())[0] == 200)
+    assert wait_for(lambda: admin.request("GET", "/v1/status", bearer())[0] == 200)
 
 
 def test_unknown_methods_are_counted(serve: Callable[..., Served]) -> None:

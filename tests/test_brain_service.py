@@ -20,7 +20,7 @@ from prismlb.cli import main as prism
 from prismlb.router import Router
 from prismlb.wire import BrainAddress, ModalityLatency, NodeMetrics, NodeVector, RoutingTable, VectorSender
 
-from .conftest import free_port
+from .conftest import free_port, wait_for
 
 
 class Running:
@@ -76,15 +76,6 @@ def feed(ctx: zmq.Context, cfg: BrainConfig, nodes: dict[str, str], until: threa
     return thread
 
 
-def wait_for(predicate: object, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
 @pytest.fixture
 def ctx() -> Iterator[zmq.Context]:
     context = zmq.Context()
@@ -103,7 +94,7 @@ def test_restart_keeps_history_and_a_higher_table_order(ctx: zmq.Context, tmp_pa
     first = Running(cfg)
     stop_feed = threading.Event()
     feeder = feed(ctx, cfg, {"a": "v1", "b": "v1"}, stop_feed)
-    wait_for(lambda: len(first.brain.history) >= 10 and first.brain.current is not None)
+    assert wait_for(lambda: len(first.brain.history) >= 10 and first.brain.current is not None)
     order_before = first.brain.current.order  # type: ignore[union-attr]
     stop_feed.set()
     feeder.join()
@@ -128,7 +119,7 @@ def test_admin_drain_experiments_and_cli(ctx: zmq.Context, tmp_path: Path, capsy
     admin = f"http://127.0.0.1:{cfg.admin_port}"
     try:
         with Router.connect(BrainAddress(cfg.updates, cfg.snapshot)) as router:
-            wait_for(lambda: llm_nodes(router.table) == {"a", "b"})
+            assert wait_for(lambda: llm_nodes(router.table) == {"a", "b"})
             status = call(admin, "GET", "/v1/status", token="brain-service-test-token")
             assert {n["node_id"] for n in status["nodes"]} == {"a", "b"}
             assert "a" in render(status) and "LLM" in render(status)
@@ -137,13 +128,13 @@ def test_admin_drain_experiments_and_cli(ctx: zmq.Context, tmp_path: Path, capsy
             assert "b" not in running.brain.drained
             ctl = ["ctl", "--admin", admin, "--token-file", str(token_file)]
             assert prism([*ctl, "drain", "b"]) == 0
-            wait_for(lambda: llm_nodes(router.table) == {"a"})
+            assert wait_for(lambda: llm_nodes(router.table) == {"a"})
             assert prism([*ctl, "undrain", "b"]) == 0
-            wait_for(lambda: llm_nodes(router.table) == {"a", "b"})
+            assert wait_for(lambda: llm_nodes(router.table) == {"a", "b"})
 
             before = router.table
             assert prism([*ctl, "experiment", "set", "canary", "--slice", "llm", "--arm", "v1=0.9", "--arm", "v2=0"]) == 0
-            wait_for(lambda: router.table is not None and bool(router.table.experiments))
+            assert wait_for(lambda: router.table is not None and bool(router.table.experiments))
             table = router.table
             assert table is not None and before is not None and table.order > before.order
             (experiment,) = table.experiments

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from prismlb.cli._demo import llm_nodes
 from prismlb.router import Router
 from prismlb.wire import BrainAddress, RoutingTable
 
-from .conftest import free_port, require_ebpf
+from .conftest import free_port, require_ebpf, wait_for
 
 NODES = ("node-a", "node-b", "node-c")
 KEYS = [f"prefix-{i}" for i in range(3000)]
@@ -37,15 +37,6 @@ class Cluster:
 def prism(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     out = log.open("wb")
     return subprocess.Popen([sys.executable, "-m", "prismlb.cli", *args], stdout=out, stderr=subprocess.STDOUT)
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def node_ids(table: RoutingTable | None) -> set[str]:

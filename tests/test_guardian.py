@@ -20,6 +20,8 @@ from prismlb.brain._registry import NodeState
 from prismlb.brain._scale_hook import CommandHook, HookError, ScaleEvent, WebhookHook, parse_hook
 from prismlb.wire import ConfigError, ModalityLatency, NodeMetrics, NodeVector, health
 
+from .conftest import wait_for
+
 N, D, S, R = GuardianState.NORMAL, GuardianState.DEGRADE, GuardianState.SCALE_UP, GuardianState.RECOVER
 OK = {"p99_ms": 300.0, "error_ratio": 0.001, "qps": 100.0}
 SLOW = {"p99_ms": 900.0, "error_ratio": 0.001, "qps": 100.0}
@@ -27,13 +29,6 @@ ERRORS = {"p99_ms": 300.0, "error_ratio": 0.02, "qps": 100.0}
 SURGE = {"p99_ms": 300.0, "error_ratio": 0.001, "qps": 250.0}
 SURGE_AND_SLOW = {"p99_ms": 950.0, "error_ratio": 0.001, "qps": 250.0}
 ALL = ("batch", "best_effort")
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 class Scripted:
@@ -185,7 +180,7 @@ def test_command_hook_runs_a_real_process_with_the_event(scripted: Callable[...,
     )
     s = scripted(scale_hook=CommandHook((sys.executable, "-c", script, str(out))))
     assert s.step(SURGE) is S
-    wait_for(lambda: s.hook("ok") == 1)
+    assert wait_for(lambda: s.hook("ok") == 1)
     [line] = out.read_text().splitlines()
     call = json.loads(line)
     assert call["PRISM_SCALE_LOAD_FACTOR"] == "2.500"
@@ -198,11 +193,11 @@ def test_command_hook_runs_a_real_process_with_the_event(scripted: Callable[...,
         s.step(SURGE)
     assert s.hook("ok") == 1
     s.step(SURGE)
-    wait_for(lambda: s.hook("ok") == 2)
+    assert wait_for(lambda: s.hook("ok") == 2)
     # a new surge after the load came back asks at once, also while degrading
     s.step(OK)
     s.step(SURGE_AND_SLOW)
-    wait_for(lambda: s.hook("ok") == 3)
+    assert wait_for(lambda: s.hook("ok") == 3)
     assert json.loads(out.read_text().splitlines()[-1])["PRISM_GUARDIAN_STATE"] == "degrade"
     assert s.hook("failed") == 0 and s.hook("skipped") == 0
 
@@ -251,7 +246,7 @@ def test_webhook_hook_posts_the_event_to_a_real_server(
     url, handler = webhook
     s = scripted(scale_hook=parse_hook(url, timeout_s=5.0))
     assert s.step(SURGE) is S
-    wait_for(lambda: s.hook("ok") == 1)
+    assert wait_for(lambda: s.hook("ok") == 1)
     [body] = handler.bodies
     assert body["content_type"] == "application/json"
     assert body["state"] == "scale_up" and body["load_factor"] == 2.5 and body["qps"] == 250.0
@@ -264,13 +259,13 @@ def test_a_slow_hook_never_blocks_checks_and_extra_requests_are_skipped(
     handler.release.clear()  # the server holds every request until released
     s = scripted(scale_hook=WebhookHook(url, timeout_s=10.0))
     assert s.step(SURGE) is S
-    wait_for(lambda: len(handler.arrived) == 1)
+    assert wait_for(lambda: len(handler.arrived) == 1)
     # two more overload episodes while the first call hangs: one waits, one is skipped
     for load, state in [(OK, N), (SURGE, S), (OK, N), (SURGE, S), (SLOW, D), (OK, D)]:
         assert s.step(load) is state
     assert s.hook("ok") == 0 and s.hook("skipped") == 1
     handler.release.set()
-    wait_for(lambda: s.hook("ok") == 2)
+    assert wait_for(lambda: s.hook("ok") == 2)
     assert len(handler.bodies) == 2 and s.hook("failed") == 0
 
 
@@ -291,7 +286,7 @@ def test_hook_failures_are_counted_and_checks_go_on(
         s = scripted(scale_hook=hook)
         assert s.step(SURGE) is S
         assert s.step(SLOW) is D  # the machine moves on whatever the hook does
-        wait_for(lambda: s.hook("failed") == 1)
+        assert wait_for(lambda: s.hook("failed") == 1)
         assert s.hook("ok") == 0
     time.sleep(1.5)
     assert not marker.exists()  # the timed-out command's whole process group was killed

@@ -19,18 +19,12 @@ from prometheus_client import CollectorRegistry
 from prismlb.agent._otlp_receiver import OtlpReceiver
 from prismlb.wire import ConfigError
 
+from .conftest import wait_for
 from .test_otlp import WAIT_S, Sink, post, request_of, serve  # noqa: F401 (serve is a fixture)
 
 HEAD = b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
 KIB = 1 << 10
 MIB = 1 << 20
-
-
-def wait_for(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def threads_named(part: str) -> int:
@@ -77,7 +71,7 @@ def test_connections_over_the_limit_are_refused_counted_and_threads_stay_bounded
     try:
         for conn in slow:
             conn.sendall(HEAD)  # the headers never end
-        wait_for(lambda: registry.get_sample_value("prism_agent_otlp_http_connections") == 4)
+        assert wait_for(lambda: registry.get_sample_value("prism_agent_otlp_http_connections") == 4, WAIT_S)
         for _ in range(30):
             with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as extra:
                 refused = answer(extra)
@@ -93,7 +87,7 @@ def test_connections_over_the_limit_are_refused_counted_and_threads_stay_bounded
     finally:
         for conn in slow:
             conn.close()
-    wait_for(lambda: registry.get_sample_value("prism_agent_otlp_http_connections") == 0)
+    assert wait_for(lambda: registry.get_sample_value("prism_agent_otlp_http_connections") == 0, WAIT_S)
     assert post(port, request_of(1).SerializeToString())[0] == 200
 
 
@@ -128,7 +122,7 @@ def test_bodies_beyond_the_in_flight_budget_are_refused_on_both_protocols(
     held = 600 * KIB
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as holder:
         holder.sendall(HEAD + f"Content-Length: {held}\r\n\r\n".encode() + bytes(KIB))  # the rest never comes
-        wait_for(lambda: registry.get_sample_value("prism_agent_otlp_inflight_bytes") == held)
+        assert wait_for(lambda: registry.get_sample_value("prism_agent_otlp_inflight_bytes") == held, WAIT_S)
         refusals: list[bytes] = []
 
         def too_big() -> None:
@@ -152,7 +146,7 @@ def test_bodies_beyond_the_in_flight_budget_are_refused_on_both_protocols(
         assert post(port, request_of(1, first_id=10).SerializeToString())[0] == 200
         assert receiver.rejects["http"].counts() == {"over_budget": 6}
         assert receiver.rejects["grpc"].counts() == {"over_budget": 1}
-    wait_for(lambda: registry.get_sample_value("prism_agent_otlp_inflight_bytes") == 0)
+    assert wait_for(lambda: registry.get_sample_value("prism_agent_otlp_inflight_bytes") == 0, WAIT_S)
     assert receiver.rejects["http"].counts() == {"over_budget": 6, "truncated": 1}
     assert post(port, big_request(held).SerializeToString())[0] == 200, "the budget is whole again"
     assert receiver.spans_received == 3

@@ -33,6 +33,8 @@ from prismlb.wire import (
     encode,
 )
 
+from .conftest import wait_for
+
 KEYS = [f"conversation-{i}" for i in range(200)]
 
 
@@ -62,15 +64,6 @@ def make_table(epoch: int, version: int, node_ids: Sequence[str], **extra: Seque
             for name, ids in slices.items()
         ],
     )
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
 
 
 class Brain:
@@ -142,7 +135,7 @@ def test_late_joiner_gets_the_table_by_snapshot_then_follows_updates(brains: Cal
 
         brain.publish(make_table(1, 2, ["a0", "a1", "a2", "b0"]))
         brain.publish(make_table(1, 3, ["a0", "a1", "c0", "c1"]))  # two of four gone: within the drop limit
-        assert wait_until(lambda: router.table is not None and router.table.version == 3)
+        assert wait_for(lambda: router.table is not None and router.table.version == 3)
         assert {router.route(k).node_id for k in KEYS} == {"a0", "a1", "c0", "c1"}
         endpoint = router.route("k")
         assert endpoint == Endpoint(endpoint.node_id, f"{endpoint.node_id}.pool:8000")
@@ -160,14 +153,14 @@ def test_a_table_dropping_most_nodes_is_held_back_then_taken(brains: Callable[[]
         assert router.table is not None and router.table.order == (1, 1)
         assert router.route("k").node_id.startswith("a")
         assert router.rejects.counts().get("mass_drop") == 1, "counted once per table, however often offered"
-        assert wait_until(lambda: router.table is not None and router.table.order == (1, 2), timeout_s=3.0)
+        assert wait_for(lambda: router.table is not None and router.table.order == (1, 2), timeout_s=3.0)
 
         # Nodes the operator drained leave on purpose: not counted against the limit.
         brain.publish(make_table(1, 3, ["a0", "a1", "a2", "a3"]))
-        assert wait_until(lambda: router.table is not None and router.table.order == (1, 3))
+        assert wait_for(lambda: router.table is not None and router.table.order == (1, 3))
         drained = msgspec.structs.replace(make_table(1, 4, ["a0"]), drained=["a1", "a2", "a3"])
         brain.publish(drained)
-        assert wait_until(lambda: router.table is not None and router.table.order == (1, 4), timeout_s=3.0)
+        assert wait_for(lambda: router.table is not None and router.table.order == (1, 4), timeout_s=3.0)
         assert router.rejects.counts().get("mass_drop") == 1, "taken at once: never refused"
 
 
@@ -200,7 +193,7 @@ def test_two_brains_fail_over_to_the_live_one_and_back(brains: Callable[[], Brai
     first.publish(named(make_table(7, 5, nodes), "a"))
     second.publish(named(make_table(2, 1, nodes), "b"))
     with Router.connect([first.address, second.address], brain_timeout_s=0.5) as router:
-        assert wait_until(lambda: router.table is not None and router.table.brain_id == "b")
+        assert wait_for(lambda: router.table is not None and router.table.brain_id == "b")
         first.publish(named(make_table(7, 6, [*nodes, "n3"]), "a"))
         time.sleep(0.3)
         assert router.table is not None and router.table.order == (2, 1), "the follower's tables are not used"
@@ -208,7 +201,7 @@ def test_two_brains_fail_over_to_the_live_one_and_back(brains: Callable[[], Brai
         assert set(brains_seen) == {"a", "b"} and brains_seen["b"]["following"] and brains_seen["a"]["live"]
 
         second.close()  # the leader dies: within the timeout the router takes the other brain's latest table
-        assert wait_until(lambda: router.brains()["a"]["following"] is True, timeout_s=2.0)
+        assert wait_for(lambda: router.brains()["a"]["following"] is True, timeout_s=2.0)
         assert router.table is not None and router.table.order == (7, 6)
         age = router.last_heard_age_s
         ages = router.brains()
@@ -222,11 +215,11 @@ def test_priority_decides_and_a_restart_without_state_is_followed(brains: Callab
     low_id.publish(named(make_table(0, 40, ["a0", "a1"]), "a", priority=5))
     high_id.publish(named(make_table(0, 3, ["a0", "a1"]), "z"))
     with Router.connect([low_id.address, high_id.address], brain_timeout_s=0.5) as router:
-        assert wait_until(lambda: router.table is not None and router.table.brain_id == "a")
+        assert wait_for(lambda: router.table is not None and router.table.brain_id == "a")
         # The leader restarts without a state folder: epoch 0 again, its versions start again. Its new tables
         # are still the ones to follow (the order going back is how a restart shows).
         low_id.publish(named(make_table(0, 1, ["a0", "a1", "a2"]), "a", priority=5))
-        assert wait_until(lambda: router.table is not None and router.table.order == (0, 1))
+        assert wait_for(lambda: router.table is not None and router.table.order == (0, 1))
         assert router.table is not None and router.table.brain_id == "a"
 
 
@@ -289,7 +282,7 @@ def test_hostile_frames_are_counted_and_routing_goes_on(brains: Callable[[], Bra
         assert router.table is not None and router.table.order == (1, 1)
 
         brain.publish(make_table(1, 3, ["a0", "b1"]))
-        assert wait_until(lambda: router.table is not None and router.table.order == (1, 3))
+        assert wait_for(lambda: router.table is not None and router.table.order == (1, 3))
         assert {router.route(k).node_id for k in KEYS} == {"a0", "b1"}
     finally:
         router.close()
@@ -539,7 +532,7 @@ def test_a_router_subscribed_to_some_slices_holds_only_those(brains: Callable[[]
         assert router.table is not None and [s.name for s in router.table.slices] == ["llm"]
         assert router.route("k", "llm").node_id in {"t0", "t1"}
         brain.publish(make_table(1, 2, ["a0"], llm=["t0", "t1", "t2"], av=[]))
-        assert wait_until(lambda: router.table is not None and router.table.version == 2)
+        assert wait_for(lambda: router.table is not None and router.table.version == 2)
         assert {router.route(k, "llm").node_id for k in KEYS} == {"t0", "t1", "t2"}
 
 
