@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import itertools
-import math
 import multiprocessing
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -27,7 +25,6 @@ from functools import lru_cache
 import numpy as np
 
 from prismlb.router import Request, Router, Settings
-from prismlb.router._keys import position
 from prismlb.router._request import Key
 from prismlb.router._snapshot import Group
 from prismlb.sim._ablations import VARIANTS
@@ -119,41 +116,6 @@ class StructureRouter(Router):
         before = self.summaries.get(node_id)
         self.summaries[node_id] = vector.copy() if before is None else before + SUMMARY_ALPHA * (vector - before)
 
-    def _expected(
-        self,
-        group: Group,
-        request: Request,
-        depths: dict[str, int],
-        key: Key | None,
-        exclude: Collection[str],
-        now: float,
-    ) -> dict[int, float]:
-        """Each available candidate entry's expected time to first token, in probe order: the candidates and the
-        formula of `Router._by_ttft` (which keeps them in its loop), repeated here so the library stays as it is."""
-        entries = group.entries
-        pos = position(key) if key is not None else position(request.blocks[0])
-        limit = self.settings.ttft_candidates
-        candidates = list(itertools.islice(group.ring.probe(group.ring.index(pos)), limit))
-        if len(entries) > limit:
-            taken = set(candidates)
-            candidates += [i for node in depths for i in group.by_node.get(node, ()) if i not in taken]
-        peers = self._peer_load if now - self._peer_at <= self.settings.peer_load_ttl_s else None
-        echo, fresh = (self._echo, self._fresh) if peers is not None else (0.0, {})
-        out: dict[int, float] = {}
-        for i in candidates:
-            state, _, _, _, endpoint = entries[i]
-            if (state.gated and not state.admits(now)) or (exclude and state.label in exclude):
-                continue
-            node_id = endpoint.node_id
-            queued = state.load
-            if peers and node_id in peers:
-                queued += peers[node_id] / len(group.by_node[node_id])
-            if echo and node_id in fresh:
-                queued += echo * fresh[node_id] / len(group.by_node[node_id])
-            cached = self._cached(request, depths.get(node_id, 0))
-            out[i] = (queued + request.cost - cached) / group.rates[i] * group.stretch[i]
-        return out
-
     def _by_ttft(
         self,
         group: Group,
@@ -166,9 +128,7 @@ class StructureRouter(Router):
         anchor, anchor_expected = super()._by_ttft(group, request, depths, key, exclude, now)
         if anchor is None or self.vector is None:
             return anchor, anchor_expected
-        expected = self._expected(group, request, depths, key, exclude, now)
-        if not math.isclose(expected.get(anchor, math.nan), anchor_expected, rel_tol=1e-9):
-            raise RuntimeError("StructureRouter._expected no longer matches Router._by_ttft's expected TTFT")
+        expected = self._expected_ttft(group, request, depths, key, exclude, now)
         node_of = {i: group.entries[i][4].node_id for i in expected}
         if self.mode == "tie-break":
             depth = depths.get(node_of[anchor], 0)

@@ -589,52 +589,67 @@ class Router:
         """The entry for a request with block hashes and its expected time to first token; (None, inf) when no
         entry is available.
 
-        Each available entry's expected time to first token is its queued prefill work (what this router and, through
-        the brain, its peer routers sent there that has no first token yet: `apply_cluster_load`) plus the request's
-        tokens its cache lacks, over its prefill speed, stretched by its weight (`Group.stretch`): the queue is weighed
-        by each node's speed, so the equal-share bounded-load limit does not apply. The entry holding the longest
-        prefix wins while its expected time is within `cache_affinity` times the least one, else the entry with the
-        least. In a group larger than `ttft_candidates` only the nodes holding the prefix and the first entries along
-        the key's probe order are weighed. Ties go to the first in the key's probe order, so an idle group places keys
-        as the ring does."""
+        The entry holding the longest prefix wins while its expected time (`_expected_ttft`) is within
+        `cache_affinity` times the least one, else the entry with the least. Ties go to the first in the key's
+        probe order, so an idle group places keys as the ring does."""
+        best: int | None = None
+        best_expected = math.inf
+        deep: int | None = None
+        deep_key = (0, math.inf)
+        entries = group.entries
+        for i, expected in self._expected_ttft(group, request, depths, key, exclude, now).items():
+            if expected < best_expected:
+                best, best_expected = i, expected
+            depth = depths.get(entries[i][4].node_id, 0)
+            if depth and (-depth, expected) < deep_key:
+                deep, deep_key = i, (-depth, expected)
+        if deep is not None and deep_key[1] <= self.settings.cache_affinity * best_expected:
+            return deep, deep_key[1]
+        return best, best_expected
+
+    def _expected_ttft(
+        self,
+        group: Group,
+        request: Request,
+        depths: dict[str, int],
+        key: Key | None,
+        exclude: Collection[str],
+        now: float,
+    ) -> dict[int, float]:
+        """Each available candidate entry's expected time to first token, in the key's probe order.
+
+        It is the entry's queued prefill work (what this router and, through the brain, its peer routers sent there
+        that has no first token yet: `apply_cluster_load`) plus the request's tokens its cache lacks, over its prefill
+        speed, stretched by its weight (`Group.stretch`): the queue is weighed by each node's speed, so the
+        equal-share bounded-load limit does not apply. In a group larger than `ttft_candidates` only the nodes
+        holding the prefix and the first entries along the key's probe order are weighed."""
         entries = group.entries
         pos = position(key) if key is not None else position(request.blocks[0])
         candidates: list[int] = []
         limit = self.settings.ttft_candidates
-        for i in group.ring.probe(group.ring.index(pos)):  # probe order: ties go to the key's ring owner first
+        for i in group.ring.probe(group.ring.index(pos)):
             if len(candidates) >= limit:
                 break
             candidates.append(i)
         if len(entries) > limit:
             taken = set(candidates)
             candidates += [i for node in depths for i in group.by_node.get(node, ()) if i not in taken]
-        best: int | None = None
-        best_expected = math.inf
-        deep: int | None = None
-        deep_key = (0, math.inf)
         cost = request.cost
         peers = self._peer_load if now - self._peer_at <= self.settings.peer_load_ttl_s else None
         echo, fresh = (self._echo, self._fresh) if peers is not None else (0.0, {})
+        out: dict[int, float] = {}
         for i in candidates:
             state, _, _, _, endpoint = entries[i]
             if (state.gated and not state.admits(now)) or (exclude and state.label in exclude):
                 continue
             node_id = endpoint.node_id
-            depth = depths.get(node_id, 0)
             queued = state.load
             if peers and node_id in peers:  # a node's peers' work spreads over its per-GPU entries
                 queued += peers[node_id] / len(group.by_node[node_id])
             if echo and node_id in fresh:
                 queued += echo * fresh[node_id] / len(group.by_node[node_id])
-            expected = (queued + cost - self._cached(request, depth)) / group.rates[i] * group.stretch[i]
-            if expected < best_expected:
-                best, best_expected = i, expected
-            if depth and (-depth, expected) < deep_key:
-                deep, deep_key = i, (-depth, expected)
-        affinity = self.settings.cache_affinity
-        if deep is not None and deep_key[1] <= affinity * best_expected:
-            return deep, deep_key[1]
-        return best, best_expected
+            out[i] = (queued + cost - self._cached(request, depths.get(node_id, 0))) / group.rates[i] * group.stretch[i]
+        return out
 
     def _remembered(
         self, group: Group, memory: PrefixMemory, key: Key, cost: int, exclude: Collection[str], now: float
