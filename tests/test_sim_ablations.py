@@ -64,6 +64,7 @@ def test_every_variant_is_listed_with_a_docstring() -> None:
     assert list(VARIANTS) == [
         "no-kv-index",
         "no-cache-affinity",
+        "no-overflow",
         "flat-weights",
         "ewma",
         "node-max-prediction",
@@ -82,6 +83,7 @@ def test_router_variants_switch_off_their_setting_alone() -> None:
     for name, changed in (
         ("no-kv-index", {"prefix_index": False}),
         ("no-cache-affinity", {"cache_affinity": 1.0}),
+        ("no-overflow", {"overflow": 0.0}),
         ("4-routers-no-share", {"share_load": False}),
     ):
         policy = VARIANTS[name](512)
@@ -140,7 +142,7 @@ def test_no_predictor_brain_has_no_predictions_where_the_full_brain_has() -> Non
 
 
 def test_prism_and_every_brain_ablation_run_the_librarys_settings() -> None:
-    router_variants = {"no-kv-index", "no-cache-affinity", "4-routers-no-share"}  # one setting each (the test above)
+    router_variants = {"no-kv-index", "no-cache-affinity", "no-overflow", "4-routers-no-share"}  # one setting each
     variants = [variant(16) for name, variant in VARIANTS.items() if name not in router_variants]
     policies = [policy_factories(16)[PRISM](), *variants]
     try:
