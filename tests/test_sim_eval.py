@@ -16,7 +16,7 @@ from prismlb.sim._workload import WORKLOADS
 def test_reduced_eval_writes_the_report_and_is_deterministic(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["eval", "--traces", "mooncake,mm", "--levels", "80%", "--limit", "120", "--jobs", "1"]
+    argv = ["eval", "--traces", "mooncake,mm", "--levels", "80%", "--limit", "60", "--jobs", "1"]
     assert main([*argv, "--out", str(tmp_path / "one")]) == 0
     printed = capsys.readouterr().out
     for policy in ("prism", "round-robin", "least-conn", "nginx-hash", "sglang", "llm-d", "llm-d-chart"):
@@ -27,7 +27,7 @@ def test_reduced_eval_writes_the_report_and_is_deterministic(
     for png in ("mooncake-p99.png", "mooncake-kv.png", "mooncake-kill.png", "mm-p99.png", "goodput.png"):
         assert (one / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (one / "summary.md").read_text()
-    assert "prism eval --traces mooncake,mm --levels 80% --limit 120" in summary and "| mooncake |" in summary
+    assert "prism eval --traces mooncake,mm --levels 80% --limit 60" in summary and "| mooncake |" in summary
     assert summary.index("## Goodput") < summary.index("## TTFT p99") < summary.index("## Ablations")
     assert "| mooncake |" in summary.split("## Ablations")[1], "the ablations ran on every workload"
     assert main([*argv, "--out", str(tmp_path / "two")]) == 0
