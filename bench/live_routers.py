@@ -87,7 +87,7 @@ class Contender:
 
 
 CONTENDERS = (
-    Contender("prism", None, policy="brain weights + bounded load", replay="prism"),
+    Contender("prism", None, policy="expected TTFT, prefix index", replay="prism"),
     Contender("sglang", "sglang-router", "sglang_router.launch_router", "cache_aware", "sglang"),
     Contender("sglang", "sglang-router", "sglang_router.launch_router", "power_of_two"),
     Contender("vllm", "vllm-router", "vllm_router.launch_router", "kv_aware", "vllm-kv-aware"),

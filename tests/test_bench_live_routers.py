@@ -39,7 +39,7 @@ def test_agreement_names_the_pairs_ordered_differently(bench: ModuleType) -> Non
     verdict = bench.agreement(live, replayed)[-1]
     assert verdict == (
         "Live and replay orderings of contenders with different models disagree on 1 of 5: "
-        "prism brain weights + bounded load / vllm kv_aware."
+        "prism expected TTFT, prefix index / vllm kv_aware."
     )
 
 
