@@ -13,7 +13,12 @@ from ._config import resolve_config
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("brain", help="run the brain: ingest node vectors, publish routing tables")
+    p = subparsers.add_parser(
+        "brain",
+        help="run the brain: ingest node vectors, publish routing tables",
+        description="Run the brain: ingest the agents' node vectors and KV events, predict each node's tail latency, "
+        "publish weighted routing tables, the KV stream and the routers' shared load.",
+    )
     p.add_argument("--ingest", help="bind address for node vectors (env PRISM_BRAIN_INGEST; tcp://127.0.0.1:5555)")
     p.add_argument("--updates", help="bind address for table updates (env PRISM_BRAIN_UPDATES; tcp://127.0.0.1:5556)")
     p.add_argument(

@@ -56,7 +56,12 @@ def _admin_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
-    ctl = subparsers.add_parser("ctl", help="inspect and steer a running brain")
+    ctl = subparsers.add_parser(
+        "ctl",
+        help="inspect and steer a running brain",
+        description="Inspect and steer a running brain through its admin API: status, drain and undrain nodes, "
+        "set or remove A/B experiments.",
+    )
     _admin_arg(ctl)
     commands = ctl.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
     for name, help_text in (
@@ -76,7 +81,11 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     experiment.add_argument("--arm", action="append", default=[], metavar="VERSION=FRACTION")
     ctl.set_defaults(func=_ctl)
 
-    top = subparsers.add_parser("top", help="live view of nodes, weights, predictions, alarms and tables")
+    top = subparsers.add_parser(
+        "top",
+        help="live view of nodes, weights, predictions, alarms and tables",
+        description="A live view of a running brain: its nodes, weights, predictions, alarms and tables.",
+    )
     _admin_arg(top)
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.add_argument("--once", action="store_true", help="print one frame and exit")

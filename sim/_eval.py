@@ -361,6 +361,13 @@ def _traces(args: argparse.Namespace) -> list[str | Path]:
         except ValueError as e:
             raise SystemExit(f"prism eval: {e}") from None
         print(f"{workload.name}: {len(workload.requests)} requests, prefix-hit bound {bound:.3f}")
+    for name in shared:  # a cut that leaves one instant cannot be scaled to a load: say so before any run
+        workload, _ = _workload(name, args.seed, args.limit)
+        try:
+            offered_utilisation(workload, 1.0)
+        except ValueError as e:
+            cut = f" (--limit {args.limit} keeps only its first requests)" if args.limit is not None else ""
+            raise SystemExit(f"prism eval: {e}{cut}") from None
     files = _trace_files(args.trace or (), [*shared, *families], args.seed, args.limit)
     return [*shared, *families, *files]
 

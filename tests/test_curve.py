@@ -86,6 +86,22 @@ def test_prism_keys_writes_a_private_secret(tmp_path: Path, capsys: pytest.Captu
     assert "node-a.key_secret" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("name", ["../../etc/x", "/tmp/abs", ".hidden", "a/b", ""])
+def test_prism_keys_refuses_a_name_that_is_not_a_file_name_in_its_folder(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        prism(["keys", name, "--dir", str(tmp_path)])
+    assert exit_.value.code == 2 and "is not a key name" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_prism_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        prism(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("prism 0.")
+
+
 def test_vectors_from_unauthorised_keys_are_refused(ctx: zmq.Context, keys: Path, endpoint: str) -> None:
     server = ServerCurve(keys / "brain.key_secret", keys / "authorized")
     auth = start_authenticator(ctx, server)

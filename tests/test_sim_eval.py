@@ -72,3 +72,9 @@ def test_a_plain_eval_replays_the_shared_traces_and_every_family_preset_at_two_s
     assert _traces(args) == ["rag:3"], "a named family replaces the default set"
     args.traces = "mm"
     assert _traces(args) == ["mm", "rag:3"]
+
+
+def test_a_cut_that_leaves_one_instant_is_refused_before_any_run() -> None:
+    # Mooncake's first ten requests share one timestamp: no span to scale to a load.
+    with pytest.raises(SystemExit, match=r"spans no time .*--limit 10 keeps only its first requests"):
+        main(["eval", "--limit", "10", "--traces", "mooncake", "--levels", "80%", "--no-kill", "--no-report"])
