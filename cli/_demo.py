@@ -5,6 +5,7 @@ The demo itself lives in `prismlb.sim._demo`; this module registers the subcomma
 from __future__ import annotations
 
 import argparse
+import sys
 
 from prismlb.sim._demo import (
     DEFAULT_DURATION_S,
@@ -57,14 +58,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.requests < 2:
-        print("prism demo: --requests must be at least 2")
+        print("prism demo: --requests must be at least 2", file=sys.stderr)
         return 2
     if not 0 < args.load <= 2:
-        print("prism demo: --load must be in (0, 2]")
+        print("prism demo: --load must be in (0, 2]", file=sys.stderr)
+        return 2
+    if not 5 <= args.duration <= 90:  # the demo is bounded to two minutes of wall time
+        print(f"prism demo: --duration must be within 5..90 seconds, got {args.duration:g}", file=sys.stderr)
         return 2
     options = Options(
         requests=args.requests,
-        duration_s=min(90.0, max(5.0, args.duration)),
+        duration_s=args.duration,
         load=args.load,
         gpus=tuple(g.strip().lower() for g in args.nodes.split(",") if g.strip()),
         kill=not args.no_kill,

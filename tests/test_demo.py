@@ -11,6 +11,7 @@ import time
 import psutil
 import pytest
 
+from prismlb.cli import main
 from prismlb.router import Router
 from prismlb.sim import block_hashes, prompt_tokens, traces_dir
 from prismlb.sim._demo import (
@@ -133,3 +134,19 @@ def test_ctrl_c_stops_every_process_of_the_demo() -> None:
     assert "== summary" in rest
     _, alive = psutil.wait_procs(children, timeout=5)
     assert not alive, f"still running: {alive}"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--duration", "500"], "--duration must be within 5..90 seconds, got 500"),
+        (["--duration", "1"], "--duration must be within 5..90 seconds, got 1"),
+        (["--requests", "1"], "--requests must be at least 2"),
+        (["--load", "3"], "--load must be in (0, 2]"),
+    ],
+)
+def test_out_of_range_options_are_usage_errors_not_clamped(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", *args]) == 2
+    assert capsys.readouterr().err == f"prism demo: {message}\n"
