@@ -89,9 +89,10 @@ def _run(args: argparse.Namespace) -> int:
             print(f"prism route: {exc}", file=sys.stderr)
             return 2
         return 0
-    where = f"slice {args.slice!r}" if args.slice else "the text slice, else 'default'"
-    print(f"table epoch {table.epoch} version {table.version}, {where}")
     try:
+        taken = router.slice_of(args.slice)
+        where = f"slice {taken!r}" if taken == (args.slice or taken) else f"slice {taken!r} ({args.slice!r} is empty)"
+        print(f"table epoch {table.epoch} version {table.version}, {where}")
         for key in args.keys:
             endpoint = router.route(key, args.slice)
             print(f"{key} -> {endpoint.node_id} {endpoint.address}")

@@ -478,6 +478,14 @@ class Router:
                     lease.fail(Outcome.CONNECT)
             tried.append(lease.label)
 
+    def slice_of(self, slice_name: str | None = None) -> str:
+        """The slice whose entries take a request named for `slice_name` (None: the text slice): that slice, or the
+        one it falls back to while it is empty. NoRouteError without a table, or with no slice to take it."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            raise NoRouteError("no routing table yet")
+        return self._resolve(snapshot, slice_name, None).name
+
     def _resolve(self, snapshot: Snapshot, slice_name: str | None, modality: str | None) -> SliceRoute:
         if slice_name is not None:
             try:

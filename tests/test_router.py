@@ -492,6 +492,19 @@ def test_cli_prints_where_keys_go(brains: Callable[[], Brain], capsys: pytest.Ca
         "x -> v0 v0.pool:8000",
         "y -> v0 v0.pool:8000",
     ]
+    assert _cli(["route", "--updates", a.updates, "--snapshot", a.snapshot, "x"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "table epoch 2 version 8, slice 'default'", "no text slice here"
+
+
+def test_slice_of_names_the_slice_that_takes_the_request() -> None:
+    nodes = [TableNode(node_id="a", endpoint="a:8000", weight=1.0)]
+    slices = [SliceTable(name="llm", nodes=nodes), SliceTable(name="vlm", nodes=[], fallback="llm")]
+    router = Router.from_table(RoutingTable(epoch=1, version=1, issued_unix_s=0.0, slices=slices))
+    assert router.slice_of() == router.slice_of("llm") == router.slice_of("vlm") == "llm"
+    with pytest.raises(NoRouteError, match="no slice 'rag'"):
+        router.slice_of("rag")
+    with pytest.raises(NoRouteError, match="no routing table yet"):
+        Router().slice_of()
 
 
 def test_cli_fails_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
