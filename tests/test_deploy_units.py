@@ -17,7 +17,6 @@ HARDENING = {
     "PrivateTmp": "yes",
     "ProtectKernelModules": "yes",
     "ProtectControlGroups": "yes",
-    "ProtectClock": "yes",
     "ProtectKernelLogs": "yes",
     "ProtectHostname": "yes",
     "LockPersonality": "yes",
@@ -45,6 +44,14 @@ def directives(unit: str) -> dict[str, str]:
 def test_units_carry_every_hardening_directive(unit: str) -> None:
     found = directives(unit)
     assert {key: found.get(key) for key in HARDENING} == HARDENING
+
+
+def test_only_the_brain_protects_the_clock() -> None:
+    # ProtectClock= implies DeviceAllow=char-rtc, which shuts other devices before systemd 253: the agent reads
+    # the GPUs through NVML's /dev/nvidia*; the brain has no devices at all (PrivateDevices=).
+    assert "ProtectClock" not in directives("prism-agent.service")
+    brain = directives("prism-brain.service")
+    assert brain["ProtectClock"] == "yes" and brain["PrivateDevices"] == "yes"
 
 
 @pytest.mark.parametrize("unit", UNITS)
