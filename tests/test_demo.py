@@ -119,13 +119,15 @@ def test_ctrl_c_stops_every_process_of_the_demo() -> None:
     )
     assert proc.stdout is not None
     children: list[psutil.Process] = []
+    seen: list[str] = []
     deadline = time.monotonic() + 60
     for line in proc.stdout:
+        seen.append(line)
         if "replaying" in line:
             children = psutil.Process(proc.pid).children(recursive=True)
             break
         assert time.monotonic() < deadline, "the demo did not start replaying"
-    assert len(children) >= 9  # brain, 4 engines, 4 agents
+    assert len(children) >= 9, "".join(seen)[-3000:]  # brain, 4 engines, 4 agents
     time.sleep(2)
     proc.send_signal(signal.SIGINT)
     rest = proc.stdout.read()
