@@ -1,4 +1,4 @@
-"""The node vector's contents: each source read at its own period (SPEC §3), its latest reading kept until
+"""The node vector's contents: each source read at its own period, its latest reading kept until
 it goes stale, and the health score and alarms computed over whatever is present."""
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class SpanSignals:
     """Windows fed by spans and metrics as they arrive; read by the sampler at each dimension's period.
 
     `clock` gives monotonic seconds (injectable for tests); windows: latency and load `load_window_s`,
-    CPU preprocessing `preprocessing_window_s` (10 s, SPEC §3). A latency or ratio outside its bound (a
+    CPU preprocessing `preprocessing_window_s` (10 s). A latency or ratio outside its bound (a
     negative TTFT, a span ending before it started, a fragmentation of 7) is dropped and counted in `invalid`;
     the rest of the span or metric is still used."""
 

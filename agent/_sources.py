@@ -1,4 +1,4 @@
-"""The sources of a node vector, each at its period (SPEC §3: fragmentation 2 s, KV miss 5 s, CPU
+"""The sources of a node vector, each at its period (fragmentation 2 s, KV miss 5 s, CPU
 preprocessing P95 10 s, NVLink 3 s; host and load every vector period). Latency per slice comes from the
 worker library's spans; the engine's own histograms, over all its requests, go under the key "engine"."""
 

@@ -1,5 +1,5 @@
 """The brain's control step every 5 s: per-group P99 to the drift detector, cluster P99 and load to the
-SLO guardian (SPEC §3)."""
+SLO guardian."""
 
 from __future__ import annotations
 

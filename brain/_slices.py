@@ -1,4 +1,4 @@
-"""Which nodes serve which modality slice (SPEC §3 pools), from node labels and what the agent measured.
+"""Which nodes serve which modality slice (its pool), from node labels and what the agent measured.
 
 Label keys (`prism agent --label KEY=VALUE`; values are case-insensitive; yes/no also accept true/false,
 1/0 and on/off; any other value counts as unset):

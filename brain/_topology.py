@@ -1,4 +1,4 @@
-"""Topology-aware entries (SPEC §3, MoE experts spread across GPUs): one table entry per GPU.
+"""Topology-aware entries (MoE experts spread across GPUs): one table entry per GPU.
 
 The AV slice (audio/video multi-turn, served by MoE models whose experts span GPUs) is topology-aware: each
 GPU of a node is its own entry, carrying the GPU index and its NUMA node. The brain publishes each entry's

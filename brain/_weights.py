@@ -3,7 +3,7 @@
 For a node in a slice's pool (`_slices`):
 
     raw = quality / best quality in the pool × s(τ̂),   quality = health × 0.5^(alarming dimensions),
-    s(τ) = 1 / (1 + (τ/τ0)²)   (SPEC §3)
+    s(τ) = 1 / (1 + (τ/τ0)²)
 
 Quality counts relative to the pool's healthiest member (all equal when none has any): weights set shares
 of one pool's traffic, and a condition every member shares (a trace with little prefix reuse puts every

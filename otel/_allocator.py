@@ -6,7 +6,7 @@ The snapshot is a list of segments (one per `cudaMalloc`), each a dict with `dev
 Only `inactive` blocks are free: they can serve the next allocation. The allocator merges neighbouring
 inactive blocks of a segment, so every inactive block is a maximal contiguous free range.
 
-The design article's model (SPEC §3): α = largest contiguous free block / total free, and the entropy H of
+The model: α = largest contiguous free block / total free, and the entropy H of
 the free-block size distribution. H is the Shannon entropy, in bits, of the distribution that gives each free
 block the share of free bytes it holds: H = −Σ pᵢ·log₂ pᵢ with pᵢ = sizeᵢ / free bytes. One free block gives
 H = 0; n equal blocks give log₂ n, so 2^H is the effective number of free blocks.

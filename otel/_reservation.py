@@ -1,4 +1,4 @@
-"""The design article's GPU-memory reservation advice (SPEC §3), one advisor per device.
+"""The design article's GPU-memory reservation advice, one advisor per device.
 
 static: reserve 15% of the pool (vLLM PagedAttention under high concurrency).
 dynamic: a watermark that starts at 8% of the pool and grows by 64 MiB each time the largest free block has

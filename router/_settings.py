@@ -1,4 +1,4 @@
-"""The router's settings: bounded load, passive health (nginx), circuit breaker (SPEC §3), sessions, topology."""
+"""The router's settings: bounded load, passive health (nginx), circuit breaker, sessions, topology."""
 
 from __future__ import annotations
 

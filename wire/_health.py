@@ -1,4 +1,4 @@
-"""Node health from whatever dimensions a node vector carries (SPEC §3 weights, renormalised)."""
+"""Node health from whatever dimensions a node vector carries (the design's weights, renormalised)."""
 
 from __future__ import annotations
 

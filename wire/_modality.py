@@ -1,4 +1,4 @@
-"""Modality slices (SPEC §3) and the `X-Modality-Signature` grammar that picks one.
+"""Modality slices and the `X-Modality-Signature` grammar that picks one.
 
 A signature names a request's parts joined by `+` (also `,` or spaces), in any order and case:
 `text`, `image+text`, `audio+video`, `rag+text`. Aliases: txt → text; img, vision → image; speech → audio;

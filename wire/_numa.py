@@ -1,4 +1,4 @@
-"""The NUMA rule for per-GPU routing entries (SPEC §3), shared by the brain (which publishes each entry's NUMA
+"""The NUMA rule for per-GPU routing entries, shared by the brain (which publishes each entry's NUMA
 node) and the router (which knows its caller's)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The baselines of the cluster replay (issue #7), each a faithful model of a public load balancer."""
+"""The baselines of the cluster replay, each a faithful model of a public load balancer."""
 
 from collections.abc import Callable
 

@@ -10,8 +10,8 @@ llm-d/llm-d `guides/inference-scheduling`: llm-d-inference-scheduler v0.5.0 runn
 readinessProbe periodSeconds 5, failureThreshold 3.
 
 Each candidate pod scores `wp * prefix + wq * queue + wk * kv` and the highest wins, ties broken at random. Two
-weightings are replayed: `llm-d` with prefix 2, queue 2, KV utilisation 3 (the weights issue #7 names for
-"llm-d-style scoring") and `llm-d-chart` with the chart's default-plugins.yaml weights 3, 2, 2.
+weightings are replayed: `llm-d` with prefix 2, queue 2, KV utilisation 3 (the weights the evaluation was
+specified with for "llm-d-style scoring") and `llm-d-chart` with the chart's default-plugins.yaml weights 3, 2, 2.
 - prefix: blocks matched / blocks of the request, from the scheduler's own index: walking the request's chained
   block hashes, each hash held by some pod adds 1 to every pod holding it, stopping at the first hash nobody
   holds. After each pick the request's hashes join the picked pod's LRU (capacity per pod); an evicted hash
@@ -43,7 +43,7 @@ from .._types import ClusterView, EngineStats, Policy, SimRequest
 from ._readiness import Readiness
 
 ISSUE_WEIGHTS = (2.0, 2.0, 3.0)
-"""(prefix, queue, KV utilisation) as issue #7 names them."""
+"""(prefix, queue, KV utilisation) as the evaluation was specified with them."""
 CHART_WEIGHTS = (3.0, 2.0, 2.0)
 """(prefix, queue, KV utilisation) in the inferencepool chart's default-plugins.yaml."""
 REFRESH_METRICS_INTERVAL_S = 0.05
