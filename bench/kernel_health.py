@@ -49,7 +49,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -313,18 +312,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
-def _wait_listening(address: str, proc: subprocess.Popen[bytes], limit_s: float) -> None:
-    deadline = time.monotonic() + limit_s
-    while True:
-        try:
-            socket.create_connection((address, PORT), timeout=1).close()
-            return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the engine at {address}:{PORT} did not start") from None
-            time.sleep(0.1)
-
-
 def start_engines(stack: contextlib.ExitStack, count: int, gpu: str, time_scale: float, logs: Path) -> list[Node]:
     """`count` namespaces, each with an emulated engine serving on PORT and METRICS_PORT; the engines are killed
     and the namespaces (with any nftables table in them) deleted when `stack` closes."""
@@ -343,7 +330,7 @@ def start_engines(stack: contextlib.ExitStack, count: int, gpu: str, time_scale:
             )
         nodes.append(Node(f"node-{i + 1}", ns, engine))
     for node in nodes:
-        _wait_listening(node.ns.address, node.engine, 30.0)
+        netns.wait_listening(node.ns.address, PORT, 30.0, node.engine)
     return nodes
 
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import socket
 import subprocess
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any, ParamSpec, TypeVar
@@ -133,3 +135,17 @@ def host_veth() -> Iterator[Namespace]:
         _run(["ip", "link", "set", host_end, "up"])
         _configure(ns)
         yield ns
+
+
+def wait_listening(address: str, port: int, limit_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Return once something accepts TCP connections at `address:port`; RuntimeError after `limit_s`, or as soon as
+    `proc`, the server meant to listen there, has exited."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=1).close()
+            return
+        except OSError:
+            if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens at {address}:{port}") from None
+            time.sleep(0.1)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -23,6 +27,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def load_bench(stem: str) -> ModuleType:
+    """`bench/<stem>.py` as a module (the benches are scripts, not a package), registered in `sys.modules` so
+    that its dataclasses and pickled callables resolve."""
+    path = Path(__file__).resolve().parent.parent / "bench" / f"{stem}.py"
+    name = f"prism_bench_{stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def wait_for(check: Callable[[], object], timeout_s: float = 10.0, what: str | None = None) -> bool:

@@ -5,28 +5,22 @@ only the client's side of the server port. The bench itself (agents, brain, minu
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
 import socket
-import sys
 import urllib.request
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from .conftest import load_bench
+
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "bench" / "kernel_health.py"
-    spec = importlib.util.spec_from_file_location("kernel_health_bench", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_health_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("kernel_health")
 
 
 def test_the_schedule_is_the_same_for_every_variant_and_each_prompt_distinct(bench: ModuleType) -> None:

@@ -3,23 +3,16 @@ and the verdict on whether live and replay order the contenders alike."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from .conftest import load_bench
+
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "bench" / "live_routers.py"
-    spec = importlib.util.spec_from_file_location("live_routers", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["live_routers"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("live_routers")
 
 
 def outcome(bench: ModuleType, contender: object, p99_ms: float) -> object:

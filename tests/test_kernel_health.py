@@ -29,7 +29,7 @@ from prismlb.agent._network import NetworkWindow
 from prismlb.brain import Brain, BrainConfig
 from prismlb.wire import MAX_VECTOR_BYTES, NodeVector, RoutingTable, Slice, decode
 
-from ._netns import Namespace, host_veth, veth_pair
+from ._netns import Namespace, host_veth, veth_pair, wait_listening
 from .conftest import require_ebpf
 
 pytestmark = pytest.mark.ebpf
@@ -101,18 +101,6 @@ class _Node:
         return self.server.pid
 
 
-def _wait_listening(address: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((address, PORT), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 @contextmanager
 def _nodes(count: int) -> Iterator[list[_Node]]:
     """`count` namespaces reached from this one, each with an HTTP server on PORT; removed afterwards."""
@@ -123,7 +111,7 @@ def _nodes(count: int) -> Iterator[list[_Node]]:
             server = ns.popen([sys.executable, "-c", _SERVER, ns.address, str(BODY_BYTES), str(PORT)])
             nodes.append(_Node(f"node-{'ab'[i]}", ns, server))
         for node in nodes:
-            _wait_listening(node.ns.address)
+            wait_listening(node.ns.address, PORT, 10.0, node.server)
         yield nodes
 
 

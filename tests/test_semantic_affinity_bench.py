@@ -3,10 +3,7 @@ router's choice."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -16,6 +13,8 @@ from prismlb.router import Request, Settings, block_hashes
 from prismlb.sim._families import family_workload
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
+from .conftest import load_bench
+
 BLOCK = 16
 BLOCKS = tuple(block_hashes(list(range(64 * BLOCK)), BLOCK))
 CHAT = ("system:9", "user:7")
@@ -23,13 +22,7 @@ CHAT = ("system:9", "user:7")
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "bench" / "semantic_affinity.py"
-    spec = importlib.util.spec_from_file_location("semantic_affinity", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["semantic_affinity"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("semantic_affinity")
 
 
 def test_the_encoder_is_deterministic_normalised_and_stable_across_processes(bench: ModuleType) -> None:
