@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from prismlb.bpf import program_text
+from prismlb.bpf import constants, program_text
 
 from ._clock import UnixClock
 from ._connections import Connection
@@ -25,14 +25,13 @@ TRACEPOINTS: tuple[str, ...] = tuple(
     for category, name in re.findall(r"^TRACEPOINT_PROBE\((\w+), (\w+)\)", program_text(PROGRAM), re.MULTILINE)
 )
 DEFAULT_PAGE_CNT = 128
-MAX_FILTER_ENTRIES = 1024  # the size of the `ports` and `pids` maps
-
-# The constants of bpf/conntrack.c that Python reads.
-_EVENT_ESTABLISHED = 1
-_EVENT_CLOSED = 2
-_ROLE_SERVER = 1
-_FILTER_PORTS = 0
-_FILTER_PIDS = 1
+_C = constants(PROGRAM)
+MAX_FILTER_ENTRIES = _C["FILTER_ENTRIES"]
+"""The size of the program's `ports` and `pids` maps."""
+_COUNT_INDEX = tuple(_C[f"COUNT_{field.upper()}"] for field in TcpCounts._fields)
+"""Where each TcpCounts field sits in the program's `tcp_counts`."""
+if _C["COUNTS"] != len(TcpCounts._fields):
+    raise ImportError(f"bpf/{PROGRAM}.h counts {_C['COUNTS']} TCP counters; TcpCounts reads {len(TcpCounts._fields)}")
 
 CheckRow = tuple[str, bool, str]
 ConnectionCallback = Callable[[Connection], None]
@@ -166,8 +165,8 @@ class ConnectionTracer:
         self._fill(bpf[b"ports"], ports)
         self._fill(bpf[b"pids"], pids)
         match_all = bpf[b"match_all"]
-        match_all[match_all.Key(_FILTER_PORTS)] = match_all.Leaf(0 if ports else 1)
-        match_all[match_all.Key(_FILTER_PIDS)] = match_all.Leaf(0 if pids else 1)
+        match_all[match_all.Key(_C["FILTER_PORTS"])] = match_all.Leaf(0 if ports else 1)
+        match_all[match_all.Key(_C["FILTER_PIDS"])] = match_all.Leaf(0 if pids else 1)
         self._cpus: list[int] = importlib.import_module("bcc.utils").get_online_cpus()
         self._events = bpf[b"events"]
         self._events.open_perf_buffer(self._on_event, page_cnt=page_cnt, lost_cb=self._on_lost)
@@ -219,7 +218,7 @@ class ConnectionTracer:
         comm = event.comm.decode(errors="replace") if event.pid else None
         connection = Connection(
             sock_id=event.sock_id,
-            role="server" if event.role == _ROLE_SERVER else "client",
+            role="server" if event.role == _C["ROLE_SERVER"] else "client",
             local_addr=_address(event.family, event.laddr),
             local_port=event.lport,
             remote_addr=_address(event.family, event.raddr),
@@ -230,7 +229,7 @@ class ConnectionTracer:
             comm=comm,
             process_start_unix_s=process_start_unix_s(event.pid, comm) if comm is not None else None,
             handshake_us=(event.established_ns - event.syn_ns) / 1000 if event.syn_ns else None,
-            closed_unix_ns=to_unix(event.closed_ns) if event.kind == _EVENT_CLOSED else None,
+            closed_unix_ns=to_unix(event.closed_ns) if event.kind == _C["EVENT_CLOSED"] else None,
             bytes_sent=event.bytes_sent,
             bytes_received=event.bytes_received,
             retransmits=event.retransmits,
@@ -248,7 +247,7 @@ class ConnectionTracer:
         batch.sort(key=lambda item: item[0])  # each CPU has its own buffer: restore the kernel's order
         self.events_total += len(batch)
         for _ts, kind, connection in batch:
-            callback = self.on_established if kind == _EVENT_ESTABLISHED else self.on_closed
+            callback = self.on_established if kind == _C["EVENT_ESTABLISHED"] else self.on_closed
             if callback is not None:
                 callback(connection)
         return len(batch)
@@ -275,7 +274,7 @@ class ConnectionTracer:
     def tcp_counts(self) -> TcpCounts:
         """The program's TCP health counters since it was attached (bpf/conntrack.c `tcp_counts`)."""
         table = self._tcp_counts
-        return TcpCounts(*(int(table.sum(table.Key(i)).value) for i in range(len(TcpCounts._fields))))
+        return TcpCounts(*(int(table.sum(table.Key(i)).value) for i in _COUNT_INDEX))
 
     @staticmethod
     def program_text() -> str:

@@ -29,22 +29,7 @@
 #define PRISM_TCP_SYN_RECV 3
 #define PRISM_TCP_CLOSE 7
 
-#define EVENT_ESTABLISHED 1
-#define EVENT_CLOSED 2
-
-#define ROLE_CLIENT 0
-#define ROLE_SERVER 1
-
-#define FILTER_PORTS 0
-#define FILTER_PIDS 1
-
-// Indices in `tcp_counts`, read by agent/_conntrack.py in this order.
-#define COUNT_OPENED 0       // connections that became traced
-#define COUNT_ENDED 1        // traced connections whose CLOSED event was sent (socket freed, or reused)
-#define COUNT_RETRANSMITS 2  // segments retransmitted on traced connections (a client's SYNs once established)
-#define COUNT_RESETS 3       // RSTs sent or received (see on_reset)
-#define COUNT_REFUSED 4      // connects that ended without being established
-#define COUNTS 5
+#include "conntrack.h"
 
 // A connection as it stands (the value in `conns`) and, with kind and ts_ns set, the event sent to user
 // space: the one definition of the event, which Python reads through bcc's events.event(data).
@@ -73,9 +58,9 @@ struct conn {
 
 BPF_PERCPU_ARRAY(connect_calls, u64, 1);
 BPF_PERCPU_ARRAY(tcp_counts, u64, COUNTS);
-BPF_TABLE("lru_hash", u64, struct conn, conns, 65536);
-BPF_HASH(ports, u16, u8, 1024);   // local or remote ports to trace
-BPF_HASH(pids, u32, u8, 1024);    // processes to trace
+BPF_TABLE("lru_hash", u64, struct conn, conns, CONNS_ENTRIES);
+BPF_HASH(ports, u16, u8, FILTER_ENTRIES);   // local or remote ports to trace
+BPF_HASH(pids, u32, u8, FILTER_ENTRIES);    // processes to trace
 // [FILTER_PORTS], [FILTER_PIDS]: 1 while every port / every process is traced. The loader sets them; until
 // then they are 0 and the sets empty, so nothing slips past a filter between attaching and configuring.
 BPF_ARRAY(match_all, u32, 2);

@@ -525,3 +525,22 @@ def test_kernel_time_maps_to_epoch_time() -> None:
         clock.refresh_if_due()
         assert abs(clock.to_unix_ns(time.monotonic_ns()) - time.time_ns()) < 1_000_000
     assert abs(measure_offset_ns() - clock.offset_ns) < 1_000_000
+
+
+def test_kernel_and_loader_read_their_constants_from_one_header() -> None:
+    """bpf/conntrack.h is the one place the event kinds, roles, filters, counter indices and map sizes are written:
+    the program bcc compiles has it inlined (no include left for bcc to resolve), and the loader's counters follow
+    its indices rather than their own order."""
+    from prismlb.agent import _conntrack
+    from prismlb.agent._network import TcpCounts
+    from prismlb.bpf import constants, program_text
+
+    header = constants("conntrack")
+    text = program_text("conntrack")
+    assert "#include \"conntrack.h\"" not in text
+    assert "#define COUNT_RETRANSMITS" in text and "FILTER_ENTRIES)" in text
+    assert header["COUNTS"] == len(TcpCounts._fields)
+    assert _conntrack.MAX_FILTER_ENTRIES == header["FILTER_ENTRIES"]
+    assert [_conntrack._COUNT_INDEX[i] for i, _ in enumerate(TcpCounts._fields)] == [
+        header[f"COUNT_{name.upper()}"] for name in TcpCounts._fields
+    ]
