@@ -9,7 +9,8 @@ the TTFT quantiles per slice); the policy's `tick`
 runs every `tick_s`. A node killed mid-run loses its requests in flight (each tried again elsewhere) and stops
 answering and reporting. A degraded node (`Degrade`, a gray failure) keeps answering, slower: its GPU at a
 fraction of its speed, or its network losing segments, which stall requests on retransmission timeouts and show
-in its agent's kernel counters (`tcp_retransmits_per_conn`).
+in its agent's kernel counters (`tcp_retransmits_per_conn`), or shared with callers that do not go through the
+policy (foreign requests its engine serves beside the policy's, which only its agent's figures show).
 """
 
 from __future__ import annotations
@@ -69,16 +70,22 @@ class Degrade:
     """A gray failure from `at_fraction` of the arrival span on: the node keeps answering and reporting, but
     its GPU runs `slowdown` times slower (thermal throttling, a noisy neighbour, a failing memory stack) and each
     segment of a request sent to it is lost with probability `loss` (a flaky NIC, a congested switch port),
-    stalling the request `RTO_S` per lost segment before the engine sees it."""
+    stalling the request `RTO_S` per lost segment before the engine sees it; and callers that do not go through
+    the policy (another team's gateway, a batch job, clients with the node's address) send it `foreign` times its
+    prefill capacity in prompts like the workload's: work no router placed, so no router counts it, while the
+    node's agent sees its requests and latency as the engine's metrics do."""
 
     node: str
     at_fraction: float = 0.25
     slowdown: float = 1.0
     loss: float = 0.0
+    foreign: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.slowdown >= 1 and 0 <= self.loss < 1 and 0 <= self.at_fraction <= 1):
-            raise ValueError(f"a degradation needs slowdown >= 1, 0 <= loss < 1 and 0 <= at_fraction <= 1: {self}")
+        if not (self.slowdown >= 1 and 0 <= self.loss < 1 and 0 <= self.foreign < 1 and 0 <= self.at_fraction <= 1):
+            raise ValueError(
+                f"a degradation needs slowdown >= 1, 0 <= loss < 1, 0 <= foreign < 1 and 0 <= at_fraction <= 1: {self}"
+            )
 
 
 def recovery_s(killed_at: float, refused: Sequence[float]) -> float:
@@ -126,6 +133,7 @@ class _Node:
         self.loss = 0.0  # share of segments lost on the way to it (`Degrade`)
         self.connections = 0  # requests sent to it since the last vector
         self.retransmits = 0  # segments of those resent
+        self.foreign_per_s = 0.0  # arrival rate of requests from outside the policy (`Degrade.foreign`)
 
     def account(self, now: float, delta: int) -> None:
         self.busy_area += self.inflight * (now - self.last_change)
@@ -230,6 +238,14 @@ class _Attempt:
     first_token_s: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Foreign:
+    """A job's tag for a request from outside the policy: only the node's agent sees it."""
+
+    slice_name: str
+    arrival_s: float
+
+
 class Simulation:
     """One replay of `workload` on `nodes` under `policy`; `run()` returns its RunResult."""
 
@@ -268,6 +284,7 @@ class Simulation:
                 raise ValueError(f"cannot degrade {fault.node!r}: not a node of the cluster")
         self.degrade = tuple(degrade)
         self._rng = random.Random(seed)  # lost segments
+        self._foreign_rng = random.Random(seed + 1)  # foreign arrivals, their sizes and block ids
         self.view = _View(self.nodes)
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
@@ -306,6 +323,7 @@ class Simulation:
             "kill": self._kill,
             "degrade": self._degrade,
             "deliver": self._deliver,
+            "foreign": self._foreign,
         }
         now = 0.0
         while remaining:
@@ -397,6 +415,10 @@ class Simulation:
         done = 0
         for kind, job, t in events:
             attempt = job.tag
+            if isinstance(attempt, _Foreign):
+                if kind == "first_token":
+                    node.first_tokens.append((t, attempt.slice_name, t - attempt.arrival_s))
+                continue
             assert isinstance(attempt, _Attempt)
             if kind == "first_token":
                 attempt.first_token_s = t
@@ -459,7 +481,31 @@ class Simulation:
             encoder_s={m: s * fault.slowdown for m, s in p.encoder_s.items()},
         )
         node.loss = fault.loss
+        if fault.foreign:
+            sizes = self.workload.requests
+            mean_tokens = sum(r.input_tokens for r in sizes) / len(sizes)
+            node.foreign_per_s = fault.foreign * p.prefill_tokens_per_s / mean_tokens
+            self._push(now + self._foreign_rng.expovariate(node.foreign_per_s), "foreign", fault.node)
         return done
+
+    def _foreign(self, now: float, name: object) -> int:
+        """A request from outside the policy reaches the node: a workload request's size and modality, a prompt
+        no other request shares. They come until the workload's last arrival."""
+        node = self.nodes[cast(str, name)]
+        if not node.alive or now > self.workload.requests[-1].arrival_s:
+            return 0
+        rng = self._foreign_rng
+        like = rng.choice(self.workload.requests)
+        blocks = tuple(rng.getrandbits(63) for _ in like.blocks)
+        profile = node.model.profile
+        job = Job(blocks, like.input_tokens, max(1, like.output_tokens), profile.media_s(like.media), now)
+        job.media_tokens = like.media_tokens
+        job.tag = _Foreign(parse_signature(like.signature)[0].value, now)
+        if not node.model.fits(job):
+            job.output_tokens = 1
+        node.arrivals += 1
+        self._push(now + rng.expovariate(node.foreign_per_s), "foreign", node.spec.name)
+        return self._apply(node, now, node.model.advance(now) + node.model.submit(job, now))
 
     def _kill(self, now: float, name: object) -> int:
         node = self.nodes[cast(str, name)]

@@ -43,6 +43,8 @@ GRAY_SLOWDOWN = 3.0
 """How much slower the gray-failure replays' first node runs from a quarter of the way in (`gray_failure`)."""
 GRAY_LOSS = 0.05
 """The share of segments lost on the way to the gray-failure replays' last node from a quarter of the way in."""
+GRAY_FOREIGN = 0.5
+"""The share of its prefill capacity that callers outside Prism take on the gray-failure replays' middle node."""
 QUICK_LIMIT = 1000
 """Requests per workload in `prism eval --quick`."""
 QUICK_FAMILIES = ("tenants:1", "sessions:1", "agentic:1", "multimodal:1")
@@ -135,10 +137,16 @@ def run_case(case: Case) -> RunResult:
 
 
 def gray_failure(nodes: Sequence[NodeSpec]) -> tuple[Degrade, ...]:
-    """Two nodes going bad without going down, a quarter of the way in: the first runs `GRAY_SLOWDOWN` times
+    """Three nodes in trouble without going down, a quarter of the way in: the first runs `GRAY_SLOWDOWN` times
     slower (a GPU throttled by heat or a failing fan), the last loses `GRAY_LOSS` of the segments sent to it (a
-    flaky NIC or cable). Health checks pass on both; what they cost is what the brain's signals are for."""
-    return (Degrade(nodes[0].name, slowdown=GRAY_SLOWDOWN), Degrade(nodes[-1].name, loss=GRAY_LOSS))
+    flaky NIC or cable), the middle one also serves callers that do not go through Prism (`GRAY_FOREIGN` of its
+    prefill capacity: another team's gateway, a batch job). Health checks pass on all three; what they cost is
+    what the brain's signals are for."""
+    return (
+        Degrade(nodes[0].name, slowdown=GRAY_SLOWDOWN),
+        Degrade(nodes[len(nodes) // 2].name, foreign=GRAY_FOREIGN),
+        Degrade(nodes[-1].name, loss=GRAY_LOSS),
+    )
 
 
 def replay(
@@ -438,8 +446,9 @@ def _run(args: argparse.Namespace) -> int:
     if ablations:
         ablation = (
             format_ablations([r for r in found if r.policy in (PRISM, *VARIANTS)])
-            + f"\n\n### Under a gray failure\n\nThe same goodput search with two nodes going bad a quarter of the way "
-            f"into every probe (`_eval.gray_failure`): the first {GRAY_SLOWDOWN:g} times slower, the last losing "
+            + f"\n\n### Under a gray failure\n\nThe same goodput search with three nodes in trouble a quarter of the "
+            f"way into every probe (`_eval.gray_failure`): the first {GRAY_SLOWDOWN:g} times slower, the middle one "
+            f"serving callers outside Prism ({GRAY_FOREIGN:.0%} of its prefill capacity), the last losing "
             f"{GRAY_LOSS:.0%} of the segments sent to it; Prism's goodput is its own under the same failure.\n\n"
             + format_ablations(gray)
         )

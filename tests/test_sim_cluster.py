@@ -167,6 +167,45 @@ def test_prism_sends_less_to_a_slowed_node() -> None:
     assert rates["n2"] is not None and all(rates["n2"] < 0.5 * r for n, r in rates.items() if n != "n2" and r)
 
 
+class Seen(Watch):
+    """Watch that also keeps each vector's requests per second and engine TTFT P99."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, float, float]] = []
+
+    def tick(self, view: ClusterView, now: float) -> None:
+        for v in view.vectors():
+            engine = v.latency.get("engine")
+            self.seen.append((v.node_id, v.metrics.requests_per_s, engine.ttft_p99_ms if engine else 0.0))
+
+
+def test_foreign_requests_load_a_node_that_only_its_agent_sees() -> None:
+    """Callers outside the policy: the node serves them (its agent counts them and their latency), the policy is
+    never told of them, every policy request still completes once, and the node's own requests wait longer."""
+    alone, shared = Seen(), Seen()
+    Simulation(workload(), alone, NODES, utilisation=0.4, seed=0).run()
+    fault = [Degrade("n2", at_fraction=0.0, foreign=0.6)]
+    simulation = Simulation(workload(), shared, NODES, utilisation=0.4, seed=0, degrade=fault)
+    result = simulation.run()
+    assert result.completed == 400 and result.failed_attempts == 0
+    assert len(shared.ttft) == 400 and {i for _, _, i in shared.log} == set(range(400)), "the policy saw only its own"
+
+    def arrivals(policy: Seen, node: str) -> float:
+        return sum(rate for name, rate, _ in policy.seen if name == node)
+
+    expected = simulation.nodes["n2"].foreign_per_s * workload().requests[-1].arrival_s
+    assert expected > 10
+    foreign = arrivals(shared, "n2") - arrivals(alone, "n2")
+    assert foreign == pytest.approx(expected, rel=0.4), "its agent counts the foreign requests"
+    assert arrivals(shared, "n1") == pytest.approx(arrivals(alone, "n1"), rel=0.05)
+    on_n2 = [shared.ttft[i][1] for i in shared.ttft if shared.ttft[i][0] == "n2"]
+    before = [alone.ttft[i][1] for i in alone.ttft if alone.ttft[i][0] == "n2"]
+    assert sum(on_n2) > 1.2 * sum(before), "the policy's requests queue behind the foreign ones"
+    with pytest.raises(ValueError, match="foreign"):
+        Degrade("n0", foreign=1.0)
+
+
 def test_recovery_ignores_lone_probes() -> None:
     assert recovery_s(100.0, []) == 0.0
     assert recovery_s(100.0, [100.0, 100.2, 101.5, 110.0, 120.0]) == 1.0
