@@ -1,5 +1,20 @@
-"""What the agent learns from the worker library's OTLP data: per-slice request latency and load, CPU
-preprocessing P95 from stage spans, and GPU-allocator fragmentation from metrics (names in prismlb.otel)."""
+"""What the agent learns from OTLP data: per-slice request latency and load from request spans, CPU
+preprocessing P95 from the worker library's stage spans, and GPU-allocator fragmentation from its metrics
+(names in prismlb.otel).
+
+Request spans come in three shapes, all feeding the same windows:
+
+- prismlb.otel's GenAI-named span (`chat llama-3-8b`), found by `prism.span = "request"`: e2e is its
+  duration, TTFT `gen_ai.latency.time_to_first_token` in seconds;
+- the worker library's earlier `prism.request` span, TTFT `prism.ttft_ms` in milliseconds (servers deployed
+  before the GenAI names keep sending it);
+- an engine's own request span, vLLM's `llm_request` (any span with `gen_ai.latency.e2e` or
+  `gen_ai.latency.time_to_first_token`): e2e `gen_ai.latency.e2e` and TTFT in seconds, measured inside the
+  engine; without `prism.slice` on it, it counts in the default slice.
+
+A server that sends both its engine's spans and prismlb.otel's for the same requests counts them twice: turn
+one of them off.
+"""
 
 from __future__ import annotations
 
@@ -13,13 +28,17 @@ from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from prismlb.otel._conventions import (
+    ATTR_GEN_AI_E2E_S,
+    ATTR_GEN_AI_TTFT_S,
     ATTR_GPU,
     ATTR_SLICE,
+    ATTR_SPAN,
     ATTR_STAGE,
-    ATTR_TTFT_MS,
     CPU_PREPROCESSING_STAGES,
+    LEGACY_ATTR_TTFT_MS,
+    LEGACY_REQUEST_SPAN,
     METRIC_FRAGMENTATION,
-    REQUEST_SPAN,
+    SPAN_REQUEST,
     STAGE_SPAN_PREFIX,
 )
 from prismlb.wire import DEFAULT_SLICE, ModalityLatency, Slice
@@ -29,18 +48,45 @@ from ._windows import Window
 
 QUANTILES = (0.5, 0.95, 0.99)
 
+_SPAN_KEYS = frozenset({ATTR_SPAN, ATTR_SLICE, ATTR_STAGE, ATTR_GEN_AI_TTFT_S, ATTR_GEN_AI_E2E_S, LEGACY_ATTR_TTFT_MS})
+"""The span attributes the signals read; the rest are skipped unread."""
+_MS_PER_S = 1000.0
+
+
+def _value(kv: KeyValue) -> object:
+    """A scalar attribute's value (bool as bool); None for an array, a map, bytes or an empty value."""
+    kind = kv.value.WhichOneof("value")
+    if kind in ("string_value", "int_value", "double_value", "bool_value"):
+        return getattr(kv.value, kind)
+    return None
+
 
 def _attr(kvs: list[KeyValue] | object, key: str) -> str | int | float | None:
     for kv in kvs:  # type: ignore[attr-defined]
         if kv.key == key:
-            kind = kv.value.WhichOneof("value")
-            return getattr(kv.value, kind) if kind in ("string_value", "int_value", "double_value") else None
+            value = _value(kv)
+            return value if isinstance(value, str | int | float) and not isinstance(value, bool) else None
     return None
 
 
-def _slice(span: Span) -> str:
-    value = _attr(span.attributes, ATTR_SLICE)
+def _read(span: Span) -> dict[str, object]:
+    """The attributes of `_SPAN_KEYS` the span carries, in one pass over its attributes."""
+    return {kv.key: _value(kv) for kv in span.attributes if kv.key in _SPAN_KEYS}
+
+
+def _slice(attrs: dict[str, object]) -> str:
+    value = attrs.get(ATTR_SLICE)
     return value if isinstance(value, str) and value in Slice.__members__.values() else DEFAULT_SLICE.value
+
+
+def _is_request(span: Span, attrs: dict[str, object]) -> bool:
+    """Whether `span` is one request's span in any of the three shapes (see the module docstring)."""
+    return (
+        attrs.get(ATTR_SPAN) == SPAN_REQUEST
+        or span.name == LEGACY_REQUEST_SPAN
+        or ATTR_GEN_AI_E2E_S in attrs
+        or ATTR_GEN_AI_TTFT_S in attrs
+    )
 
 
 class SpanSignals:
@@ -80,25 +126,41 @@ class SpanSignals:
         for resource_spans in request.resource_spans:
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    if span.name == REQUEST_SPAN:
-                        key = _slice(span)
-                        e2e_ms = self._duration_ms(span, "prism.request.duration_ms")
-                        if e2e_ms is not None:
-                            self._windows(self._e2e, key).add(e2e_ms, now)
-                        if span.status.code == Status.STATUS_CODE_ERROR:
-                            self._windows(self._errors, key).add(1.0, now)
-                        ttft = _attr(span.attributes, ATTR_TTFT_MS)
-                        if isinstance(ttft, str):
-                            self.invalid.count("span", ATTR_TTFT_MS, ttft)
-                        elif ttft is not None:
-                            ttft_ms = self.invalid.check("span", ATTR_TTFT_MS, float(ttft), LATENCY_MS)
-                            if ttft_ms is not None:
-                                self._windows(self._ttft, key).add(ttft_ms, now)
+                    attrs = _read(span)
+                    if _is_request(span, attrs):
+                        self._request(span, attrs, now)
                     elif span.name.startswith(STAGE_SPAN_PREFIX):
-                        if _attr(span.attributes, ATTR_STAGE) in CPU_PREPROCESSING_STAGES:
+                        if attrs.get(ATTR_STAGE) in CPU_PREPROCESSING_STAGES:
                             stage_ms = self._duration_ms(span, "prism.stage.duration_ms")
                             if stage_ms is not None:
                                 self._preprocessing.add(stage_ms, now)
+
+    def _request(self, span: Span, attrs: dict[str, object], now: float) -> None:
+        """Add one request span's e2e, error and TTFT to its slice's windows."""
+        key = _slice(attrs)
+        e2e_ms = self._latency_ms(attrs, ATTR_GEN_AI_E2E_S, _MS_PER_S)
+        if e2e_ms is None:
+            e2e_ms = self._duration_ms(span, "prism.request.duration_ms")
+        if e2e_ms is not None:
+            self._windows(self._e2e, key).add(e2e_ms, now)
+        if span.status.code == Status.STATUS_CODE_ERROR:
+            self._windows(self._errors, key).add(1.0, now)
+        ttft_ms = self._latency_ms(attrs, ATTR_GEN_AI_TTFT_S, _MS_PER_S)
+        if ttft_ms is None:
+            ttft_ms = self._latency_ms(attrs, LEGACY_ATTR_TTFT_MS, 1.0)
+        if ttft_ms is not None:
+            self._windows(self._ttft, key).add(ttft_ms, now)
+
+    def _latency_ms(self, attrs: dict[str, object], field: str, to_ms: float) -> float | None:
+        """Attribute `field` times `to_ms`, in milliseconds; None when absent, and (counted under `field`) when
+        not a number or out of range."""
+        if field not in attrs:
+            return None
+        value = attrs[field]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            self.invalid.count("span", field, value)
+            return None
+        return self.invalid.check("span", field, float(value) * to_ms, LATENCY_MS)
 
     def _duration_ms(self, span: Span, field: str) -> float | None:
         """The span's duration in ms; None (counted under `field`) when it ends before it starts or is absurd."""

@@ -73,6 +73,7 @@ def setup(
     export_interval_s: float = 2.0,
     snapshot_provider: SnapshotProvider | None = None,
     reservation: ReservationMode = "dynamic",
+    provider_name: str | None = None,
 ) -> PrismTelemetry:
     """Export this process's request/stage spans and GPU-allocator gauges over OTLP (to the local agent).
 
@@ -84,6 +85,7 @@ def setup(
     every 2 s). snapshot_provider: the allocator snapshot in torch's format; None uses
     `torch.cuda.memory_snapshot` when CUDA is available and exports no allocator gauges otherwise.
     reservation: the ReservationAdvisor mode behind `prism.gpu.allocator.reserve_advice_bytes`.
+    provider_name: the request spans' `gen_ai.provider.name` (see PrismTelemetry).
     The Resource carries `service.name` and the process attributes (`process.pid`, by which the agent joins
     client spans): call this in the process that serves, after any fork.
     """
@@ -110,4 +112,4 @@ def setup(
     provider = snapshot_provider if snapshot_provider is not None else cuda_snapshot_provider()
     if provider is not None:
         AllocatorGauges(meter_provider.get_meter(SCOPE), provider, devices, reservation)
-    return PrismTelemetry(tracer_provider, meter_provider)
+    return PrismTelemetry(tracer_provider, meter_provider, provider_name=provider_name)

@@ -3,14 +3,17 @@
 For each finished request, once it is done, with the model's times as explicit timestamps:
 
     POST /v1/chat/completions          SERVER    HTTP semantic conventions, the TCP 4-tuple (the agent's join)
-    └── prism.request                  INTERNAL  prismlb.otel's request span: slice, signature, model,
-        │                                        input/output/cached tokens, prism.ttft_ms
+    └── chat <model>                   INTERNAL  prismlb.otel's request span (GenAI conventions, prism.span =
+        │                                        "request"): slice, signature, provider `vllm`, model,
+        │                                        input/output/cached tokens, TTFT in seconds
         ├── prism.stage.queue          INTERNAL  arrival → admitted into prefill
         ├── prism.stage.encode         INTERNAL  the media encoder's share of prefill (only with media parts)
         ├── prism.stage.prefill        INTERNAL  → first token
         └── prism.stage.decode         INTERNAL  first token → last token
 
-Names and attributes come from `prismlb.otel._conventions`, so the agent reads them as the worker library's.
+Names and attributes come from `prismlb.otel` (`_conventions`, and the request span's name and first
+attributes from `_spans`), so the agent reads them as the worker library's. The provider is `vllm`: the
+emulated engine stands in for vLLM (its `/metrics` are vLLM's).
 `queue` and `encode` are GPU-side stages of the library's STAGES; the agent forwards them and, as they are not
 CPU preprocessing, leaves them out of that dimension.
 
@@ -40,27 +43,25 @@ from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
 
 from prismlb.otel._conventions import (
+    ATTR_GEN_AI_CACHED_TOKENS,
     ATTR_GEN_AI_INPUT_TOKENS,
-    ATTR_GEN_AI_OPERATION,
     ATTR_GEN_AI_OUTPUT_TOKENS,
-    ATTR_GEN_AI_REQUEST_MODEL,
-    ATTR_SIGNATURE,
+    ATTR_GEN_AI_TTFT_S,
     ATTR_SLICE,
     ATTR_STAGE,
-    ATTR_TTFT_MS,
-    REQUEST_SPAN,
     SCOPE,
     STAGE_SPAN_PREFIX,
 )
 from prismlb.otel._setup import _endpoint, _protocol
+from prismlb.otel._spans import request_attributes, request_span_name
 from prismlb.wire import parse_signature
 
 from ._model import GpuProfile, Job
 
 SERVICE = "prism-emulated-engine"
 ROUTE = "/v1/chat/completions"
-ATTR_CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"
-"""OpenTelemetry GenAI convention (experimental): prompt tokens served from the prefix cache."""
+OPERATION = "chat"
+PROVIDER = "vllm"
 ATTR_GPU_CLASS = "prism.sim.gpu_class"
 ATTR_TIME_SCALE = "prism.sim.time_scale"
 MAX_QUEUE_SPANS = 4096
@@ -148,7 +149,7 @@ class EngineSpans:
         def at(model_s: float) -> int:
             return start_ns + round((model_s - arrival) * 1e9)
 
-        slice_ = parse_signature(signature)[0].value
+        slice_ = parse_signature(signature)[0]
         server_attrs: dict[str, AttributeValue] = {
             "http.request.method": "POST",
             "http.route": ROUTE,
@@ -171,20 +172,13 @@ class EngineSpans:
         server = self._tracer.start_span(
             f"POST {ROUTE}", kind=SpanKind.SERVER, attributes=server_attrs, start_time=start_ns
         )
-        request_attrs: dict[str, AttributeValue] = {
-            ATTR_SLICE: slice_,
-            ATTR_GEN_AI_OPERATION: "chat",
-            ATTR_GEN_AI_INPUT_TOKENS: job.prompt_tokens,
-            ATTR_GEN_AI_OUTPUT_TOKENS: job.output_tokens,
-            ATTR_CACHED_TOKENS: job.cached_tokens,
-            ATTR_TTFT_MS: (first - arrival) * 1000.0,
-        }
-        if signature is not None:
-            request_attrs[ATTR_SIGNATURE] = signature
-        if self.model is not None:
-            request_attrs[ATTR_GEN_AI_REQUEST_MODEL] = self.model
+        request_attrs = request_attributes(slice_, signature, operation=OPERATION, provider=PROVIDER, model=self.model)
+        request_attrs[ATTR_GEN_AI_INPUT_TOKENS] = job.prompt_tokens
+        request_attrs[ATTR_GEN_AI_OUTPUT_TOKENS] = job.output_tokens
+        request_attrs[ATTR_GEN_AI_CACHED_TOKENS] = job.cached_tokens
+        request_attrs[ATTR_GEN_AI_TTFT_S] = first - arrival
         request = self._tracer.start_span(
-            REQUEST_SPAN,
+            request_span_name(OPERATION, self.model),
             context=trace.set_span_in_context(server),
             kind=SpanKind.INTERNAL,
             attributes=request_attrs,
@@ -203,7 +197,7 @@ class EngineSpans:
                 STAGE_SPAN_PREFIX + name,
                 context=inside,
                 kind=SpanKind.INTERNAL,
-                attributes={ATTR_STAGE: name, ATTR_SLICE: slice_, **extra},
+                attributes={ATTR_STAGE: name, ATTR_SLICE: slice_.value, **extra},
                 start_time=at(begin),
             )
             stage.end(end_time=at(end))

@@ -11,27 +11,40 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import pytest
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from prismlb.agent._otlp_receiver import EPHEMERAL_PORT, OtlpReceiver
+from prismlb.agent._signals import SpanSignals
 from prismlb.otel import (
     STAGES,
     AllocatorStats,
+    PrismTelemetry,
     ReservationAdvisor,
     allocator_stats_from_snapshot,
     setup,
 )
 from prismlb.otel import _conventions as conv
 from prismlb.wire import ConfigError
+
+from .conftest import wait_for
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -249,14 +262,15 @@ def test_request_and_stage_spans_arrive(received: tuple[OtlpReceiver, Received],
     with setup(
         "test-worker", endpoint=_url(receiver, protocol), protocol=protocol, snapshot_provider=_no_segments
     ) as telemetry:
+        telemetry.provider_name = "vllm"
         with telemetry.request("image+text", model="qwen2-vl-7b") as request:
             with telemetry.stage("image_decode"):
                 pass
             with telemetry.stage("tokenize"):
                 pass
             with telemetry.stage("prefill"):
-                ttft_ms = request.mark_first_token()
-            assert request.mark_first_token() == ttft_ms  # the first call wins
+                ttft_s = request.mark_first_token()
+            assert request.mark_first_token() == ttft_s  # the first call wins
 
             def decode() -> None:  # another thread: the stage still hangs off its request
                 with request.stage("decode"):
@@ -265,32 +279,36 @@ def test_request_and_stage_spans_arrive(received: tuple[OtlpReceiver, Received],
             worker = threading.Thread(target=decode)
             worker.start()
             worker.join()
-            request.set_usage(input_tokens=812, output_tokens=64)
+            request.set_usage(input_tokens=812, output_tokens=64, cached_input_tokens=512)
         assert telemetry.force_flush()
     assert receiver.requests["grpc" if protocol == "grpc" else "http"] > 0
 
     spans = _named(sink.spans())
     assert set(spans) == {
-        "prism.request",
+        "chat qwen2-vl-7b",  # the GenAI span name: {gen_ai.operation.name} {gen_ai.request.model}
         "prism.stage.image_decode",
         "prism.stage.tokenize",
         "prism.stage.prefill",
         "prism.stage.decode",
     }
-    resource, root = spans["prism.request"]
+    resource, root = spans["chat qwen2-vl-7b"]
     assert resource["process.pid"] == os.getpid()
     assert resource["service.name"] == "test-worker"
     assert root.kind == Span.SpanKind.SPAN_KIND_INTERNAL
     assert root.parent_span_id == b""
     assert _attrs(root.attributes) == {
+        "prism.span": "request",
         "prism.modality.signature": "image+text",
         "prism.slice": "vlm",
         "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "vllm",
         "gen_ai.request.model": "qwen2-vl-7b",
         "gen_ai.usage.input_tokens": 812,
         "gen_ai.usage.output_tokens": 64,
-        "prism.ttft_ms": ttft_ms,
+        "gen_ai.usage.cache_read.input_tokens": 512,
+        "gen_ai.latency.time_to_first_token": ttft_s,
     }
+    assert 0 < ttft_s <= (root.end_time_unix_nano - root.start_time_unix_nano) / 1e9  # seconds, inside the request
     for stage in ("image_decode", "tokenize", "prefill", "decode"):
         _, span = spans[f"prism.stage.{stage}"]
         assert (span.trace_id, span.parent_span_id) == (root.trace_id, root.span_id)
@@ -298,6 +316,113 @@ def test_request_and_stage_spans_arrive(received: tuple[OtlpReceiver, Received],
         assert _attrs(span.attributes) == {"prism.stage": stage, "prism.slice": "vlm"}
         assert root.start_time_unix_nano <= span.start_time_unix_nano <= span.end_time_unix_nano
         assert span.end_time_unix_nano <= root.end_time_unix_nano
+
+
+def _in_memory(provider_name: str | None = None) -> tuple[PrismTelemetry, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return PrismTelemetry(tracer_provider, MeterProvider(), provider_name=provider_name), exporter
+
+
+def test_request_span_name_and_genai_attributes() -> None:
+    telemetry, exporter = _in_memory(provider_name="sglang")
+    with telemetry:
+        with telemetry.request("text", model="llama-3-8b"):
+            pass
+        with telemetry.request(None, operation="text_completion"):  # no model: the operation alone
+            pass
+    named = {span.name: dict(span.attributes or {}) for span in exporter.get_finished_spans()}
+    assert named == {
+        "chat llama-3-8b": {
+            "prism.span": "request",
+            "prism.modality.signature": "text",
+            "prism.slice": "llm",
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": "sglang",
+            "gen_ai.request.model": "llama-3-8b",
+        },
+        "text_completion": {
+            "prism.span": "request",
+            "prism.slice": "llm",
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.provider.name": "sglang",
+        },
+    }
+    with pytest.raises(ValueError, match="operation"), telemetry.request("text", operation=""):
+        pass
+    with pytest.raises(ConfigError, match="provider_name"):
+        _in_memory(provider_name="")
+    with pytest.raises(ConfigError, match="provider_name"):
+        telemetry.provider_name = ""
+
+
+def test_provider_name_defaults_to_the_engine_the_process_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    for engine in ("vllm", "sglang"):
+        monkeypatch.delitem(sys.modules, engine, raising=False)
+    telemetry, exporter = _in_memory()
+    providers: list[str] = []
+
+    def provider_of_a_request() -> str:
+        with telemetry.request("text", model="m"):
+            pass
+        providers.append(str(exporter.get_finished_spans()[-1].attributes["gen_ai.provider.name"]))  # type: ignore[index]
+        return providers[-1]
+
+    assert provider_of_a_request() == "_OTHER"  # no engine known: the conventions' fallback value
+    monkeypatch.setitem(sys.modules, "vllm", ModuleType("vllm"))  # the server imports its engine after setup()
+    assert provider_of_a_request() == "vllm"
+    monkeypatch.setitem(sys.modules, "sglang", ModuleType("sglang"))  # SGLang may import vLLM's kernels too
+    assert provider_of_a_request() == "sglang"
+    telemetry.provider_name = "my-engine"
+    assert provider_of_a_request() == "my-engine"
+    assert telemetry.provider_name == "my-engine"
+    telemetry.shutdown()
+
+
+def test_the_agent_reads_ttft_from_prism_old_prism_and_vllm_spans_over_otlp() -> None:
+    """The three request-span shapes, each exported by the real SDK over OTLP/gRPC into the agent's receiver:
+    prismlb.otel's GenAI-named span (slice vlm here), the earlier `prism.request` span and vLLM's own
+    `llm_request` span as vLLM's output processor writes it (both in the default slice)."""
+    signals = SpanSignals()
+    receiver = OtlpReceiver(signals.on_traces, signals.on_metrics, grpc_port=EPHEMERAL_PORT, http_port=EPHEMERAL_PORT)
+    receiver.start()
+    try:
+        url = _url(receiver, "grpc")
+        with setup("new-worker", endpoint=url, protocol="grpc", snapshot_provider=_no_segments) as telemetry:
+            with telemetry.request("image+text", model="qwen2-vl-7b") as request:
+                ttft_s = request.mark_first_token()
+            assert telemetry.force_flush()
+
+        engine = TracerProvider()
+        engine.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=url, insecure=True)))
+        tracer = engine.get_tracer("test")
+        arrival_ns = time.time_ns()
+        old = tracer.start_span(
+            "prism.request", attributes={"prism.slice": "llm", "prism.ttft_ms": 350.0}, start_time=arrival_ns
+        )
+        old.end(end_time=arrival_ns + 1_000_000_000)
+        vllm_attributes = {
+            "gen_ai.latency.time_to_first_token": 0.45,
+            "gen_ai.latency.e2e": 1.1,
+            "gen_ai.latency.time_in_queue": 0.02,
+            "gen_ai.usage.prompt_tokens": 100,
+            "gen_ai.usage.completion_tokens": 20,
+            "gen_ai.request.id": "cmpl-1",
+        }
+        vllm = tracer.start_span("llm_request", kind=SpanKind.SERVER, attributes=vllm_attributes, start_time=arrival_ns)
+        vllm.end(end_time=arrival_ns + 50_000_000)  # the span's own length is not the request's: e2e is the attribute
+        engine.shutdown()
+
+        wait_for(lambda: sum(s.requests for s in signals.latency().values()) == 3, what="three request spans")
+    finally:
+        receiver.shutdown()
+    latency = signals.latency()
+    assert latency["vlm"].ttft_p50_ms == pytest.approx(ttft_s * 1000)  # seconds on the span, ms in the vector
+    assert (latency["llm"].requests, latency["llm"].ttft_p50_ms) == (2, pytest.approx((350.0 + 450.0) / 2))
+    assert latency["llm"].ttft_p99_ms == pytest.approx(350.0 + 0.99 * 100.0)
+    assert latency["llm"].e2e_p50_ms == pytest.approx((1000.0 + 1100.0) / 2)
+    assert signals.invalid.counts() == {}
 
 
 def test_errors_mark_spans_and_propagate(received: tuple[OtlpReceiver, Received]) -> None:
@@ -313,7 +438,9 @@ def test_errors_mark_spans_and_propagate(received: tuple[OtlpReceiver, Received]
             assert request.slice == "llm"
         assert telemetry.force_flush()
     by_slice = {
-        _attrs(span.attributes)["prism.slice"]: span for _, span in sink.spans() if span.name == "prism.request"
+        _attrs(span.attributes)["prism.slice"]: span
+        for _, span in sink.spans()
+        if _attrs(span.attributes).get("prism.span") == "request"
     }
     stage = _named(sink.spans())["prism.stage.audio_features"][1]
     for span in (by_slice["av"], stage):
@@ -359,7 +486,7 @@ def test_standard_environment_picks_endpoint_and_protocol(
             pass
         assert telemetry.force_flush()
     assert receiver.requests == {"grpc": 0, "http": 1}
-    assert [span.name for _, span in sink.spans()] == ["prism.request"]
+    assert [span.name for _, span in sink.spans()] == ["chat"]
 
 
 def test_allocator_gauges_arrive(received: tuple[OtlpReceiver, Received]) -> None:
@@ -450,7 +577,7 @@ def test_without_cuda_no_allocator_gauges_and_one_log_line(
     messages = [r.getMessage() for r in caplog.records if r.name == "prism.otel"]
     assert len(messages) == 1 and "no CUDA device" in messages[0]
     assert sink.gauges() == {}
-    assert [span.name for _, span in sink.spans()] == ["prism.request"]
+    assert [span.name for _, span in sink.spans()] == ["chat"]
 
 
 @pytest.mark.parametrize(

@@ -39,10 +39,16 @@ def traces(*spans: Span) -> ExportTraceServiceRequest:
     return ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=list(spans))])])
 
 
-def fragmentation(points: dict[int, float], name: str = "prism.gpu.allocator.fragmentation") -> ExportMetricsServiceRequest:
-    gauge = Gauge(data_points=[NumberDataPoint(as_double=v, attributes=[kv("gpu.index", g)]) for g, v in points.items()])
+def fragmentation(
+    points: dict[int, float], name: str = "prism.gpu.allocator.fragmentation"
+) -> ExportMetricsServiceRequest:
+    gauge = Gauge(
+        data_points=[NumberDataPoint(as_double=v, attributes=[kv("gpu.index", g)]) for g, v in points.items()]
+    )
     metric = Metric(name=name, gauge=gauge)
-    return ExportMetricsServiceRequest(resource_metrics=[ResourceMetrics(scope_metrics=[ScopeMetrics(metrics=[metric])])])
+    return ExportMetricsServiceRequest(
+        resource_metrics=[ResourceMetrics(scope_metrics=[ScopeMetrics(metrics=[metric])])]
+    )
 
 
 def test_percentile_interpolates() -> None:
@@ -67,7 +73,11 @@ def test_window_forgets_old_values_and_is_bounded() -> None:
 def test_request_spans_give_per_slice_latency_and_rate() -> None:
     clock = Clock()
     signals = SpanSignals(load_window_s=10.0, clock=clock)
-    signals.on_traces(traces(*(span("prism.request", 100.0 + i, {"prism.slice": "vlm", "prism.ttft_ms": float(i)}) for i in range(100))))
+    signals.on_traces(
+        traces(
+            *(span("prism.request", 100.0 + i, {"prism.slice": "vlm", "prism.ttft_ms": float(i)}) for i in range(100))
+        )
+    )
     signals.on_traces(traces(span("prism.request", 50.0), span("other", 5.0)))
     latency = signals.latency()
     assert set(latency) == {"vlm", "llm"}
@@ -90,7 +100,9 @@ def test_cpu_preprocessing_p95_uses_only_cpu_stages() -> None:
     clock = Clock()
     signals = SpanSignals(preprocessing_window_s=10.0, clock=clock)
     assert signals.cpu_preprocessing_p95_ms() is None
-    signals.on_traces(traces(*(span("prism.stage.image_decode", float(i), {"prism.stage": "image_decode"}) for i in range(1, 101))))
+    signals.on_traces(
+        traces(*(span("prism.stage.image_decode", float(i), {"prism.stage": "image_decode"}) for i in range(1, 101)))
+    )
     signals.on_traces(traces(span("prism.stage.decode", 5000.0, {"prism.stage": "decode"})))
     assert signals.cpu_preprocessing_p95_ms() == pytest.approx(95.05)
     clock.now += 10.5
@@ -125,3 +137,61 @@ def test_request_spans_with_error_status_are_counted_per_slice() -> None:
     assert (latency["llm"].requests, latency["llm"].errors) == (1, 0)
     clock.now += 11
     assert signals.latency() == {}
+
+
+def vllm_span(duration_ms: float, attrs: dict[str, str | int | float]) -> Span:
+    """A request span as vLLM's output processor writes it: `llm_request`, SERVER, latencies in seconds."""
+    s = span("llm_request", duration_ms, {"gen_ai.usage.prompt_tokens": 100, "gen_ai.request.id": "cmpl-1", **attrs})
+    s.kind = Span.SpanKind.SPAN_KIND_SERVER
+    return s
+
+
+def test_prism_old_prism_and_vllm_request_spans_feed_the_same_windows() -> None:
+    genai = span(
+        "chat llama-3-8b",
+        900.0,
+        {"prism.span": "request", "gen_ai.operation.name": "chat", "gen_ai.latency.time_to_first_token": 0.25},
+    )
+    old = span("prism.request", 1000.0, {"prism.slice": "llm", "prism.ttft_ms": 350.0})
+    vllm = vllm_span(50.0, {"gen_ai.latency.time_to_first_token": 0.45, "gen_ai.latency.e2e": 1.1})
+    for one, ttft_ms, e2e_ms in ((genai, 250.0, 900.0), (old, 350.0, 1000.0), (vllm, 450.0, 1100.0)):
+        signals = SpanSignals(clock=Clock())
+        signals.on_traces(traces(one))
+        alone = signals.latency()
+        assert set(alone) == {"llm"}, one.name  # no prism.slice (vLLM, this GenAI span): the default slice
+        assert (alone["llm"].ttft_p50_ms, alone["llm"].e2e_p50_ms) == pytest.approx((ttft_ms, e2e_ms)), one.name
+    signals = SpanSignals(clock=Clock())
+    signals.on_traces(traces(genai, old, vllm))
+    llm = signals.latency()["llm"]
+    assert llm.requests == 3
+    assert (llm.ttft_p50_ms, llm.ttft_p99_ms) == pytest.approx((350.0, 350.0 + 0.98 * 100.0))
+    assert (llm.e2e_p50_ms, llm.e2e_p99_ms) == pytest.approx((1000.0, 1000.0 + 0.98 * 100.0))
+    assert signals.invalid.counts() == {}
+
+
+def test_a_genai_request_span_without_ttft_or_with_an_error_still_counts() -> None:
+    clock = Clock()
+    signals = SpanSignals(clock=clock)
+    failed = span("chat m", 30.0, {"prism.span": "request", "prism.slice": "av"})
+    failed.status.code = Status.STATUS_CODE_ERROR
+    signals.on_traces(traces(failed, span("chat m", 10.0, {"prism.span": "stage"})))
+    latency = signals.latency()
+    assert set(latency) == {"av"}
+    assert (latency["av"].requests, latency["av"].errors, latency["av"].ttft_p50_ms) == (1, 1, None)
+    assert latency["av"].e2e_p50_ms == pytest.approx(30.0)
+
+
+def test_bad_engine_latencies_are_counted_and_the_rest_of_the_span_is_used() -> None:
+    signals = SpanSignals(clock=Clock())
+    negative_e2e = vllm_span(80.0, {"gen_ai.latency.time_to_first_token": 0.02, "gen_ai.latency.e2e": -1.0})
+    text_ttft = vllm_span(60.0, {"gen_ai.latency.time_to_first_token": "soon", "gen_ai.latency.e2e": 0.07})
+    endless = vllm_span(60.0, {"gen_ai.latency.time_to_first_token": 1e200, "gen_ai.latency.e2e": 0.07})
+    signals.on_traces(traces(negative_e2e, text_ttft, endless))
+    llm = signals.latency()["llm"]
+    assert llm.requests == 3
+    assert llm.e2e_p50_ms == pytest.approx(70.0) and llm.e2e_p99_ms == pytest.approx(80.0 - 0.02 * 10.0)
+    assert llm.ttft_p50_ms == pytest.approx(20.0) and llm.ttft_p99_ms == pytest.approx(20.0)
+    assert signals.invalid.counts() == {
+        ("span", "gen_ai.latency.e2e"): 1,
+        ("span", "gen_ai.latency.time_to_first_token"): 2,
+    }
