@@ -9,8 +9,15 @@ matches against its prefix index) are `block_hashes` of a prompt given as token 
 KV events, else `text_block_hashes` of the conversation, which match this router's own placements (media parts
 stand in as digests of themselves, so they hash by content); session, context signature and request class come
 from their headers. The request goes to the endpoint's scheme, host and port (its path prefix, if any, before the
-request's path). A connect failure is retried on the next probe; the lease ends when the response is closed,
-and for `"stream": true` requests the response head counts as the first token.
+request's path).
+
+A response's status is the endpoint's outcome: a 5xx or a 429 is a failure (passive health), any other status a
+success (a 4xx is the caller's fault). A request whose connection was refused, or that got a 503 or 429 back (the
+endpoint did not take it), goes again to an endpoint it has not tried, up to `tries` attempts (`Attempts`); the
+last attempt's response reaches the caller whatever its status, so the client sees what the endpoint said. The
+lease ends when the response is closed. For a successful `"stream": true` request the first non-empty chunk of
+the body is the first token (the head comes at once; the first chunk once the prompt is prefilled); a response
+that is not streamed has no first token, so its whole time is not judged and its load is released at its end.
 """
 
 from __future__ import annotations
@@ -23,10 +30,11 @@ from typing import Any
 
 import httpx
 
+from ._attempts import Attempts
 from ._health import Outcome
 from ._keys import BLOCK_SIZE, PREFIX_TOKENS, TEXT_BYTES_PER_TOKEN, block_hashes, prefix_key, text_block_hashes
 from ._lease import Lease
-from ._request import Request
+from ._request import Key, Request
 from ._router import Router
 
 _PART_MODALITY = {
@@ -92,6 +100,7 @@ def describe(request: httpx.Request, block_size: int, prefix_tokens: int) -> tup
     modality = described.modality
     streamed = isinstance(body, dict) and body.get("stream") is True
     tokens = _prompt_tokens(body)
+    key: Key | None
     if tokens is not None:  # a completions prompt as token ids: its blocks are the ones the engine's events name
         key = (
             described.key
@@ -140,6 +149,18 @@ def outcome_of(exc: BaseException) -> Outcome:
     return Outcome.NONE
 
 
+REFUSED_STATUSES = frozenset({429, 503})
+"""Statuses with which an endpoint says it did not take the request (overloaded, rate-limited): such a request
+was not run, so it goes again to another endpoint. Other failures (a 500, a 502 from a proxy that had sent it
+on, a 504) may have run it, and are handed to the caller."""
+
+
+def outcome_of_status(status: int) -> Outcome:
+    """The endpoint outcome a response status stands for: a 5xx or a 429 is the endpoint's failure; any other
+    status is its success (a 4xx is the caller's fault, and says nothing about the endpoint's health)."""
+    return Outcome.ERROR if status >= 500 or status == 429 else Outcome.OK
+
+
 def _forward(request: httpx.Request, lease: Lease) -> httpx.Request:
     """The request re-addressed to the lease's endpoint, with the lease's session headers."""
     address = lease.address if "://" in lease.address else f"http://{lease.address}"
@@ -153,16 +174,48 @@ def _forward(request: httpx.Request, lease: Lease) -> httpx.Request:
     return httpx.Request(request.method, url, headers=headers, content=request.content, extensions=request.extensions)
 
 
-class _LeaseStream(httpx.SyncByteStream):
-    """A response body that ends its lease when closed (a failure while reading is the endpoint's outcome)."""
+def _failed(attempts: Attempts, lease: Lease, exc: BaseException) -> Lease | None:
+    """End the lease of an attempt that raised `exc` (a cancelled one too: it must not stay in flight); the next
+    attempt's lease, or None to raise it."""
+    outcome = outcome_of(exc)
+    lease.fail(outcome)
+    lease.end(exc)
+    return attempts.retry(lease, outcome)
 
-    def __init__(self, stream: httpx.SyncByteStream, lease: Lease) -> None:
+
+def _answered(attempts: Attempts, lease: Lease, status: int) -> Lease | None:
+    """Report an attempt's response status as its lease's outcome; the next attempt's lease (the caller then
+    closes the response and ends this lease), or None to hand the response to the caller."""
+    outcome = outcome_of_status(status)
+    if outcome is not Outcome.OK:
+        lease.fail(outcome)
+    return attempts.retry(lease, outcome, refused=status in REFUSED_STATUSES)
+
+
+def _leased(response: httpx.Response, stream: httpx.SyncByteStream | httpx.AsyncByteStream) -> httpx.Response:
+    """The response handed to the caller, its body read through `stream`."""
+    return httpx.Response(response.status_code, headers=response.headers, stream=stream, extensions=response.extensions)
+
+
+class _LeaseStream(httpx.SyncByteStream):
+    """A response body that ends its lease when closed (a failure while reading is the endpoint's outcome).
+
+    With `tokens` (a successful streamed completion) its first non-empty chunk is the first token: that is
+    when the engine has done the prompt's prefill, which the response head, sent at once, says nothing of.
+    """
+
+    def __init__(self, stream: httpx.SyncByteStream, lease: Lease, tokens: bool) -> None:
         self._stream = stream
         self._lease = lease
+        self._tokens = tokens
 
     def __iter__(self) -> Iterator[bytes]:
         try:
-            yield from self._stream
+            for chunk in self._stream:
+                if self._tokens and chunk:
+                    self._tokens = False
+                    self._lease.first_token()
+                yield chunk
         except Exception as exc:
             self._lease.fail(outcome_of(exc))
             raise
@@ -175,13 +228,19 @@ class _LeaseStream(httpx.SyncByteStream):
 
 
 class _AsyncLeaseStream(httpx.AsyncByteStream):
-    def __init__(self, stream: httpx.AsyncByteStream, lease: Lease) -> None:
+    """`_LeaseStream` for the async transport."""
+
+    def __init__(self, stream: httpx.AsyncByteStream, lease: Lease, tokens: bool) -> None:
         self._stream = stream
         self._lease = lease
+        self._tokens = tokens
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._stream:
+                if self._tokens and chunk:
+                    self._tokens = False
+                    self._lease.first_token()
                 yield chunk
         except Exception as exc:
             self._lease.fail(outcome_of(exc))
@@ -195,7 +254,9 @@ class _AsyncLeaseStream(httpx.AsyncByteStream):
 
 
 class PrismTransport(httpx.BaseTransport):
-    """Sends each request of a sync httpx client to the endpoint `router` picks (see the module docstring)."""
+    """Sends each request of a sync httpx client to the endpoint `router` picks (see the module docstring).
+
+    `tries`: attempts per request at most (None: the router's `Settings.connect_tries`)."""
 
     def __init__(
         self,
@@ -210,41 +271,41 @@ class PrismTransport(httpx.BaseTransport):
         self._transport = transport or httpx.HTTPTransport()
         self._block_size = block_size
         self._prefix_tokens = prefix_tokens
-        self._tries = router.settings.connect_tries if tries is None else tries
+        self._tries = tries
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         request.read()
         described, streamed = describe(request, self._block_size, self._prefix_tokens)
-        tried: list[str] = []
+        attempts = Attempts(self._router, described, self._tries)
+        lease = attempts.first()
         while True:
-            lease = self._router.request(described, exclude=tried)
             lease.begin()
             try:
                 response = self._transport.handle_request(_forward(request, lease))
-            except Exception as exc:
-                outcome = outcome_of(exc)
-                lease.fail(outcome)
-                lease.end(exc)
-                if outcome is Outcome.CONNECT and len(tried) + 1 < self._tries:
-                    tried.append(lease.label)
-                    continue
-                raise
-            if streamed:
-                lease.first_token()
-            assert isinstance(response.stream, httpx.SyncByteStream)
-            return httpx.Response(
-                response.status_code,
-                headers=response.headers,
-                stream=_LeaseStream(response.stream, lease),
-                extensions=response.extensions,
-            )
+            except BaseException as exc:
+                following = _failed(attempts, lease, exc)
+                if following is None:
+                    raise
+                lease = following
+                continue
+            following = _answered(attempts, lease, response.status_code)
+            if following is None:
+                assert isinstance(response.stream, httpx.SyncByteStream)
+                return _leased(response, _LeaseStream(response.stream, lease, streamed and response.is_success))
+            try:
+                response.close()
+            finally:
+                lease.end()
+            lease = following
 
     def close(self) -> None:
         self._transport.close()
 
 
 class AsyncPrismTransport(httpx.AsyncBaseTransport):
-    """Sends each request of an async httpx client to the endpoint `router` picks (see the module docstring)."""
+    """Sends each request of an async httpx client to the endpoint `router` picks (see the module docstring).
+
+    `tries`: attempts per request at most (None: the router's `Settings.connect_tries`)."""
 
     def __init__(
         self,
@@ -259,34 +320,32 @@ class AsyncPrismTransport(httpx.AsyncBaseTransport):
         self._transport = transport or httpx.AsyncHTTPTransport()
         self._block_size = block_size
         self._prefix_tokens = prefix_tokens
-        self._tries = router.settings.connect_tries if tries is None else tries
+        self._tries = tries
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await request.aread()
         described, streamed = describe(request, self._block_size, self._prefix_tokens)
-        tried: list[str] = []
+        attempts = Attempts(self._router, described, self._tries)
+        lease = attempts.first()
         while True:
-            lease = self._router.request(described, exclude=tried)
             lease.begin()
             try:
                 response = await self._transport.handle_async_request(_forward(request, lease))
-            except Exception as exc:
-                outcome = outcome_of(exc)
-                lease.fail(outcome)
-                lease.end(exc)
-                if outcome is Outcome.CONNECT and len(tried) + 1 < self._tries:
-                    tried.append(lease.label)
-                    continue
-                raise
-            if streamed:
-                lease.first_token()
-            assert isinstance(response.stream, httpx.AsyncByteStream)
-            return httpx.Response(
-                response.status_code,
-                headers=response.headers,
-                stream=_AsyncLeaseStream(response.stream, lease),
-                extensions=response.extensions,
-            )
+            except BaseException as exc:
+                following = _failed(attempts, lease, exc)
+                if following is None:
+                    raise
+                lease = following
+                continue
+            following = _answered(attempts, lease, response.status_code)
+            if following is None:
+                assert isinstance(response.stream, httpx.AsyncByteStream)
+                return _leased(response, _AsyncLeaseStream(response.stream, lease, streamed and response.is_success))
+            try:
+                await response.aclose()
+            finally:
+                lease.end()
+            lease = following
 
     async def aclose(self) -> None:
         await self._transport.aclose()

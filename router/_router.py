@@ -32,8 +32,9 @@ from prismlb.wire import (
     TableSubscriber,
 )
 
+from ._attempts import Attempts
 from ._errors import ShedError
-from ._health import EndpointState, EndpointStatus, Outcome, classify
+from ._health import EndpointState, EndpointStatus, classify
 from ._index import PrefixIndex
 from ._keys import GOLDEN as _GOLDEN
 from ._keys import position
@@ -447,36 +448,38 @@ class Router:
 
     def call(self, request: Request | Key, fn: Callable[[Lease], T], *, tries: int | None = None) -> T:
         """`fn(lease)` inside a lease; when connecting fails (`ConnectionRefusedError`), again on the next probe,
-        up to `tries` attempts (default `settings.connect_tries`)."""
-        tries = self.settings.connect_tries if tries is None else tries
-        tried: list[str] = []
+        up to `tries` attempts (default `settings.connect_tries`; `Attempts` decides)."""
+        attempts = Attempts(self, request, tries)
+        lease = attempts.first()
         while True:
-            lease = self.request(request, exclude=tried)
             with lease:
                 try:
                     return fn(lease)
                 except Exception as exc:
-                    if classify(exc) is not Outcome.CONNECT or len(tried) + 1 >= tries:
+                    outcome = classify(exc)
+                    following = attempts.retry(lease, outcome)
+                    if following is None:
                         raise
-                    lease.fail(Outcome.CONNECT)
-            tried.append(lease.label)
+                    lease.fail(outcome)
+            lease = following
 
     async def acall(
         self, request: Request | Key, fn: Callable[[Lease], Awaitable[T]], *, tries: int | None = None
     ) -> T:
         """`call` for coroutines: `await fn(lease)`, retried on the next probe when connecting fails."""
-        tries = self.settings.connect_tries if tries is None else tries
-        tried: list[str] = []
+        attempts = Attempts(self, request, tries)
+        lease = attempts.first()
         while True:
-            lease = self.request(request, exclude=tried)
             async with lease:
                 try:
                     return await fn(lease)
                 except Exception as exc:
-                    if classify(exc) is not Outcome.CONNECT or len(tried) + 1 >= tries:
+                    outcome = classify(exc)
+                    following = attempts.retry(lease, outcome)
+                    if following is None:
                         raise
-                    lease.fail(Outcome.CONNECT)
-            tried.append(lease.label)
+                    lease.fail(outcome)
+            lease = following
 
     def slice_of(self, slice_name: str | None = None) -> str:
         """The slice whose entries take a request named for `slice_name` (None: the text slice): that slice, or the

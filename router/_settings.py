@@ -78,7 +78,8 @@ class Settings:
     half_open_trials: int = 1
     """Trial requests a half-open circuit admits at a time; a successful one closes it, a failed one reopens it."""
     connect_tries: int = 2
-    """Attempts `Router.call` and the httpx transports make when connecting fails, each on the next probe."""
+    """Attempts `Router.call` and the httpx transports make for one request, each on an endpoint not tried yet:
+    only after a refused connection, or (the transports) an HTTP 503 or 429, which no endpoint acted on."""
     session_ttl_s: float = 1800.0
     """How long a session stays on its endpoint after its last request."""
     max_sessions: int = 100_000

@@ -24,7 +24,9 @@ from prismlb.router import (
     Router,
     Settings,
     ShedError,
+    block_hashes,
     prefix_key,
+    text_block_hashes,
 )
 from prismlb.router._httpx import describe, prompt_cost
 from prismlb.wire import MODALITY_HEADER, RoutingTable, SliceTable, TableNode
@@ -192,7 +194,7 @@ def _owner(router: Router, conversation: int) -> str:
     return router.route(described).node_id
 
 
-def test_a_streamed_response_stays_in_flight_until_closed_and_its_head_is_the_first_token(
+def test_a_streamed_response_stays_in_flight_until_closed_and_its_first_chunk_is_the_first_token(
     servers: dict[str, NamedServer],
 ) -> None:
     router = make_router({name: s.address for name, s in servers.items()}, slow_s=0.1)
@@ -204,10 +206,10 @@ def test_a_streamed_response_stays_in_flight_until_closed_and_its_head_is_the_fi
             assert router.status()[node].inflight == 1  # still streaming
             chunks = [line for line in lines if line.startswith("data: {")]
         assert len(chunks) == 2 and idle(router)
-        assert router.status()[node].outcomes == {Outcome.OK: 1}  # the body took 150 ms, the head did not
+        assert router.status()[node].outcomes == {Outcome.OK: 1}  # the body took 150 ms, its first chunk did not
         with client.stream("POST", "/chat/completions", json=streamed, headers={"X-Test-Delay": "0.15"}) as response:
             response.read()
-        assert router.status()[node].outcomes == {Outcome.OK: 1, Outcome.SLOW: 1}  # a late head is a timeout
+        assert router.status()[node].outcomes == {Outcome.OK: 1, Outcome.SLOW: 1}  # a late first chunk: a timeout
         client.post("/chat/completions", json=chat(1, 1), headers={"X-Test-Delay": "0.15"})
         assert router.status()[node].outcomes[Outcome.OK] == 2  # a non-streamed reply's time is not judged
 
@@ -258,3 +260,23 @@ def test_the_transport_costs_a_request_by_its_prompt_so_prefill_load_counts_toke
     assert described.cost == prompt_cost(text) == -(-len(text.encode()) // 4) > 300
     empty = httpx.Request("POST", "http://prism.invalid/v1/chat/completions", json={"model": "m"})
     assert describe(empty, BLOCK_SIZE, PREFIX_TOKENS)[0].cost == 1 == prompt_cost(None) == prompt_cost("")
+
+
+def test_the_transport_describes_chat_and_completion_bodies_by_cost_key_and_blocks() -> None:
+    url = "http://prism.invalid/v1/completions"
+    tokens = list(range(1000, 1090))  # 90 token ids: five full blocks of 16 and a partial one
+    by_ids, streamed = describe(httpx.Request("POST", url, json={"prompt": tokens, "stream": True}), 16, 64)
+    assert streamed and by_ids.cost == 90 and by_ids.block_size == 16
+    assert by_ids.blocks == tuple(block_hashes(tokens, 16)) and len(by_ids.blocks) == 5  # the engines' KV hashes
+    assert by_ids.key == prefix_key(tokens, block_size=16, prefix_tokens=64)
+    text = "Once upon a time, " * 20  # 360 bytes: an estimated 90 tokens, five full text blocks of 64 bytes
+    by_text, _ = describe(httpx.Request("POST", url, json={"prompt": text}), 16, 64)
+    assert by_text.cost == prompt_cost(text) == 90 and by_text.modality == "text"
+    assert by_text.blocks == tuple(text_block_hashes(text, 16)) and len(by_text.blocks) == 5
+    assert by_text.key == prefix_key(text=text, block_size=16, prefix_tokens=64)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    conversation = f"system\nBe brief.\nuser\n{text}\n"
+    by_chat, _ = describe(httpx.Request("POST", url, json={"messages": messages}), 16, 64)
+    assert by_chat.cost == prompt_cost(conversation) and by_chat.blocks == tuple(text_block_hashes(conversation, 16))
+    assert len(by_chat.blocks) == 5 and by_chat.key == prefix_key(text=conversation, block_size=16, prefix_tokens=64)
+    assert by_text.blocks[0] != by_chat.blocks[0] != by_ids.blocks[0]

@@ -1,0 +1,55 @@
+"""The attempts of one request: whether it may go again to another endpoint after one failed.
+
+One place decides it for `Router.call`, `Router.acall` and both httpx transports, sync and async alike, as
+httpx maps exceptions once for its sync and async transports: the callers do the I/O, this does none.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prismlb.wire import NoRouteError
+
+from ._errors import ShedError
+from ._health import Outcome
+
+if TYPE_CHECKING:
+    from ._lease import Lease
+    from ._request import Key, Request
+    from ._router import Router
+
+
+class Attempts:
+    """Up to `tries` leases for one request, each on an endpoint the request has not tried yet.
+
+    A request goes again only where no endpoint can have acted on it: its connection was refused (CONNECT), or
+    the endpoint answered that it did not take it (`refused`: an HTTP 503 or 429). Anything else (a timeout, a
+    reset, a 500) may have run the request already, and running it twice is the caller's call, not the router's.
+    """
+
+    __slots__ = ("_request", "_router", "_tries", "tried")
+
+    def __init__(self, router: Router, request: Request | Key, tries: int | None = None) -> None:
+        self._router = router
+        self._request = request
+        self._tries = router.settings.connect_tries if tries is None else tries
+        self.tried: list[str] = []
+        """Labels of the endpoints tried so far (`Lease.label`), which later attempts exclude."""
+
+    def first(self) -> Lease:
+        """The first attempt's lease (not begun). Raises what `Router.request` raises: NoRouteError, ShedError."""
+        return self._router.request(self._request)
+
+    def retry(self, lease: Lease, outcome: Outcome, *, refused: bool = False) -> Lease | None:
+        """The next attempt's lease (not begun) after `lease` ended with `outcome`, or None: give up and hand the
+        caller this attempt's result. None when the endpoint may have acted on the request, when `tries`
+        attempts were made, or when no endpoint is left to try (every one tried, or the request's class shed
+        meanwhile). `lease` may still be in flight: the next endpoint is chosen before the caller lets go of
+        this attempt's result, so that a caller left without one still has it to hand back."""
+        if not (outcome is Outcome.CONNECT or refused) or len(self.tried) + 1 >= self._tries:
+            return None
+        self.tried.append(lease.label)
+        try:
+            return self._router.request(self._request, exclude=self.tried)
+        except (NoRouteError, ShedError):
+            return None
