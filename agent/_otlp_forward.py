@@ -1,11 +1,18 @@
-"""Forwarding received spans to the upstream collector through the official OTLP span exporters.
+"""Forwarding what the agent receives to the upstream collector through the official OTLP exporters, so that an
+application sending its telemetry through the agent loses none of it.
 
-Each proto span is turned back into an SDK `ReadableSpan` (with its Resource and InstrumentationScope) and
-exported as it came, plus whatever attributes the join added. The upstream is set by the standard
-`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT` and `..._PROTOCOL` variables; with no
-endpoint set, forwarding is off. What the SDK's encoder cannot carry: the low 8 bits (W3C trace flags) of
-`Span.flags`, the trace state of links, the dropped-attribute counts of Resource and scope, a status message
-on a status other than ERROR, and SPAN_KIND_UNSPECIFIED (sent as INTERNAL).
+Spans: each proto span is turned back into an SDK `ReadableSpan` (with its Resource and InstrumentationScope)
+and exported as it came, plus whatever attributes the join added. What the SDK's encoder cannot carry: the low
+8 bits (W3C trace flags) of `Span.flags`, the trace state of links, the dropped-attribute counts of Resource and
+scope, a status message on a status other than ERROR, and SPAN_KIND_UNSPECIFIED (sent as INTERNAL).
+
+Metrics and logs are passed on unchanged: the encoded requests, joined into batches, through the SDK's metric
+and log exporters' own transport (settings, retries, timeouts).
+
+Each signal's upstream is set by the standard `OTEL_EXPORTER_OTLP_<SIGNAL>_ENDPOINT` /
+`OTEL_EXPORTER_OTLP_ENDPOINT` and `..._PROTOCOL` variables (grpc or http/protobuf); with no endpoint set,
+forwarding of that signal is off. Each forwarder has a bounded queue; what does not fit is dropped and counted,
+as are batches the upstream refuses.
 """
 
 from __future__ import annotations
@@ -15,26 +22,40 @@ import logging
 import os
 import socket
 import threading
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import islice
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import psutil
+from google.protobuf.message import Message
 from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GrpcLogExporter
+from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetricExporter
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
+from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as HttpLogExporter
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, SpanFlags
 from opentelemetry.proto.trace.v1.trace_pb2 import Status as ProtoStatus
+from opentelemetry.sdk._logs.export import LogRecordExportResult
 from opentelemetry.sdk.environment_variables import (
     OTEL_EXPORTER_OTLP_ENDPOINT,
+    OTEL_EXPORTER_OTLP_LOGS_ENDPOINT,
+    OTEL_EXPORTER_OTLP_LOGS_PROTOCOL,
+    OTEL_EXPORTER_OTLP_METRICS_ENDPOINT,
+    OTEL_EXPORTER_OTLP_METRICS_PROTOCOL,
     OTEL_EXPORTER_OTLP_PROTOCOL,
     OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
     OTEL_EXPORTER_OTLP_TRACES_PROTOCOL,
 )
+from opentelemetry.sdk.metrics.export import MetricExportResult
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -45,6 +66,8 @@ from opentelemetry.util import types
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from prismlb.wire import ConfigError
+
+from ._otlp_receiver import DEFAULT_MAX_MESSAGE_BYTES, count_log_records, count_metric_points, count_spans
 
 _log = logging.getLogger("prism.agent.forward")
 
@@ -60,6 +83,21 @@ _TRACE_FLAGS = SpanFlags.SPAN_FLAGS_TRACE_FLAGS_MASK
 _PROTOCOLS = ("grpc", "http/protobuf")
 _WILDCARDS = ("", "0.0.0.0", "::")
 _T = TypeVar("_T")
+_E = TypeVar("_E")
+
+Signal = Literal["traces", "metrics", "logs"]
+Passed = Literal["metrics", "logs"]
+"""The signals passed upstream unchanged."""
+
+DEFAULT_MAX_BATCH_BYTES = 1 << 20
+"""Requests joined into one export up to this size: a quarter of a collector's default 4 MiB gRPC message limit.
+A larger request goes alone, as its sender made it."""
+
+_VARIABLES: dict[Signal, tuple[str, str]] = {  # each signal's own endpoint and protocol variables
+    "traces": (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL),
+    "metrics": (OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, OTEL_EXPORTER_OTLP_METRICS_PROTOCOL),
+    "logs": (OTEL_EXPORTER_OTLP_LOGS_ENDPOINT, OTEL_EXPORTER_OTLP_LOGS_PROTOCOL),
+}
 
 
 def _value(value: AnyValue) -> types.AnyValue:
@@ -158,78 +196,158 @@ def readable_spans(request: ExportTraceServiceRequest) -> Iterator[ReadableSpan]
                 yield _readable(span, resource, scope)
 
 
-class SpanForwarder:
-    """Exports submitted spans in batches from a bounded queue on its own thread; `submit` never blocks.
+@dataclass(frozen=True)
+class _Names:
+    """What one forwarder's counts are called, in log lines and on /metrics."""
 
-    A full queue drops the excess spans of a request (`dropped_spans`); a failed export counts in
-    `export_failures` (batches) and its spans are lost.
+    thread: str
+    items: str
+    unit: str
+    queued: str
+    forwarded: str
+    dropped: str
+    failures: str
+    queue: str
+
+
+_SPANS = _Names(
+    thread="span",
+    items="spans",
+    unit="spans",
+    queued="Spans",
+    forwarded="prism_agent_otlp_forwarded_spans",
+    dropped="prism_agent_otlp_forward_dropped_spans",
+    failures="prism_agent_otlp_forward_failures",
+    queue="prism_agent_otlp_forward_queue_spans",
+)
+_PASSED_NAMES: dict[Passed, _Names] = {
+    "metrics": _Names(
+        thread="metrics",
+        items="metric points",
+        unit="bytes",
+        queued="Bytes of metrics requests",
+        forwarded="prism_agent_otlp_forwarded_metric_points",
+        dropped="prism_agent_otlp_forward_dropped_metric_points",
+        failures="prism_agent_otlp_forward_metrics_failures",
+        queue="prism_agent_otlp_forward_queue_metrics_bytes",
+    ),
+    "logs": _Names(
+        thread="logs",
+        items="log records",
+        unit="bytes",
+        queued="Bytes of logs requests",
+        forwarded="prism_agent_otlp_forwarded_log_records",
+        dropped="prism_agent_otlp_forward_dropped_log_records",
+        failures="prism_agent_otlp_forward_logs_failures",
+        queue="prism_agent_otlp_forward_queue_logs_bytes",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class _Entry(Generic[_E]):
+    """One thing queued: what is exported, the room it takes in the queue, and the items it counts for."""
+
+    value: _E
+    size: int
+    items: int
+
+
+class _Forwarder(ABC, Generic[_E]):
+    """Exports what is submitted in batches from a bounded queue on its own thread; submitting never blocks.
+
+    The queue holds at most `max_queue` of room and a batch at most `max_batch` (an entry larger than that goes
+    alone). What does not fit when submitted is dropped and its items counted (`dropped`); a failed export counts
+    in `export_failures` (batches) and its items are lost. Subclasses set their fields before this `__init__`,
+    which starts the thread.
     """
 
     def __init__(
-        self,
-        exporter: SpanExporter,
-        max_queue: int = 4096,
-        max_batch: int = 512,
-        interval_s: float = 1.0,
-        *,
-        registry: CollectorRegistry | None = None,
+        self, names: _Names, max_queue: int, max_batch: int, interval_s: float, registry: CollectorRegistry | None
     ) -> None:
         if max_queue < 1 or not 1 <= max_batch <= max_queue or not interval_s > 0:
             raise ConfigError(
-                f"span forwarder: need 1 <= max_batch ({max_batch}) <= max_queue ({max_queue}) and interval_s > 0"
+                f"{names.thread} forwarder: need 1 <= max_batch ({max_batch}) <= max_queue ({max_queue}) and "
+                "interval_s > 0"
             )
-        self._exporter = exporter
+        self._names = names
         self._max_queue = max_queue
         self._max_batch = max_batch
         self._interval_s = interval_s
-        self._queue: deque[ReadableSpan] = deque()
+        self._queue: deque[_Entry[_E]] = deque()
+        self._queued = 0  # the room the queue's entries take
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._flushes: list[threading.Event] = []
         self._stopping = False
         self._failing = False
-        self.exported_spans = 0
-        self.dropped_spans = 0
+        self.exported = 0
+        self.dropped = 0
         self.export_failures = 0
         registry = registry if registry is not None else CollectorRegistry()
+        items = names.items
         self._exported_metric = Counter(
-            "prism_agent_otlp_forwarded_spans", "Spans exported to the upstream collector.", registry=registry
+            names.forwarded, f"{items.capitalize()} exported to the upstream collector.", registry=registry
         )
         self._dropped_metric = Counter(
-            "prism_agent_otlp_forward_dropped_spans",
-            "Spans dropped because the queue to the upstream collector was full.",
+            names.dropped,
+            f"{items.capitalize()} dropped because the queue to the upstream collector was full.",
             registry=registry,
         )
         self._failures_metric = Counter(
-            "prism_agent_otlp_forward_failures",
-            "Batches of spans the upstream collector did not accept (their spans are lost).",
+            names.failures,
+            f"Batches of {items} the upstream collector did not accept (their {items} are lost).",
             registry=registry,
         )
-        Gauge("prism_agent_otlp_forward_queue_spans", "Spans waiting to be forwarded.", registry=registry).set_function(
-            lambda: len(self._queue)
+        Gauge(names.queue, f"{names.queued} waiting to be forwarded.", registry=registry).set_function(
+            lambda: self._queued
         )
-        self._thread = threading.Thread(target=self._run, name="prism-span-forward", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"prism-{names.thread}-forward", daemon=True)
         self._thread.start()
 
-    def submit(self, request: ExportTraceServiceRequest) -> None:
-        """Queue the request's spans for export; the spans that do not fit are dropped and counted."""
-        total = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-        room = 0 if self._stopping else self._max_queue - len(self._queue)  # a hint; rechecked under the lock
-        spans = list(islice(readable_spans(request), max(room, 0)))
+    @abstractmethod
+    def _send(self, batch: list[_E], items: int) -> bool:
+        """Export one batch (of `items` items); True when the upstream took it."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Shut the exporter down."""
+
+    def _offer(self, entries: Iterable[_Entry[_E]], items: int) -> None:
+        """Queue `entries` in order while they fit; the rest of the `items` submitted are dropped and counted.
+        `entries` may be lazy: what does not fit is never made."""
+        room = 0 if self._stopping else self._max_queue - self._queued  # a hint; rechecked under the lock
+        fitting: list[_Entry[_E]] = []
+        for entry in entries:
+            if entry.size > room:
+                break
+            room -= entry.size
+            fitting.append(entry)
+        accepted = 0
         with self._lock:
-            accepted = 0 if self._stopping else min(len(spans), self._max_queue - len(self._queue))
-            self._queue.extend(spans[:accepted])
-            self.dropped_spans += total - accepted
-            batch_ready = len(self._queue) >= self._max_batch
-            first_drop = total > accepted and self.dropped_spans == total - accepted
-        if total > accepted:
-            self._dropped_metric.inc(total - accepted)
+            room = 0 if self._stopping else self._max_queue - self._queued
+            for entry in fitting:
+                if entry.size > room:
+                    break
+                room -= entry.size
+                self._queue.append(entry)
+                self._queued += entry.size
+                accepted += entry.items
+            dropped = items - accepted
+            self.dropped += dropped
+            batch_ready = self._queued >= self._max_batch
+            first_drop = dropped > 0 and self.dropped == dropped
+        if dropped:
+            self._dropped_metric.inc(dropped)
             if first_drop:
                 _log.warning(
-                    "span forwarder dropped %d spans: its queue of %d is full (upstream slow or down) or it is "
+                    "%s forwarder dropped %d %s: its queue of %d %s is full (upstream slow or down) or it is "
                     "shut down; further drops are only counted",
-                    total - accepted,
+                    self._names.thread,
+                    dropped,
+                    self._names.items,
                     self._max_queue,
+                    self._names.unit,
                 )
         if batch_ready:
             self._wake.set()
@@ -253,10 +371,15 @@ class SpanForwarder:
         self._wake.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
+            with self._lock:
+                left = sum(entry.items for entry in self._queue)
             _log.warning(
-                "upstream export still running after %.3g s; %d queued spans not forwarded", timeout_s, len(self._queue)
+                "upstream export still running after %.3g s; %d queued %s not forwarded",
+                timeout_s,
+                left,
+                self._names.items,
             )
-        self._exporter.shutdown()
+        self._close()
 
     def _run(self) -> None:
         while True:
@@ -272,34 +395,174 @@ class SpanForwarder:
                 return
 
     def _drain(self) -> None:
-        """Export, in batches, the spans queued now (not those that arrive meanwhile)."""
+        """Export, in batches, the entries queued now (not those that arrive meanwhile)."""
         left = len(self._queue)
         while left > 0:
+            batch: list[_Entry[_E]] = []
+            size = 0
             with self._lock:
-                batch = [self._queue.popleft() for _ in range(min(self._max_batch, left, len(self._queue)))]
+                while (
+                    self._queue and len(batch) < left and (not batch or size + self._queue[0].size <= self._max_batch)
+                ):
+                    entry = self._queue.popleft()
+                    batch.append(entry)
+                    size += entry.size
+                self._queued -= size
             if not batch:
                 return
             left -= len(batch)
             self._export(batch)
 
-    def _export(self, batch: list[ReadableSpan]) -> None:
+    def _export(self, batch: list[_Entry[_E]]) -> None:
+        items = sum(entry.items for entry in batch)
         try:
-            ok = self._exporter.export(batch) is SpanExportResult.SUCCESS
+            ok = self._send([entry.value for entry in batch], items)
             error = "" if ok else "the exporter reported failure"
         except Exception as exc:  # an exporter bug must not end the forwarding thread
             ok, error = False, repr(exc)
         if ok:
-            self.exported_spans += len(batch)
-            self._exported_metric.inc(len(batch))
+            with self._lock:
+                self.exported += items
+            self._exported_metric.inc(items)
             if self._failing:
-                _log.info("forwarding to the upstream collector works again")
+                _log.info("forwarding %s to the upstream collector works again", self._names.items)
                 self._failing = False
             return
-        self.export_failures += 1
+        with self._lock:
+            self.export_failures += 1
         self._failures_metric.inc()
         if not self._failing:
-            _log.warning("forwarding %d spans upstream failed (%s); further failures only counted", len(batch), error)
+            _log.warning(
+                "forwarding %d %s upstream failed (%s); further failures only counted", items, self._names.items, error
+            )
             self._failing = True
+
+
+class SpanForwarder(_Forwarder[ReadableSpan]):
+    """Exports submitted spans in batches of up to `max_batch` from a queue of at most `max_queue` spans; the
+    spans of a request that do not fit are dropped (`dropped`), in part or whole."""
+
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        max_queue: int = 4096,
+        max_batch: int = 512,
+        interval_s: float = 1.0,
+        *,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self._exporter = exporter
+        super().__init__(_SPANS, max_queue, max_batch, interval_s, registry)
+
+    def submit(self, request: ExportTraceServiceRequest) -> None:
+        """Queue the request's spans for export; the spans that do not fit are dropped and counted."""
+        self._offer((_Entry(span, 1, 1) for span in readable_spans(request)), count_spans(request))
+
+    def _send(self, batch: list[ReadableSpan], items: int) -> bool:
+        return self._exporter.export(batch) is SpanExportResult.SUCCESS
+
+    def _close(self) -> None:
+        self._exporter.shutdown()
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    """Requests of one signal, encoded and joined, and how many items they carry: what `_PreEncoded` sends."""
+
+    body: bytes
+    items: int
+
+
+class _PreEncoded:
+    """For the SDK's gRPC exporters: send `_Encoded` requests instead of encoding SDK data. These two hooks are
+    the ones the SDK's gRPC exporter base leaves to its subclasses; everything else (channel, credentials,
+    headers, compression, timeout, retries with backoff) stays the SDK's."""
+
+    request_type: type[Message]
+
+    def _translate_data(self, data: _Encoded) -> Message:
+        return self.request_type.FromString(data.body)
+
+    def _count_data(self, data: _Encoded) -> int:
+        return data.items
+
+
+class _GrpcMetrics(_PreEncoded, GrpcMetricExporter):
+    request_type = ExportMetricsServiceRequest
+
+
+class _GrpcLogs(_PreEncoded, GrpcLogExporter):
+    request_type = ExportLogsServiceRequest
+
+
+class RequestExporter:
+    """Sends encoded OTLP metrics or logs requests upstream through the SDK's exporter for that signal and
+    protocol, configured by the standard `OTEL_EXPORTER_OTLP_[METRICS_|LOGS_]*` variables as the SDK reads them,
+    with its retries and timeouts: the same handling the spans get."""
+
+    def __init__(self, signal: Passed, protocol: str) -> None:
+        _check_protocol(protocol)
+        self.signal: Passed = signal
+        self.protocol = protocol
+        self._grpc: _GrpcMetrics | _GrpcLogs | None = None
+        self._http: HttpMetricExporter | HttpLogExporter | None = None
+        if protocol == "grpc":
+            self._grpc = _GrpcMetrics() if signal == "metrics" else _GrpcLogs()
+        else:
+            self._http = HttpMetricExporter() if signal == "metrics" else HttpLogExporter()
+
+    def export(self, body: bytes, items: int) -> bool:
+        """Send `body` (one or more encoded requests joined); True when the upstream took it."""
+        if self._grpc is not None:
+            result = self._grpc.export(_Encoded(body, items))  # type: ignore[arg-type]
+            return result in (MetricExportResult.SUCCESS, LogRecordExportResult.SUCCESS)
+        assert self._http is not None
+        # The SDK's HTTP client of the exporter: it sends bytes as they are, with the exporter's settings.
+        return bool(self._http._client.export(body).success)
+
+    def shutdown(self) -> None:
+        if self._grpc is not None:
+            self._grpc.shutdown()
+        if self._http is not None:
+            self._http.shutdown()
+
+
+class RequestForwarder(_Forwarder[bytes]):
+    """Passes OTLP metrics or logs requests upstream unchanged. Each is queued encoded and whole, so the queue's
+    bound, `max_queue_bytes`, is the memory it takes; a request that does not fit is dropped whole and its items
+    (data points, log records) counted. A batch is queued requests joined up to `max_batch_bytes`, which
+    protobuf reads as one request holding all their ResourceMetrics or ResourceLogs, in order, as sent."""
+
+    def __init__(
+        self,
+        exporter: RequestExporter,
+        max_queue_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        interval_s: float = 1.0,
+        *,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.exporter = exporter
+        self._count = count_metric_points if exporter.signal == "metrics" else count_log_records
+        super().__init__(_PASSED_NAMES[exporter.signal], max_queue_bytes, max_batch_bytes, interval_s, registry)
+
+    def submit(self, request: ExportMetricsServiceRequest | ExportLogsServiceRequest) -> None:
+        """Queue the request for export; when it does not fit it is dropped and its items counted."""
+        body = request.SerializeToString()
+        if body:
+            items = self._count(request)  # type: ignore[arg-type]
+            self._offer([_Entry(body, len(body), items)], items)
+
+    def _send(self, batch: list[bytes], items: int) -> bool:
+        return self.exporter.export(b"".join(batch), items)
+
+    def _close(self) -> None:
+        self.exporter.shutdown()
+
+
+def _check_protocol(protocol: str) -> None:
+    if protocol not in _PROTOCOLS:
+        raise ConfigError(f"OTLP protocol {protocol!r} is not supported for forwarding; use grpc or http/protobuf")
 
 
 def _host_port(endpoint: str, protocol: str) -> tuple[str, int]:
@@ -349,33 +612,55 @@ def _is_own(host: str, port: int, listening: Iterable[tuple[str, int]]) -> bool:
     return False
 
 
+def _upstream_protocol(signal: Signal, listening: Iterable[tuple[str, int]]) -> str | None:
+    """The protocol over which `signal` goes upstream, as the standard variables say (the signal's own, else
+    the general one); None when no endpoint is set: forwarding of it is off. ConfigError for a protocol the
+    forwarders cannot speak, or for an endpoint that is one of the agent's own `listening` addresses."""
+    endpoint_variable, protocol_variable = _VARIABLES[signal]
+    source = endpoint_variable if os.environ.get(endpoint_variable) else OTEL_EXPORTER_OTLP_ENDPOINT
+    endpoint = os.environ.get(source, "")
+    if not endpoint:
+        _log.info(
+            "%s forwarding off: neither %s nor %s is set, so %s are received but not forwarded",
+            signal,
+            endpoint_variable,
+            OTEL_EXPORTER_OTLP_ENDPOINT,
+            signal,
+        )
+        return None
+    protocol = (os.environ.get(protocol_variable) or os.environ.get(OTEL_EXPORTER_OTLP_PROTOCOL) or "grpc").strip()
+    _check_protocol(protocol)
+    host, port = _host_port(endpoint, protocol)
+    if _is_own(host, port, listening):
+        raise ConfigError(
+            f"{source}={endpoint} is this agent's own OTLP receiver: {signal} would loop; set it to the upstream "
+            "collector"
+        )
+    _log.info("forwarding %s to %s over %s", signal, endpoint, protocol)
+    return protocol
+
+
 def upstream_exporter(listening: Iterable[tuple[str, int]]) -> SpanExporter | None:
     """The OTLP span exporter the standard `OTEL_EXPORTER_OTLP_*` variables configure, or None (forwarding off).
 
     `listening` is the agent's own OTLP addresses; an upstream that is one of them is a ConfigError.
     """
-    source = (
-        OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
-        if os.environ.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)
-        else OTEL_EXPORTER_OTLP_ENDPOINT
-    )
-    endpoint = os.environ.get(source, "")
-    if not endpoint:
-        _log.info(
-            "span forwarding off: neither %s nor %s is set, so spans are received and joined but not forwarded",
-            OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
-            OTEL_EXPORTER_OTLP_ENDPOINT,
-        )
+    protocol = _upstream_protocol("traces", listening)
+    if protocol is None:
         return None
-    protocol = (
-        os.environ.get(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL) or os.environ.get(OTEL_EXPORTER_OTLP_PROTOCOL) or "grpc"
-    ).strip()
-    if protocol not in _PROTOCOLS:
-        raise ConfigError(f"OTLP protocol {protocol!r} is not supported for forwarding; use grpc or http/protobuf")
-    host, port = _host_port(endpoint, protocol)
-    if _is_own(host, port, listening):
-        raise ConfigError(
-            f"{source}={endpoint} is this agent's own OTLP receiver: spans would loop; set it to the upstream collector"
-        )
-    _log.info("forwarding spans to %s over %s", endpoint, protocol)
     return GrpcSpanExporter() if protocol == "grpc" else HttpSpanExporter()
+
+
+def passthrough_forwarders(
+    listening: Iterable[tuple[str, int]], registry: CollectorRegistry | None = None
+) -> dict[Passed, RequestForwarder]:
+    """A forwarder for metrics and one for logs, each where the standard variables set an upstream for it (with
+    only `OTEL_EXPORTER_OTLP_ENDPOINT` set, all signals go to that one collector). Every upstream is checked
+    before any forwarder starts."""
+    addresses = list(listening)
+    protocols = {signal: _upstream_protocol(signal, addresses) for signal in _PASSED_NAMES}
+    return {
+        signal: RequestForwarder(RequestExporter(signal, protocol), registry=registry)
+        for signal, protocol in protocols.items()
+        if protocol is not None
+    }

@@ -1,11 +1,13 @@
-"""The agent's OTLP receiver: traces and metrics over gRPC and HTTP (protobuf or JSON), as a collector takes them.
+"""The agent's OTLP receiver: traces, metrics and logs over gRPC and HTTP (protobuf or JSON), as a collector
+takes them, so that an application changes nothing but its endpoint to send them through the agent.
 
 Settings: argument, then variable, then default. `PRISM_OTLP_HOST` (127.0.0.1), `PRISM_OTLP_GRPC_PORT` (4317)
 and `PRISM_OTLP_HTTP_PORT` (4318); port 0 turns that protocol off, the argument `EPHEMERAL_PORT` picks a free one.
 Bad input is answered (gRPC INVALID_ARGUMENT; HTTP 400, 404, 405, 411, 413 or 415 with a `google.rpc.Status`
 body), counted by kind in `prism_rejected_messages_total{receiver="otlp_grpc"|"otlp_http"}`, logged once per
-kind, and never stops the server. Spans with trace or span ids of the wrong length are removed and reported
-back as a partial success.
+kind, and never stops the server. Spans and log records with trace or span ids of the wrong length are removed
+and reported back as a partial success (`invalid_id`): passed on, they would make the upstream collector refuse
+the whole batch they travel in.
 
 What many clients at once can take is bounded, so that a flood costs the agent refusals, not its memory:
 - `PRISM_OTLP_MAX_CONNECTIONS` (64) open HTTP connections, one thread each; the next is answered 503 and
@@ -28,14 +30,14 @@ import base64
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
-import math
 import socketserver
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -47,6 +49,8 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 from google.rpc.status_pb2 import Status
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest, ExportLogsServiceResponse
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
@@ -57,6 +61,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -81,6 +86,7 @@ _GRPC_BACKLOG = 4  # gRPC itself refuses, uncounted, beyond this many calls a th
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 1\r\nContent-Length: 0\r\n\r\n"
 _DRAIN_LIMIT = 1 << 20  # a refused HTTP body up to this size (over the limit) is read and discarded, not reset
 _BAD_IDS = "spans rejected: a trace id must be 16 bytes and a span id 8 bytes"
+_BAD_LOG_IDS = "log records rejected: a trace id must be empty or 16 bytes, a span id empty or 8 bytes"
 _ID_FIELDS = frozenset({"traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id"})
 _RPC_CODE = {  # google.rpc.Code for each HTTP status the receiver answers with
     HTTPStatus.BAD_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
@@ -93,11 +99,12 @@ _RPC_CODE = {  # google.rpc.Code for each HTTP status the receiver answers with
     HTTPStatus.SERVICE_UNAVAILABLE: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
-_Req = TypeVar("_Req", ExportTraceServiceRequest, ExportMetricsServiceRequest)
+_Req = TypeVar("_Req", ExportTraceServiceRequest, ExportMetricsServiceRequest, ExportLogsServiceRequest)
 _Number = TypeVar("_Number", int, float)
 
 TracesCallback = Callable[[ExportTraceServiceRequest], None]
 MetricsCallback = Callable[[ExportMetricsServiceRequest], None]
+LogsCallback = Callable[[ExportLogsServiceRequest], None]
 
 
 class _Rejected(WireError):
@@ -123,11 +130,18 @@ class _Signal(Generic[_Req]):
     screen: Callable[[_Req, Any], int]
 
 
-def _count_spans(request: ExportTraceServiceRequest) -> int:
+def count_spans(request: ExportTraceServiceRequest) -> int:
+    """How many spans the request carries."""
     return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
 
-def _count_points(request: ExportMetricsServiceRequest) -> int:
+def count_log_records(request: ExportLogsServiceRequest) -> int:
+    """How many log records the request carries."""
+    return sum(len(sl.log_records) for rl in request.resource_logs for sl in rl.scope_logs)
+
+
+def count_metric_points(request: ExportMetricsServiceRequest) -> int:
+    """How many data points the request's metrics carry, of every kind."""
     total = 0
     for rm in request.resource_metrics:
         for sm in rm.scope_metrics:
@@ -148,25 +162,48 @@ def _ids_ok(span: Span) -> bool:
     )
 
 
+def _log_ids_ok(record: LogRecord) -> bool:
+    """True when the log record's ids are absent or have the lengths OTLP requires."""
+    return len(record.trace_id) in (0, 16) and len(record.span_id) in (0, 8)
+
+
+def _remove(lists: Iterable[Any], ok: Callable[[Any], bool]) -> int:
+    """Remove the items that fail `ok` from each repeated field in `lists`; how many were removed."""
+    removed = 0
+    for items in lists:
+        keep = [item for item in items if ok(item)]
+        if len(keep) != len(items):
+            removed += len(items) - len(keep)
+            del items[:]
+            items.extend(keep)
+    return removed
+
+
 def _screen_spans(request: ExportTraceServiceRequest, response: ExportTraceServiceResponse) -> int:
     """Remove spans with malformed ids, report them in `response.partial_success`; how many were removed."""
-    rejected = 0
-    for rs in request.resource_spans:
-        for ss in rs.scope_spans:
-            keep = [span for span in ss.spans if _ids_ok(span)]
-            if len(keep) != len(ss.spans):
-                rejected += len(ss.spans) - len(keep)
-                del ss.spans[:]
-                ss.spans.extend(keep)
+    rejected = _remove((ss.spans for rs in request.resource_spans for ss in rs.scope_spans), _ids_ok)
     if rejected:
         response.partial_success.rejected_spans = rejected
         response.partial_success.error_message = _BAD_IDS
     return rejected
 
 
+def _screen_logs(request: ExportLogsServiceRequest, response: ExportLogsServiceResponse) -> int:
+    """Remove log records with malformed ids, report them in `response.partial_success`; how many were removed."""
+    rejected = _remove((sl.log_records for rl in request.resource_logs for sl in rl.scope_logs), _log_ids_ok)
+    if rejected:
+        response.partial_success.rejected_log_records = rejected
+        response.partial_success.error_message = _BAD_LOG_IDS
+    return rejected
+
+
 def _no_screen(_request: ExportMetricsServiceRequest, _response: ExportMetricsServiceResponse) -> int:
     """Metrics are passed on as sent."""
     return 0
+
+
+def _discard(_request: ExportLogsServiceRequest) -> None:
+    """Logs taken without a callback: counted, then dropped."""
 
 
 def _hex_ids_to_base64(node: Any) -> Any:
@@ -538,7 +575,8 @@ class _HttpHandler(BaseHTTPRequestHandler):
 
 
 class OtlpReceiver:
-    """OTLP traces and metrics over gRPC and HTTP; parsed requests go to `on_traces` and `on_metrics`.
+    """OTLP traces, metrics and logs over gRPC and HTTP; parsed requests go to `on_traces`, `on_metrics` and
+    `on_logs` (without it, logs are taken and counted, then dropped).
 
     Ports are bound when it is made (read them from `grpc_port`/`http_port`); `start` serves them.
     The callbacks run on the receiver's threads, concurrently, and should return quickly.
@@ -549,6 +587,7 @@ class OtlpReceiver:
         on_traces: TracesCallback,
         on_metrics: MetricsCallback,
         *,
+        on_logs: LogsCallback | None = None,
         host: str | None = None,
         grpc_port: int | None = None,
         http_port: int | None = None,
@@ -582,9 +621,9 @@ class OtlpReceiver:
         Gauge(
             "prism_agent_otlp_inflight_bytes", "OTLP request bytes held now (both protocols)", registry=registry
         ).set_function(lambda: self.budget.held)
-        Gauge(
-            "prism_agent_otlp_http_connections", "Open OTLP/HTTP connections", registry=registry
-        ).set_function(self._http_connections)
+        Gauge("prism_agent_otlp_http_connections", "Open OTLP/HTTP connections", registry=registry).set_function(
+            self._http_connections
+        )
         self._rpcs_lock = threading.Lock()
         self._rpcs = 0
         self._requests_metric = Counter(
@@ -598,10 +637,13 @@ class OtlpReceiver:
             "metrics": Counter(
                 "prism_agent_otlp_metric_points_received", "Metric data points received over OTLP.", registry=registry
             ),
+            "logs": Counter(
+                "prism_agent_otlp_log_records_received", "Log records received over OTLP.", registry=registry
+            ),
         }
         self._lock = threading.Lock()
         self.requests: dict[str, int] = {"grpc": 0, "http": 0}
-        self._received = {"traces": 0, "metrics": 0}
+        self._received = {"traces": 0, "metrics": 0, "logs": 0}
         traces = _Signal(
             "traces",
             "/v1/traces",
@@ -609,7 +651,7 @@ class OtlpReceiver:
             ExportTraceServiceRequest,
             ExportTraceServiceResponse,
             on_traces,
-            _count_spans,
+            count_spans,
             _screen_spans,
         )
         metrics = _Signal(
@@ -619,10 +661,20 @@ class OtlpReceiver:
             ExportMetricsServiceRequest,
             ExportMetricsServiceResponse,
             on_metrics,
-            _count_points,
+            count_metric_points,
             _no_screen,
         )
-        self._signals: dict[str, _Signal[Any]] = {traces.path: traces, metrics.path: metrics}
+        logs = _Signal(
+            "logs",
+            "/v1/logs",
+            logs_service_pb2.DESCRIPTOR.services_by_name["LogsService"].full_name,
+            ExportLogsServiceRequest,
+            ExportLogsServiceResponse,
+            on_logs if on_logs is not None else _discard,
+            count_log_records,
+            _screen_logs,
+        )
+        self._signals: dict[str, _Signal[Any]] = {signal.path: signal for signal in (traces, metrics, logs)}
         self._grpc: grpc.Server | None = None
         self._http: _HttpServer | None = None
         self._http_thread: threading.Thread | None = None
@@ -660,9 +712,7 @@ class OtlpReceiver:
 
     def _bind_grpc(self, port: int) -> tuple[grpc.Server, int]:
         server = grpc.server(
-            ThreadPoolExecutor(
-                max_workers=self.max_grpc_rpcs + _REFUSAL_THREADS, thread_name_prefix="prism-otlp-grpc"
-            ),
+            ThreadPoolExecutor(max_workers=self.max_grpc_rpcs + _REFUSAL_THREADS, thread_name_prefix="prism-otlp-grpc"),
             handlers=[self._grpc_handler(signal) for signal in self._signals.values()],
             options=[
                 ("grpc.max_receive_message_length", self.max_message_bytes),
@@ -740,7 +790,8 @@ class OtlpReceiver:
         """Screen, count and deliver one parsed request; the response to send back."""
         response = signal.response_type()
         if signal.screen(request, response):
-            self.rejects[protocol].record(_Rejected("invalid_id", HTTPStatus.BAD_REQUEST, _BAD_IDS))
+            message = response.partial_success.error_message
+            self.rejects[protocol].record(_Rejected("invalid_id", HTTPStatus.BAD_REQUEST, message))
         items = signal.count(request)
         signal.deliver(request)
         with self._lock:
@@ -759,6 +810,11 @@ class OtlpReceiver:
     def metric_points_received(self) -> int:
         with self._lock:
             return self._received["metrics"]
+
+    @property
+    def log_records_received(self) -> int:
+        with self._lock:
+            return self._received["logs"]
 
     def start(self) -> None:
         """Serve the bound ports on background threads."""

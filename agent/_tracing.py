@@ -1,5 +1,5 @@
-"""The agent's trace path: kernel connections in, OTLP spans and metrics in (also feeding the node's
-signals), joined spans out to the collector."""
+"""The agent's trace path: kernel connections in, OTLP spans, metrics and logs in (spans and metrics also
+feeding the node's signals), joined spans out to the collector, metrics and logs passed on to it unchanged."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import logging
 import threading
 from collections.abc import Iterator
 
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,7 +19,7 @@ from ._connections import Connection
 from ._conntrack import ConnectionTracer
 from ._join import ConnectionIndex, SpanJoiner
 from ._network import NetworkWindow
-from ._otlp_forward import SpanForwarder, upstream_exporter
+from ._otlp_forward import Passed, RequestForwarder, SpanForwarder, passthrough_forwarders, upstream_exporter
 from ._otlp_receiver import OtlpReceiver
 from ._signals import SpanSignals
 from ._spans import SpanPipeline
@@ -47,11 +49,13 @@ class TracePath:
         self._kernel = threading.Thread(target=self._poll_kernel, name="prism-kernel-events", daemon=True)
         self.receiver: OtlpReceiver | None = None
         self.forwarder: SpanForwarder | None = None
+        self.passthrough: dict[Passed, RequestForwarder] = {}
         self.pipeline = SpanPipeline(self.joiner, self._forward, join_delay_s=config.join_delay_s)
         if config.otlp_grpc_port or config.otlp_http_port:
             self.receiver = OtlpReceiver(
                 self._on_traces,
-                signals.on_metrics,
+                self._on_metrics,
+                on_logs=self._on_logs,
                 host=config.otlp_host,
                 grpc_port=config.otlp_grpc_port,
                 http_port=config.otlp_http_port,
@@ -60,6 +64,7 @@ class TracePath:
             exporter = upstream_exporter(self.receiver.addresses)
             if exporter is not None:
                 self.forwarder = SpanForwarder(exporter, registry=registry)
+            self.passthrough = passthrough_forwarders(self.receiver.addresses, registry)
         registry.register(_TraceCollector(self))
 
     def start(self) -> None:
@@ -83,6 +88,18 @@ class TracePath:
         self.signals.on_traces(request)
         self.pipeline.put(request)
 
+    def _on_metrics(self, request: ExportMetricsServiceRequest) -> None:
+        self.signals.on_metrics(request)
+        self._pass_on("metrics", request)
+
+    def _on_logs(self, request: ExportLogsServiceRequest) -> None:
+        self._pass_on("logs", request)
+
+    def _pass_on(self, signal: Passed, request: ExportMetricsServiceRequest | ExportLogsServiceRequest) -> None:
+        forwarder = self.passthrough.get(signal)
+        if forwarder is not None:
+            forwarder.submit(request)
+
     def _poll_kernel(self) -> None:
         assert self.tracer is not None
         while not self._stop.is_set():
@@ -99,6 +116,8 @@ class TracePath:
         self.pipeline.shutdown()
         if self.forwarder is not None:
             self.forwarder.shutdown(timeout_s=5.0)
+        for forwarder in self.passthrough.values():
+            forwarder.shutdown(timeout_s=5.0)
         self._stop.set()
         if self._kernel.is_alive():
             self._kernel.join(timeout=5)

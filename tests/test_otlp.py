@@ -21,6 +21,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -69,6 +70,7 @@ class Sink:
         self._before = before
         self.traces: list[ExportTraceServiceRequest] = []
         self.metrics: list[ExportMetricsServiceRequest] = []
+        self.logs: list[ExportLogsServiceRequest] = []
 
     def on_traces(self, request: ExportTraceServiceRequest) -> None:
         if self._before is not None:
@@ -80,6 +82,11 @@ class Sink:
     def on_metrics(self, request: ExportMetricsServiceRequest) -> None:
         with self._cond:
             self.metrics.append(request)
+            self._cond.notify_all()
+
+    def on_logs(self, request: ExportLogsServiceRequest) -> None:
+        with self._cond:
+            self.logs.append(request)
             self._cond.notify_all()
 
     def spans(self) -> list[tuple[ResourceSpans, ScopeSpans, Span]]:
@@ -109,7 +116,9 @@ def serve() -> Iterator[Callable[..., OtlpReceiver]]:
     def _serve(sink: Sink, **kwargs: Any) -> OtlpReceiver:
         kwargs.setdefault("grpc_port", EPHEMERAL_PORT)
         kwargs.setdefault("http_port", EPHEMERAL_PORT)
-        receiver = OtlpReceiver(sink.on_traces, sink.on_metrics, host="127.0.0.1", environ={}, **kwargs)
+        receiver = OtlpReceiver(
+            sink.on_traces, sink.on_metrics, on_logs=sink.on_logs, host="127.0.0.1", environ={}, **kwargs
+        )
         receiver.start()
         started.append(receiver)
         return receiver
@@ -283,7 +292,7 @@ def test_forwarded_spans_reach_upstream_unchanged_but_for_the_join(
         assert attrs(up_span.attributes)["prism.net.test"] == 1
         assert up_rs.resource == rs.resource and up_rs.schema_url == rs.schema_url
         assert up_ss.scope == ss.scope and up_ss.schema_url == ss.schema_url
-    assert (forwarder.exported_spans, forwarder.dropped_spans, forwarder.export_failures) == (3, 0, 0)
+    assert (forwarder.exported, forwarder.dropped, forwarder.export_failures) == (3, 0, 0)
 
 
 def kv(key: str, v: AnyValue) -> KeyValue:
@@ -395,12 +404,12 @@ def test_full_queue_drops_and_counts_exactly_the_excess() -> None:
         forwarder.submit(request_of(7, first_id=100))
         forwarder.submit(request_of(7, first_id=200))  # 3 fit
         forwarder.submit(request_of(2, first_id=300))  # none fit
-        assert forwarder.dropped_spans == 6
+        assert forwarder.dropped == 6
         assert registry.get_sample_value("prism_agent_otlp_forward_dropped_spans_total") == 6
         assert registry.get_sample_value("prism_agent_otlp_forward_queue_spans") == 10
         exporter.release.set()
         assert forwarder.force_flush(WAIT_S)
-        assert forwarder.exported_spans == 11 and sum(exporter.batches) == 11
+        assert forwarder.exported == 11 and sum(exporter.batches) == 11
         assert max(exporter.batches) <= 4
     finally:
         exporter.release.set()
@@ -413,13 +422,13 @@ def test_failed_exports_are_counted_and_do_not_stop_forwarding() -> None:
     forwarder = SpanForwarder(exporter, max_queue=100, max_batch=5, interval_s=0.01)
     forwarder.submit(request_of(12))
     assert forwarder.force_flush(WAIT_S)
-    assert (forwarder.export_failures, forwarder.exported_spans) == (3, 0)
+    assert (forwarder.export_failures, forwarder.exported) == (3, 0)
     exporter.fail = False
     forwarder.submit(request_of(2))
     forwarder.shutdown()  # exports what is queued first
-    assert (forwarder.export_failures, forwarder.exported_spans) == (3, 2)
+    assert (forwarder.export_failures, forwarder.exported) == (3, 2)
     forwarder.submit(request_of(1))
-    assert forwarder.dropped_spans == 1  # after shutdown nothing is taken
+    assert forwarder.dropped == 1  # after shutdown nothing is taken
 
 
 def post(port: int, body: bytes, path: str = "/v1/traces", method: str = "POST", **headers: str) -> tuple[int, bytes]:
@@ -469,7 +478,7 @@ def test_bad_http_input_is_answered_counted_and_survived(serve: Callable[..., Ot
     assert post(port, gzip.compress(bytes(4 * limit)), Content_Encoding="gzip")[0] == 413  # inflates too far
     assert post(port, good, Content_Encoding="br")[0] == 415
     assert post(port, good, Content_Type="text/plain")[0] == 415
-    assert post(port, good, path="/v1/logs")[0] == 404
+    assert post(port, good, path="/v1/profiles")[0] == 404
     assert post(port, b"", method="GET")[0] == 405
     assert post(port, b"", path="/", method="GET")[0] == 404
 
@@ -626,7 +635,7 @@ def test_upstream_exporter_follows_the_standard_variables(
     own = [("127.0.0.1", 4317), ("127.0.0.1", 4318)]
     with caplog.at_level(logging.INFO, logger="prism.agent.forward"):
         assert upstream_exporter(own) is None
-    assert "received and joined but not forwarded" in caplog.text
+    assert "traces are received but not forwarded" in caplog.text
 
     for loop in ("localhost:4317", "http://127.0.0.1:4317", "http://localhost:4318"):
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", loop)
