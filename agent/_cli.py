@@ -72,10 +72,17 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--kv-events", help="the engine's KV-event ZeroMQ publisher, tcp://HOST:PORT (PRISM_KV_EVENTS)")
     parser.add_argument("--kv-replay", help="the engine's KV-event replay endpoint (PRISM_KV_REPLAY)")
     parser.add_argument(
+        "--kv-dp-ranks",
+        help="the engine's data-parallel ranks on this node; rank r publishes on the --kv-events (and --kv-replay) "
+        "port + r (1; PRISM_KV_DP_RANKS)",
+    )
+    parser.add_argument(
         "--kv-full-every",
         help="seconds between sends of the node's whole KV block set to the brain (60; PRISM_KV_FULL_EVERY_S)",
     )
-    parser.add_argument("--config", help="TOML settings file; flags and PRISM_* variables override it (PRISM_AGENT_CONFIG)")
+    parser.add_argument(
+        "--config", help="TOML settings file; flags and PRISM_* variables override it (PRISM_AGENT_CONFIG)"
+    )
     parser.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, help="log level (default: INFO)")
     parser.add_argument("--print-bpf", action="store_true", help="print the BPF program and exit")
     parser.add_argument("--check", action="store_true", help="print what works on this host and exit")
@@ -94,11 +101,15 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     try:
         config = resolve_config(args, os.environ)
-        setup_logging(args.log_level or "INFO")
-        stop = threading.Event()
-        stop_on_signals(stop)
-        Agent(config).run(stop)
-    except ConfigError as exc:
+    except ConfigError as exc:  # a setting refused: a usage error
         print(f"prism agent: {exc}", file=sys.stderr)
         return 2
+    setup_logging(args.log_level or "INFO")
+    stop = threading.Event()
+    stop_on_signals(stop)
+    try:
+        Agent(config).run(stop)
+    except ConfigError as exc:  # the agent could not start: a port taken, an OTLP upstream it cannot use
+        print(f"prism agent: {exc}", file=sys.stderr)
+        return 1
     return 0

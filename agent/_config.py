@@ -17,6 +17,8 @@ import msgspec
 
 from prismlb.wire import ClientCurve, ConfigError, NodeVector
 
+from ._kv_events import rank_endpoint
+
 DEFAULT_BRAIN = "tcp://127.0.0.1:5555"
 DEFAULT_ENDPOINT_PORT = 8000
 DEFAULT_PERIOD_S = 1.0
@@ -25,6 +27,8 @@ DEFAULT_OTLP_HOST = "127.0.0.1"
 DEFAULT_OTLP_GRPC_PORT = 4317
 DEFAULT_OTLP_HTTP_PORT = 4318
 DEFAULT_JOIN_DELAY_S = 0.25
+MAX_KV_DP_RANKS = 64
+"""More DP ranks than one node has GPUs is a mistake, not a deployment; each rank costs the agent two sockets."""
 
 _VECTOR_FIELDS = {f.name: f.type for f in msgspec.structs.fields(NodeVector)}
 
@@ -59,15 +63,38 @@ class AgentConfig:
     engine_url: str | None = None
     kv_events: str | None = None
     kv_replay: str | None = None
+    kv_dp_ranks: int = 1
+    """The engine's data-parallel ranks on this node: rank r publishes its KV events (and answers replays) on the
+    `kv_events` (`kv_replay`) port + r, so that is rank 0's, or the node's first rank's."""
     kv_full_every_s: float = 60.0
     """How often the KV stream sends the node's whole block set, which brings back a brain that lost the stream."""
 
 
 FILE_KEYS = frozenset(
     {
-        "node_id", "host", "endpoint", "brain", "zone", "labels", "period", "ebpf", "curve_secret", "brain_public",
-        "metrics_port", "metrics_addr", "otlp_host", "otlp_grpc_port", "otlp_http_port", "trace_port", "trace_pid",
-        "join_delay", "engine_url", "kv_events", "kv_replay", "kv_full_every",
+        "node_id",
+        "host",
+        "endpoint",
+        "brain",
+        "zone",
+        "labels",
+        "period",
+        "ebpf",
+        "curve_secret",
+        "brain_public",
+        "metrics_port",
+        "metrics_addr",
+        "otlp_host",
+        "otlp_grpc_port",
+        "otlp_http_port",
+        "trace_port",
+        "trace_pid",
+        "join_delay",
+        "engine_url",
+        "kv_events",
+        "kv_replay",
+        "kv_dp_ranks",
+        "kv_full_every",
     }
 )
 
@@ -75,7 +102,9 @@ FILE_KEYS = frozenset(
 class _Sources:
     """Where settings come from, in order: command-line argument, environment variable, TOML file."""
 
-    def __init__(self, args: argparse.Namespace, environ: Mapping[str, str], file: Mapping[str, Any], path: str) -> None:
+    def __init__(
+        self, args: argparse.Namespace, environ: Mapping[str, str], file: Mapping[str, Any], path: str
+    ) -> None:
         unknown = sorted(set(file) - FILE_KEYS)
         if unknown:
             raise ConfigError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(FILE_KEYS))}")
@@ -310,6 +339,31 @@ def _engine(src: _Sources) -> dict[str, Any]:
             _check_zmq(value, source, "KV-event endpoint")
     if kv_replay is not None and kv_events is None:
         raise ConfigError(f"{replay_source} given without --kv-events (PRISM_KV_EVENTS)")
+    raw_ranks, ranks_source = src.pick("kv_dp_ranks", "--kv-dp-ranks", "PRISM_KV_DP_RANKS")
+    dp_ranks = _dp_ranks(raw_ranks, ranks_source) if raw_ranks is not None else AgentConfig.kv_dp_ranks
+    if dp_ranks > 1 and kv_events is None:
+        raise ConfigError(f"{ranks_source} given without --kv-events (PRISM_KV_EVENTS)")
+    for value, source in ((kv_events, kv_source), (kv_replay, replay_source)):
+        if value is not None:
+            try:
+                rank_endpoint(value, dp_ranks - 1)
+            except ValueError as exc:
+                raise ConfigError(f"{source} with {dp_ranks} DP ranks ({ranks_source}): {exc}") from None
     raw_full, full_source = src.pick("kv_full_every", "--kv-full-every", "PRISM_KV_FULL_EVERY_S")
     full_every = _period(raw_full, full_source) if raw_full is not None else AgentConfig.kv_full_every_s
-    return {"engine_url": url, "kv_events": kv_events, "kv_replay": kv_replay, "kv_full_every_s": full_every}
+    return {
+        "engine_url": url,
+        "kv_events": kv_events,
+        "kv_replay": kv_replay,
+        "kv_dp_ranks": dp_ranks,
+        "kv_full_every_s": full_every,
+    }
+
+
+def _dp_ranks(raw: str | int, source: str) -> int:
+    if isinstance(raw, bool) or not (isinstance(raw, int) or (isinstance(raw, str) and raw.strip().isdigit())):
+        raise ConfigError(f"{source}: KV-event DP ranks {raw!r} is not a whole number")
+    ranks = int(raw)
+    if not 1 <= ranks <= MAX_KV_DP_RANKS:
+        raise ConfigError(f"{source}: KV-event DP ranks must be 1 to {MAX_KV_DP_RANKS}, got {ranks}")
+    return ranks

@@ -2,11 +2,17 @@
 
 Gauges are read as they are; the prefix-cache miss ratio, the prefill speed and the latency quantiles come
 from the change of counters and histogram buckets since the previous successful scrape, so they describe the
-window between two scrapes. Series are combined over their label sets (model, engine index, DP rank): counts and
-histogram buckets are summed, ratio gauges averaged (each engine has its own KV pool). SGLang can publish the same
-scheduler's view once per TP or PP rank (`--enable-metrics-for-all-schedulers`); series that differ only in
-`tp_rank`/`pp_rank` are one series, read from the lowest rank. A series whose counter or bucket went down was
-restarted: its change is skipped for that window. A metric the engine does not publish is None, never 0.
+window between two scrapes. Series are combined over their label sets: counts and histogram buckets are summed,
+ratio gauges averaged (each engine has its own KV pool). The labels that tell data-parallel replicas apart, each
+with its own requests and KV pool, are kept, so replicas add up: vLLM's `engine` (one engine core per DP rank)
+and SGLang's `dp_rank`. The labels of the ranks inside one replica are not: SGLang's schedulers of one replica
+hold the same requests, and publish them once per TP, PP or MoE expert-parallel rank (every attention-TP rank 0
+with DP attention, every scheduler with `--enable-metrics-for-all-schedulers`); series that differ only in
+`tp_rank`/`pp_rank`/`moe_ep_rank` are one series, read from the lowest ranks. A series whose counter or bucket
+went down was restarted: its change is skipped for that window. A metric the engine does not publish is None,
+never 0. vLLM before 0.9.2 names the KV usage and prefix-cache counters `vllm:gpu_cache_usage_perc` and
+`vllm:gpu_prefix_cache_queries/hits`; both generations are read, the current names when an engine publishes both
+(0.9.2 to 0.11 does, the old ones marked deprecated).
 A value outside its bound (`_bounds.py`: 2e12 running requests, a usage of -3, NaN, a TTFT of 1e200 ms) is
 dropped and counted in `invalid`, and the other fields of the sample are kept.
 """
@@ -38,7 +44,8 @@ _QUANTILES = (0.50, 0.95, 0.99)
 _Labels = frozenset[tuple[str, str]]
 _Series = dict[_Labels, float]
 _RawQuantiles = tuple[float, float, float, float]  # requests, p50, p95, p99 in ms, before their bounds
-_REPLICA_LABELS = ("tp_rank", "pp_rank")
+_RANK_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank")
+"""Labels of the ranks inside one replica, which publish the same series (see the module's docstring)."""
 
 
 @dataclass(frozen=True)
@@ -47,11 +54,12 @@ class _EngineNames:
 
     kind: str
     prefix: str
-    kv_usage: str
+    kv_usage: tuple[str, ...]
+    """The KV-usage gauge's names, the current one first: the first the engine publishes is read."""
     running: str
     waiting: str
-    cache_queries: str
-    cache_hits: str
+    cache_counters: tuple[tuple[str, str], ...]
+    """(queries, hits) counters of the prefix cache, the current names first: the first pair published is read."""
     ttft: str
     e2e: str
     queue: str
@@ -62,11 +70,13 @@ class _EngineNames:
 _VLLM = _EngineNames(
     kind="vllm",
     prefix="vllm:",
-    kv_usage="vllm:kv_cache_usage_perc",
+    kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     running="vllm:num_requests_running",
     waiting="vllm:num_requests_waiting",
-    cache_queries="vllm:prefix_cache_queries_total",
-    cache_hits="vllm:prefix_cache_hits_total",
+    cache_counters=(
+        ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
+        ("vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_hits_total"),
+    ),
     ttft="vllm:time_to_first_token_seconds",
     e2e="vllm:e2e_request_latency_seconds",
     queue="vllm:request_queue_time_seconds",
@@ -77,11 +87,10 @@ _VLLM = _EngineNames(
 _SGLANG = _EngineNames(
     kind="sglang",
     prefix="sglang:",
-    kv_usage="sglang:token_usage",
+    kv_usage=("sglang:token_usage",),
     running="sglang:num_running_reqs",
     waiting="sglang:num_queue_reqs",
-    cache_queries="sglang:prompt_tokens_total",
-    cache_hits="sglang:cached_tokens_total",
+    cache_counters=(("sglang:prompt_tokens_total", "sglang:cached_tokens_total"),),
     ttft="sglang:time_to_first_token_seconds",
     e2e="sglang:e2e_request_latency_seconds",
     queue="sglang:queue_time_seconds",
@@ -203,15 +212,15 @@ class EngineCollector:
 
 
 def _parse(text: str) -> dict[str, _Series]:
-    """Prometheus text exposition → sample name → value by label set; replicas collapsed. Non-finite values are
-    kept, so that the bounds count a NaN in a metric the agent reads (and ignore one in any other)."""
+    """Prometheus text exposition → sample name → value by label set, the ranks of a replica collapsed. Non-finite
+    values are kept, so that the bounds count a NaN in a metric the agent reads (and ignore one in any other)."""
     samples: dict[str, _Series] = {}
     ranks: dict[tuple[str, _Labels], tuple[int, ...]] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                labels = frozenset((k, v) for k, v in sample.labels.items() if k not in _REPLICA_LABELS)
-                rank = tuple(_rank(sample.labels.get(label, "0")) for label in _REPLICA_LABELS)
+                labels = frozenset((k, v) for k, v in sample.labels.items() if k not in _RANK_LABELS)
+                rank = tuple(_rank(sample.labels.get(label, "0")) for label in _RANK_LABELS)
                 if ranks.get((sample.name, labels), rank) < rank:
                     continue
                 ranks[(sample.name, labels)] = rank
@@ -222,7 +231,7 @@ def _parse(text: str) -> dict[str, _Series]:
 
 
 def _rank(value: str) -> int:
-    """A replica label's order; a value that is not a number sorts last."""
+    """A rank label's order; a value that is not a number sorts last."""
     return int(value) if value.isdigit() else 1 << 30
 
 
@@ -273,7 +282,8 @@ def _read(
     miss = speed = None
     ttft = e2e = queue = None
     if previous is not None:
-        cache = _cache_deltas(samples, previous, names.cache_queries, names.cache_hits)
+        queries_name, hits_name = next((c for c in names.cache_counters if c[0] in samples), names.cache_counters[0])
+        cache = _cache_deltas(samples, previous, queries_name, hits_name)
         if cache is not None:
             queried, hit = cache
             miss = fit("kv_cache_miss_ratio", 1.0 - hit / queried, RATIO)
@@ -285,7 +295,7 @@ def _read(
         queue = latency("queue_ms", _quantiles(samples, previous, names.queue))
     return EngineSample(
         kind=names.kind,
-        kv_cache_usage_ratio=fit("kv_cache_usage_ratio", _mean(samples.get(names.kv_usage)), RATIO),
+        kv_cache_usage_ratio=fit("kv_cache_usage_ratio", _mean(_first(samples, names.kv_usage)), RATIO),
         kv_cache_miss_ratio=miss,
         prefill_tokens_per_s=speed,
         requests_running=None if running is None else round(running),
@@ -294,6 +304,11 @@ def _read(
         e2e=e2e,
         queue=queue,
     )
+
+
+def _first(samples: dict[str, _Series], names: Sequence[str]) -> _Series | None:
+    """The series of the first of `names` the engine publishes."""
+    return next((samples[name] for name in names if name in samples), None)
 
 
 def _mean(series: _Series | None) -> float | None:

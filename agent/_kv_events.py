@@ -7,18 +7,26 @@ msgspec structs: a tagged array `["BlockStored", block_hashes, parent_block_hash
 medium, lora_name, extra_keys, group_idx, ...]` up to vLLM 0.23, a map `{"type": "BlockStored", ...}` after
 (vLLM #42892); both are read, fields a newer version appends are ignored. Block hashes are ints or bytes.
 
-A sequence number past the expected one is a gap: the subscriber asks the replay endpoint (vLLM's ROUTER) for
-the missed batches over a DEALER socket (`["", start_seq]`; answers `["", seq, payload]`, ending with seq -1
-and an empty payload) and applies them in order; what replay cannot give is counted, and the subscriber goes
-on. On joining late it asks for everything from 0 the same way. A sequence number that goes back means the
-publisher restarted: its cache is empty, so the set is cleared.
+Data parallelism: each DP rank of an engine has a KV pool and a publisher of its own, rank r bound to the
+configured endpoint's port + r, its replay endpoint likewise (vLLM's `offset_endpoint_port`; SGLang copies it).
+With `dp_ranks` the subscriber follows ranks 0 to `dp_ranks - 1` from the endpoint it is given, one SUB socket
+each, so that the socket a batch came in on names its rank (the batch's `data_parallel_rank` is the engine's
+global rank, not the offset from this node's first one). Sequence numbers, gaps, replay and restarts are per rank;
+the blocks of every rank make up the node's set.
 
-A block is one (hash, medium, KV-cache group): a block offloaded to CPU still counts as held by the node.
-The set keeps at most `max_blocks` (about 300 bytes each), evicting the oldest stored first.
+A sequence number past the rank's expected one is a gap: the subscriber asks the rank's replay endpoint (vLLM's
+ROUTER) for the missed batches over a DEALER socket (`["", start_seq]`; answers `["", seq, payload]`, ending with
+seq -1 and an empty payload) and applies them in order; what replay cannot give is counted, and the subscriber
+goes on. On joining late it asks for everything from 0 the same way. A sequence number that goes back means the
+rank's publisher restarted: its cache is empty, so its blocks are forgotten, as on its AllBlocksCleared.
+
+A block is one (DP rank, hash, medium, KV-cache group): a block offloaded to CPU still counts as held by the node,
+and so does a block that two ranks hold until both dropped it. The set keeps at most `max_blocks` (about 300
+bytes each) over all ranks, evicting the oldest stored first.
 
 Prism hashes. The engine's block hashes depend on its hash seed, so a router cannot compute them from a prompt.
 Each stored block is therefore re-hashed with Prism's chain (`prismlb.router.block_hash`): its parent's Prism
-hash (`parent_block_hash` looked up among the blocks held; None is the root, chain value 0), its `block_size`
+hash (`parent_block_hash` looked up among the blocks its rank holds; None is the root, chain value 0), its `block_size`
 token ids (`token_ids` holds the event's blocks' tokens in order) and its vLLM `extra_keys` (LoRA name,
 multimodal content ids, cache salt), so that `block_hashes(tokens, block_size, extra=...)` computed by a caller
 names the same blocks. A block whose engine hash is already held keeps the Prism hash it has (vLLM's CPU
@@ -31,8 +39,9 @@ chained after it in the same event. Malformed `token_ids`, `extra_keys` or `pare
 
 The Prism view is drained with `take_changes()`: the Prism hashes stored and removed since the last drain,
 coalesced (a hash stored then removed, or removed then stored, between two drains is in neither), or a reset
-carrying the whole set when the set was cleared (AllBlocksCleared, publisher restart), on the first drain, and
-when more than `max_blocks` changes piled up. `blocks()` is the whole set, for snapshots.
+carrying the whole set when the whole set was cleared (AllBlocksCleared or publisher restart without data
+parallelism; with it, the rank's blocks are removed one by one), on the first drain, and when more than
+`max_blocks` changes piled up. `blocks()` is the whole set, for snapshots.
 
 Threading: `start()` runs `poll()` in a background thread until `stop()`; without `start()` the owner calls
 `poll(timeout_ms)` itself, from one thread. `summary()`, `stats()`, `take_changes()`, `blocks()` and
@@ -80,8 +89,9 @@ _FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
-_Key = tuple[bytes, str | None, int | None]
-"""A block as the agent keeps it: engine hash (`block_key`), medium and KV-cache group."""
+_Key = tuple[int, bytes, str | None, int | None]
+"""A block as the agent keeps it: DP rank (0 without data parallelism), engine hash (`block_key`), medium and
+KV-cache group."""
 
 
 class _Event(NamedTuple):
@@ -116,11 +126,17 @@ class KvEventStats:
     missed_batches: int
     evicted_blocks: int
     blocks: int
-    last_seq: int | None
+    last_seqs: tuple[int | None, ...]
+    """The last sequence number applied of each DP rank (None: nothing from it yet)."""
     unhashable_blocks: int
     """Stored blocks left out of the Prism view: parent not held, tokens missing or malformed."""
     prism_blocks: int
-    """Distinct Prism hashes held (a block held on GPU and CPU, or in two groups, counts once)."""
+    """Distinct Prism hashes held (a block held on GPU and CPU, in two groups or by two ranks, counts once)."""
+
+    @property
+    def last_seq(self) -> int | None:
+        """Rank 0's last sequence number: the only rank's without data parallelism."""
+        return self.last_seqs[0]
 
 
 @dataclass(frozen=True)
@@ -138,8 +154,39 @@ class KvChanges:
     block_size: int | None
 
 
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Where DP rank `rank` publishes when rank 0 publishes at `endpoint`: the port plus the rank, as vLLM offsets
+    it; ValueError when that is not a tcp:// endpoint with a port in range."""
+    if rank == 0:
+        return endpoint
+    base, colon, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not colon or not port.isdigit():
+        raise ValueError(f"{endpoint!r}: DP ranks publish on ports after rank 0's, so it must be tcp://HOST:PORT")
+    if int(port) + rank > 65535:
+        raise ValueError(f"{endpoint!r}: DP rank {rank} would publish on port {int(port) + rank}, past 65535")
+    return f"{base}:{int(port) + rank}"
+
+
+class _Rank:
+    """One DP rank's publisher as followed: its subscription, its replay socket and the sequence it is at."""
+
+    def __init__(self, index: int, endpoint: str, replay_endpoint: str | None, sub: zmq.Socket) -> None:
+        self.index, self.endpoint, self.replay_endpoint, self.sub = index, endpoint, replay_endpoint, sub
+        self.next_seq: int | None = None
+        """The sequence number expected next (None: nothing received yet); written under the subscriber's lock."""
+        self.dealer: zmq.Socket | None = None
+
+    def where(self) -> str:
+        """How failures name the rank."""
+        return f"DP rank {self.index} ({self.endpoint})"
+
+
 class KvEventSubscriber:
-    """Keeps the set of KV blocks an engine holds, from its events; `summary()` is what goes to the brain."""
+    """Keeps the set of KV blocks an engine holds, from its events; `summary()` is what goes to the brain.
+
+    `endpoint` and `replay_endpoint` are rank 0's; with `dp_ranks` above 1, ranks up to `dp_ranks - 1` are
+    followed on the ports after them (ValueError when the endpoints cannot be offset, see `rank_endpoint`).
+    """
 
     def __init__(
         self,
@@ -147,6 +194,7 @@ class KvEventSubscriber:
         replay_endpoint: str | None = None,
         topic: bytes = b"",
         *,
+        dp_ranks: int = 1,
         max_blocks: int = MAX_BLOCKS,
         replay_timeout_s: float = 1.0,
         bloom_bits: int = BLOOM_BITS,
@@ -155,9 +203,14 @@ class KvEventSubscriber:
     ) -> None:
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be at least 1, not {max_blocks}")
+        if dp_ranks < 1:
+            raise ValueError(f"dp_ranks must be at least 1, not {dp_ranks}")
+        endpoints = [rank_endpoint(endpoint, rank) for rank in range(dp_ranks)]
+        replays = [None if replay_endpoint is None else rank_endpoint(replay_endpoint, r) for r in range(dp_ranks)]
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
-        self.failures = RejectCounter(f"KV events from {endpoint}", _log)
+        ranks = f" and the {dp_ranks - 1} DP ranks after it" if dp_ranks > 1 else ""
+        self.failures = RejectCounter(f"KV events from {endpoint}{ranks}", _log)
         self._max_blocks = max_blocks
         self._replay_timeout_ms = max(1, round(replay_timeout_s * 1000))
         self._ctx = context if context is not None else zmq.Context.instance()
@@ -166,8 +219,9 @@ class KvEventSubscriber:
         self._blocks: OrderedDict[_Key, int | None] = OrderedDict()
         """Blocks held, oldest stored first, each with its Prism hash (None: not re-hashable)."""
         self._bloom = CountingBloom(bloom_bits, bloom_hashes)
-        self._prism_of: dict[bytes, tuple[int, int]] = {}
-        """Engine hash -> (Prism hash, blocks in `_blocks` holding it): for parents and blocks stored again."""
+        self._prism_of: dict[tuple[int, bytes], tuple[int, int]] = {}
+        """(DP rank, engine hash) -> (Prism hash, blocks in `_blocks` holding it): for parents and blocks stored
+        again. Per rank: each rank chains its own blocks, and may hash with a seed of its own."""
         self._held: dict[int, int] = {}
         """Prism hash -> blocks in `_blocks` holding it: the Prism set, with what it takes to leave it."""
         self._changes: dict[int, bool] = {}
@@ -175,17 +229,20 @@ class KvEventSubscriber:
         self._reset = True
         """The next take is a reset: the set was cleared, the changes overflowed, or none was taken yet."""
         self._block_size: int | None = None
-        self._next_seq: int | None = None
         self._counts = {"batches": 0, "events": 0, "replayed": 0, "missed": 0, "evicted": 0, "unhashable": 0}
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self._dealer: zmq.Socket | None = None
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.RCVHWM, 100_000)
-        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic)
-        self._sub.connect(endpoint)
+        self._ranks: list[_Rank] = []
+        self._poller = zmq.Poller()
+        for rank, (rank_pub, rank_replay) in enumerate(zip(endpoints, replays, strict=True)):
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, 100_000)
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sub.setsockopt(zmq.SUBSCRIBE, topic)
+            sub.connect(rank_pub)
+            self._ranks.append(_Rank(rank, rank_pub, rank_replay, sub))
+            self._poller.register(sub, zmq.POLLIN)
 
     def __enter__(self) -> Self:
         return self
@@ -205,30 +262,32 @@ class KvEventSubscriber:
         self._stopping.set()
         if self._thread is not None:
             self._thread.join()
-        self._sub.close(linger=0)
-        if self._dealer is not None:
-            self._dealer.close(linger=0)
-            self._dealer = None
+        for rank in self._ranks:
+            rank.sub.close(linger=0)
+            self._drop_replay_socket(rank)
 
     close = stop
 
     def poll(self, timeout_ms: int) -> int:
-        """Wait up to `timeout_ms` for events, apply every batch waiting; returns the batches applied."""
-        if not self._sub.poll(timeout_ms):
-            return 0
+        """Wait up to `timeout_ms` for events, apply every batch waiting on every rank; returns the batches
+        applied."""
+        ready = dict(self._poller.poll(timeout_ms))
         applied = 0
-        for _ in range(_MAX_MESSAGES_PER_POLL):
-            try:
-                frames = self._sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            applied += self._on_message(frames)
+        for rank in self._ranks:
+            if rank.sub not in ready:
+                continue
+            for _ in range(_MAX_MESSAGES_PER_POLL):
+                try:
+                    frames = rank.sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                applied += self._on_message(rank, frames)
         return applied
 
     def summary(self) -> KvSummary | None:
-        """The cached blocks as a Bloom filter (empty when none); None until the first batch arrived."""
+        """The cached blocks as a Bloom filter (empty when none); None until the first batch of any rank arrived."""
         with self._lock:
-            if self._next_seq is None:
+            if all(rank.next_seq is None for rank in self._ranks):
                 return None
             return KvSummary(
                 blocks=len(self._blocks),
@@ -247,7 +306,7 @@ class KvEventSubscriber:
                 missed_batches=counts["missed"],
                 evicted_blocks=counts["evicted"],
                 blocks=len(self._blocks),
-                last_seq=None if self._next_seq is None else self._next_seq - 1,
+                last_seqs=tuple(None if r.next_seq is None else r.next_seq - 1 for r in self._ranks),
                 unhashable_blocks=counts["unhashable"],
                 prism_blocks=len(self._held),
             )
@@ -289,65 +348,69 @@ class KvEventSubscriber:
             except zmq.ContextTerminated:
                 return
 
-    def _on_message(self, frames: list[bytes]) -> int:
+    def _on_message(self, rank: _Rank, frames: list[bytes]) -> int:
         if len(frames) != 3:
-            self.failures.count("frames", f"{len(frames)} frames, not 3 (topic, seq, payload)")
+            self.failures.count("frames", f"{rank.where()}: {len(frames)} frames, not 3 (topic, seq, payload)")
             return 0
         _, seq_bytes, payload = frames
         if len(seq_bytes) != 8:
-            self.failures.count("seq", f"sequence frame of {len(seq_bytes)} bytes, not 8")
+            self.failures.count("seq", f"{rank.where()}: sequence frame of {len(seq_bytes)} bytes, not 8")
             return 0
         seq = int.from_bytes(seq_bytes, "big")
-        expected = self._next_seq
+        expected = rank.next_seq
         applied = 0
         if expected is not None and seq < expected:
-            self.failures.count("publisher_restart", f"sequence went back from {expected - 1} to {seq}")
-            self._clear()
+            self.failures.count("publisher_restart", f"{rank.where()}: sequence went back from {expected - 1} to {seq}")
+            self._clear(rank.index)
             expected = None
         if expected is None:
             if seq > 0:
-                applied += self._replay(0, seq)
-            _log.info("KV events from %s: first batch seq %d, %d earlier batches replayed", self.endpoint, seq, applied)
+                applied += self._replay(rank, 0, seq)
+            _log.info("KV events from %s: first batch seq %d, %d earlier batches replayed", rank.where(), seq, applied)
         elif seq > expected:
-            replayed = self._replay(expected, seq)
+            replayed = self._replay(rank, expected, seq)
             applied += replayed
             missed = seq - expected - replayed
             if missed:
-                self.failures.count("gap", f"batches {expected}..{seq - 1} missed, {replayed} replayed")
+                self.failures.count("gap", f"{rank.where()}: batches {expected}..{seq - 1} missed, {replayed} replayed")
                 with self._lock:
                     self._counts["missed"] += missed
         with self._lock:
-            self._next_seq = seq + 1
+            rank.next_seq = seq + 1
         events = self._decode(payload)
         if events is not None:
-            self._apply(events)
+            self._apply(rank.index, events)
             applied += 1
         return applied
 
-    def _replay(self, start: int, stop: int) -> int:
-        """Ask the replay endpoint for batches `start..stop-1` and apply those it has, in order.
+    def _replay(self, rank: _Rank, start: int, stop: int) -> int:
+        """Ask the rank's replay endpoint for batches `start..stop-1` and apply those it has, in order.
 
         The answer streams every buffered batch from `start` on; newer ones than `stop - 1` arrive on the
         subscription too and are skipped here. Silence for `replay_timeout_s` ends the replay.
         """
-        if self.replay_endpoint is None:
+        if rank.replay_endpoint is None:
             return 0
-        dealer = self._replay_socket()
+        dealer = self._replay_socket(rank, rank.replay_endpoint)
         try:
             dealer.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
         except zmq.Again:
-            self.failures.count("replay_unavailable", f"cannot send to {self.replay_endpoint}")
+            self.failures.count("replay_unavailable", f"cannot send to {rank.replay_endpoint}")
             return 0
         applied, want = 0, start
         while True:
             if not dealer.poll(self._replay_timeout_ms):
-                self.failures.count("replay_timeout", f"replay silent for {self._replay_timeout_ms} ms")
-                self._drop_replay_socket()
+                self.failures.count(
+                    "replay_timeout", f"{rank.replay_endpoint}: replay silent for {self._replay_timeout_ms} ms"
+                )
+                self._drop_replay_socket(rank)
                 break
             frames = dealer.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
-                self.failures.count("replay_malformed", f"replay answer of {len(frames)} frames")
-                self._drop_replay_socket()
+                self.failures.count(
+                    "replay_malformed", f"{rank.replay_endpoint}: replay answer of {len(frames)} frames"
+                )
+                self._drop_replay_socket(rank)
                 break
             seq = int.from_bytes(frames[1], "big", signed=True)
             if seq == _END_SEQ:
@@ -356,26 +419,25 @@ class KvEventSubscriber:
                 want = seq + 1
                 events = self._decode(frames[2])
                 if events is not None:
-                    self._apply(events)
+                    self._apply(rank.index, events)
                     applied += 1
         with self._lock:
             self._counts["replayed"] += applied
         return applied
 
-    def _replay_socket(self) -> zmq.Socket:
-        if self._dealer is None:
-            assert self.replay_endpoint is not None
-            self._dealer = self._ctx.socket(zmq.DEALER)
-            self._dealer.setsockopt(zmq.LINGER, 0)
-            self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            self._dealer.connect(self.replay_endpoint)
-        return self._dealer
+    def _replay_socket(self, rank: _Rank, replay_endpoint: str) -> zmq.Socket:
+        if rank.dealer is None:
+            rank.dealer = self._ctx.socket(zmq.DEALER)
+            rank.dealer.setsockopt(zmq.LINGER, 0)
+            rank.dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            rank.dealer.connect(replay_endpoint)
+        return rank.dealer
 
-    def _drop_replay_socket(self) -> None:
+    def _drop_replay_socket(self, rank: _Rank) -> None:
         """A replay that did not end leaves answers in flight: a fresh socket keeps them out of the next one."""
-        if self._dealer is not None:
-            self._dealer.close(linger=0)
-            self._dealer = None
+        if rank.dealer is not None:
+            rank.dealer.close(linger=0)
+            rank.dealer = None
 
     def _decode(self, payload: bytes) -> list[_Event] | None:
         """The batch's events, or None (counted) when the payload is not a batch; bad events are skipped."""
@@ -400,75 +462,80 @@ class KvEventSubscriber:
             events.append(event)
         return events
 
-    def _clear(self) -> None:
+    def _clear(self, rank: int) -> None:
         with self._lock:
-            self._clear_locked()
+            self._clear_locked(rank)
 
-    def _clear_locked(self) -> None:
-        """Forget every block: the next take is a reset (lock held)."""
-        self._blocks.clear()
-        self._bloom.clear()
-        self._prism_of.clear()
-        self._held.clear()
-        self._changes.clear()
-        self._reset = True
+    def _clear_locked(self, rank: int) -> None:
+        """Forget the rank's blocks (lock held). Without data parallelism that is every block, forgotten at once,
+        and the next take is a reset; the other ranks' blocks stay, and the rank's leave as removals."""
+        if len(self._ranks) == 1:
+            self._blocks.clear()
+            self._bloom.clear()
+            self._prism_of.clear()
+            self._held.clear()
+            self._changes.clear()
+            self._reset = True
+            return
+        for key in [key for key in self._blocks if key[0] == rank]:
+            self._drop(key, self._blocks.pop(key))
 
-    def _apply(self, events: list[_Event]) -> None:
+    def _apply(self, rank: int, events: list[_Event]) -> None:
         with self._lock:
             for event in events:
                 if event.tag == "AllBlocksCleared":
-                    self._clear_locked()
+                    self._clear_locked(rank)
                 elif event.tag == "BlockStored":
-                    self._store(event)
+                    self._store(rank, event)
                 else:
                     for block in event.hashes:
-                        key = (block, event.medium, event.group)
+                        key = (rank, block, event.medium, event.group)
                         if key in self._blocks:
                             self._drop(key, self._blocks.pop(key))
             self._counts["batches"] += 1
             self._counts["events"] += len(events)
 
-    def _store(self, event: _Event) -> None:
+    def _store(self, rank: int, event: _Event) -> None:
         """Add a BlockStored's blocks, each with its Prism hash when it can be had (lock held)."""
         blocks = self._blocks
         size = event.block_size
         assert size is not None
-        prism: int | None = 0 if event.parent is None else self._prism_hash(event.parent)
+        prism: int | None = 0 if event.parent is None else self._prism_hash(rank, event.parent)
         for i, block in enumerate(event.hashes):
-            parent, prism = prism, self._prism_hash(block)
+            parent, prism = prism, self._prism_hash(rank, block)
             if prism is None and parent is not None and event.tokens is not None:
                 extra = event.extra[i] if event.extra is not None else None
                 try:
                     prism = block_hash(parent, event.tokens[i * size : (i + 1) * size], extra or ())
                 except ValueError as exc:
                     self.failures.count("extra_keys", f"BlockStored: {exc}")
-            key = (block, event.medium, event.group)
+            key = (rank, block, event.medium, event.group)
             if prism is None:
                 self._counts["unhashable"] += 1
             if key in blocks:
                 blocks.move_to_end(key)
                 if blocks[key] is None and prism is not None:
                     blocks[key] = prism
-                    self._hold(block, prism)
+                    self._hold(rank, block, prism)
             else:
                 blocks[key] = prism
                 self._bloom.add(block)
                 if prism is not None:
-                    self._hold(block, prism)
+                    self._hold(rank, block, prism)
                 if len(blocks) > self._max_blocks:
                     oldest, oldest_prism = blocks.popitem(last=False)
                     self._drop(oldest, oldest_prism)
                     self._counts["evicted"] += 1
         self._block_size = size
 
-    def _prism_hash(self, block: bytes) -> int | None:
-        held = self._prism_of.get(block)
+    def _prism_hash(self, rank: int, block: bytes) -> int | None:
+        held = self._prism_of.get((rank, block))
         return None if held is None else held[0]
 
-    def _hold(self, block: bytes, prism: int) -> None:
+    def _hold(self, rank: int, block: bytes, prism: int) -> None:
         """Count one more block holding `prism` (lock held)."""
-        _, refs = self._prism_of.get(block, (prism, 0))
-        self._prism_of[block] = (prism, refs + 1)
+        _, refs = self._prism_of.get((rank, block), (prism, 0))
+        self._prism_of[rank, block] = (prism, refs + 1)
         held = self._held.get(prism, 0)
         self._held[prism] = held + 1
         if not held:
@@ -476,15 +543,15 @@ class KvEventSubscriber:
 
     def _drop(self, key: _Key, prism: int | None) -> None:
         """Take a block out of the Bloom filter and the Prism view, `key` already out of `_blocks` (lock held)."""
-        block = key[0]
-        self._bloom.remove(block)
+        engine = key[:2]
+        self._bloom.remove(key[1])
         if prism is None:
             return
-        _, refs = self._prism_of[block]
+        _, refs = self._prism_of[engine]
         if refs > 1:
-            self._prism_of[block] = (prism, refs - 1)
+            self._prism_of[engine] = (prism, refs - 1)
         else:
-            del self._prism_of[block]
+            del self._prism_of[engine]
         held = self._held[prism] - 1
         if held:
             self._held[prism] = held

@@ -150,7 +150,7 @@ def node_sources(
             engine = EngineCollector(config.engine_url, invalid=signals.invalid)
             sources.append(Source("engine", KV_MISS_PERIOD_S, lambda: _engine(engine)))
         if config.kv_events is not None:
-            kv = stack.enter_context(KvEventSubscriber(config.kv_events, config.kv_replay))
+            kv = stack.enter_context(KvEventSubscriber(config.kv_events, config.kv_replay, dp_ranks=config.kv_dp_ranks))
             kv.start()
             sources.append(Source("kv_events", KV_MISS_PERIOD_S, lambda: Reading(kv=kv.summary())))
             stream = stack.enter_context(

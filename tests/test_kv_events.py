@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -108,6 +109,10 @@ class ArrayBlockRemoved(ArrayEvent, tag="BlockRemoved"):
     medium: str | None
 
 
+class ArrayAllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
 def stored(hashes: list[Hash], block_size: int = 16, medium: str | None = "GPU") -> BlockStored:
     tokens = list(range(block_size * len(hashes)))
     return BlockStored(hashes, None, tokens, block_size, None, medium, None, [None] * len(hashes), 0, "full_attention")
@@ -122,7 +127,9 @@ class Engine:
 
     END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, replay_endpoint: str | None = None) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, replay_endpoint: str | None = None, rank: int = 0) -> None:
+        self.rank = rank
+        """The DP rank the batches carry as `data_parallel_rank`."""
         # XPUB sends exactly what PUB sends; it also reports subscriptions, so the test knows the subscriber joined.
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -145,7 +152,7 @@ class Engine:
 
     def publish(self, *events: Any, send: bool = True) -> int:
         """Encode a batch, keep it for replay, and send it unless `send` is False (a batch lost on the way)."""
-        payload = self.encoder.encode(KVEventBatch(time.time(), list(events), 0))
+        payload = self.encoder.encode(KVEventBatch(time.time(), list(events), self.rank))
         return self.publish_raw(payload, send=send)
 
     def publish_raw(self, payload: bytes, send: bool = True) -> int:
@@ -185,6 +192,20 @@ def engine(ctx: zmq.Context, endpoint: str, replay_endpoint: str) -> Iterator[En
     e = Engine(ctx, endpoint, replay_endpoint)
     yield e
     e.close()
+
+
+def free_port_pair() -> int:
+    """A loopback port p with p + 1 free too: where DP ranks 0 and 1 publish."""
+    for _ in range(100):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no two consecutive free ports")
 
 
 def subscribe(ctx: zmq.Context, engine: Engine, endpoint: str, replay: str | None, **kw: Any) -> KvEventSubscriber:
@@ -706,3 +727,89 @@ def test_extra_keys_are_folded_in_as_callers_give_them(
         assert sub.blocks() == (*with_cat, *with_dog)
         assert not set(with_cat) & set(with_dog) and not set(with_cat) & set(block_hashes(placeholder))
         assert sub.failures.counts() == {}
+
+
+def array_stored(hashes: list[Hash], first_token: int, parent: Hash | None = None, size: int = 16) -> ArrayBlockStored:
+    """vLLM's BlockStored as a tagged array, its blocks holding the token ids from `first_token` on."""
+    return ArrayBlockStored(
+        hashes, parent, list(range(first_token, first_token + size * len(hashes))), size, None, "GPU"
+    )
+
+
+@pytest.fixture
+def dp_engines(ctx: zmq.Context) -> Iterator[list[Engine]]:
+    """An engine with two DP ranks as vLLM runs it: rank r publishes on the port + r, replays on the replay
+    port + r, and marks its batches with its rank."""
+    pub, replay = free_port_pair(), free_port_pair()
+    engines = [Engine(ctx, f"tcp://127.0.0.1:{pub + r}", f"tcp://127.0.0.1:{replay + r}", rank=r) for r in range(2)]
+    yield engines
+    for engine in engines:
+        engine.close()
+
+
+def subscribe_ranks(ctx: zmq.Context, engines: list[Engine], replay: bool) -> KvEventSubscriber:
+    """A subscriber given rank 0's endpoints and the number of ranks, as the agent is configured."""
+    pub = engines[0].pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    replay_endpoint = engines[0].router.getsockopt(zmq.LAST_ENDPOINT).decode() if replay else None
+    subscriber = KvEventSubscriber(pub, replay_endpoint, TOPIC, dp_ranks=len(engines), context=ctx)
+    for engine in engines:
+        engine.wait_subscriber()
+    return subscriber
+
+
+def test_dp_ranks_are_followed_on_their_ports_each_with_its_own_sequence(
+    ctx: zmq.Context, dp_engines: list[Engine]
+) -> None:
+    rank0, rank1 = dp_engines
+    with subscribe_ranks(ctx, dp_engines, replay=True) as sub:
+        rank0.publish(array_stored([1, 2], first_token=0))
+        rank1.publish(array_stored([101], first_token=100))
+        rank0.publish(array_stored([3], first_token=32, parent=2))
+        rank1.publish(array_stored([102], first_token=116, parent=101), send=False)  # lost: rank 1 replays it
+        rank1.publish(array_stored([103], first_token=132, parent=102))
+        poll_until(sub, lambda: sub.stats().last_seqs == (1, 2))
+        stats = sub.stats()
+        # Both ranks count from 0: one shared sequence would have read rank 1's batches as a publisher restart.
+        assert (stats.batches, stats.replayed_batches, stats.missed_batches, stats.blocks) == (5, 1, 0, 6)
+        assert sub.failures.counts() == {}
+        assert held(sub, [1, 2, 3, 101, 102, 103]) == [True] * 6
+        # Each rank's chain re-hashed from its own parents: the node's view is both ranks' prompts.
+        expected = block_hashes(list(range(48)), 16) + block_hashes(list(range(100, 148)), 16)
+        assert sorted(sub.blocks()) == sorted(expected)
+
+
+def test_dp_rank_gaps_restarts_and_clears_are_the_ranks_own(ctx: zmq.Context, dp_engines: list[Engine]) -> None:
+    rank0, rank1 = dp_engines
+    shared = block_hashes(list(range(16)), 16)[0]  # both ranks cache the same first block, under engine hash 1
+    with subscribe_ranks(ctx, dp_engines, replay=False) as sub:
+        rank0.publish(array_stored([1], first_token=0))
+        rank0.publish(array_stored([2], first_token=1000), send=False)
+        rank0.publish(array_stored([3], first_token=2000))
+        rank1.publish(array_stored([1], first_token=0))
+        rank1.publish(array_stored([5], first_token=5000))
+        poll_until(sub, lambda: sub.stats().last_seqs == (2, 1))
+        assert sub.failures.counts() == {"gap": 1} and sub.stats().missed_batches == 1
+        rank1.publish(array_stored([6], first_token=6000), send=False)
+        rank1.publish(array_stored([7], first_token=7000), send=False)
+        rank1.publish(array_stored([8], first_token=8000))
+        poll_until(sub, lambda: sub.stats().last_seqs == (2, 4))
+        assert sub.failures.counts() == {"gap": 2} and sub.stats().missed_batches == 3
+        assert sub.take_changes().reset  # the first take; later ones are the changes since
+
+        rank1.publish(ArrayAllBlocksCleared())
+        poll_until(sub, lambda: sub.stats().last_seqs == (2, 5))
+        assert held(sub, [1, 3, 5, 8]) == [True, True, False, False]
+        changes = sub.take_changes()
+        # Rank 0 still holds the shared block: only rank 1's own blocks left the node's view.
+        expected = {block_hashes(list(range(start, start + 16)), 16)[0] for start in (5000, 8000)}
+        assert (changes.reset, set(changes.removed), changes.stored) == (False, expected, ())
+        assert shared in sub.blocks()
+
+        rank1.publish(array_stored([9], first_token=9000))
+        rank1.seq, rank1.buffer = 0, []  # rank 1's process restarts: its sequence starts over, its cache is empty
+        rank1.publish(array_stored([10], first_token=10000))
+        rank0.publish(array_stored([4], first_token=4000))
+        poll_until(sub, lambda: sub.stats().last_seqs == (3, 0))
+        assert sub.failures.counts() == {"gap": 2, "publisher_restart": 1}
+        assert held(sub, [1, 3, 4, 9, 10]) == [True, True, True, False, True]
+        assert sub.stats().blocks == 4
