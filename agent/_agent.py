@@ -14,10 +14,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prismlb.wire import (
+    MS_TO_S,
     ConfigError,
     NodeVector,
     VectorSender,
     health,
+    node_families,
     sd_notify,
     serve_metrics,
     watchdog_interval_s,
@@ -26,7 +28,7 @@ from prismlb.wire import (
 from ._bounds import InvalidValues
 from ._config import AgentConfig, brain_endpoints
 from ._ebpf import ConnectCounter, probe_ebpf
-from ._node import NodeSampler, NodeState, metric_values
+from ._node import NodeSampler, NodeState
 from ._signals import SpanSignals
 from ._sources import node_sources
 from ._tracing import TracePath
@@ -46,9 +48,7 @@ class Agent:
             "Node vectors dropped because the queue to the brain was full.",
             registry=self.registry,
         )
-        self._ebpf_up = Gauge(
-            "prism_agent_ebpf_up", "1 while the eBPF program is attached.", registry=self.registry
-        )
+        self._ebpf_up = Gauge("prism_agent_ebpf_up", "1 while the eBPF program is attached.", registry=self.registry)
         self.registry.register(_StateCollector(self))
         self.invalid = InvalidValues(self.registry)
         self.started_unix_s = time.time()
@@ -192,8 +192,28 @@ class _FanOut:
             sender.close()
 
 
+_GPU_FAMILIES: tuple[tuple[str, str, str], ...] = (
+    ("mem_used_bytes", "prism_agent_gpu_mem_used_bytes", "GPU memory in use"),
+    ("mem_total_bytes", "prism_agent_gpu_mem_total_bytes", "GPU memory"),
+    ("util_ratio", "prism_agent_gpu_util_ratio", "GPU utilisation, 0 to 1"),
+    ("nvlink_util_ratio", "prism_agent_gpu_nvlink_util_ratio", "NVLink utilisation, 0 to 1"),
+    ("pcie_util_ratio", "prism_agent_gpu_pcie_util_ratio", "PCIe utilisation, 0 to 1"),
+)
+"""(`GpuState` field, family, HELP) for each per-GPU family, labelled by the GPU's index."""
+
+_LATENCY_FAMILIES: tuple[tuple[str, str, str], ...] = (
+    ("ttft", "prism_agent_ttft_seconds", "Time to first token per slice over the agent's window"),
+    ("e2e", "prism_agent_e2e_latency_seconds", "Request latency end to end per slice over the agent's window"),
+)
+"""(`ModalityLatency` field prefix, family, HELP): one family per latency, its quantiles in the `quantile` label."""
+
+_QUANTILES: tuple[tuple[str, str], ...] = (("p50", "0.5"), ("p95", "0.95"), ("p99", "0.99"))
+"""(`ModalityLatency` field infix, `quantile` label value as Prometheus writes quantiles)."""
+
+
 class _StateCollector(Collector):
-    """The node's latest state on /metrics: every present dimension, the health score and the alarms."""
+    """The node's latest state on /metrics: every present dimension, the health score, the alarms, each GPU and
+    each slice's latency, one family per quantity in base units."""
 
     def __init__(self, agent: Agent) -> None:
         self._agent = agent
@@ -202,32 +222,28 @@ class _StateCollector(Collector):
         state = self._agent.state
         if state is None:
             return
-        node = GaugeMetricFamily(
-            "prism_agent_node_metric", "The node's latest measurements (unit in the name)", labels=["metric"]
-        )
-        for name, value in sorted(metric_values(state.metrics).items()):
-            node.add_metric([name], value)
+        yield from node_families("prism_agent_node_", [], [([], state.metrics)])
         alarm = GaugeMetricFamily(
             "prism_agent_alarm", "1 while a health dimension is over its alarm threshold", labels=["dimension"]
         )
         for dimension in health(state.metrics).dimensions:
             alarm.add_metric([dimension], 1.0 if dimension in state.alarms else 0.0)
-        gpu = GaugeMetricFamily("prism_agent_gpu", "Per-GPU state (unit in the field name)", labels=["gpu", "field"])
-        for device in state.gpus:
-            for name in ("mem_used_bytes", "mem_total_bytes", "util_ratio", "nvlink_util_ratio", "pcie_util_ratio"):
-                value = getattr(device, name)
+        yield alarm
+        for field, name, help_text in _GPU_FAMILIES:
+            gpu = GaugeMetricFamily(name, help_text, labels=["gpu"])
+            for device in state.gpus:
+                value = getattr(device, field)
                 if value is not None:
-                    gpu.add_metric([str(device.index), name], float(value))
-        latency = GaugeMetricFamily(
-            "prism_agent_latency_ms", "Observed request latency per slice", labels=["slice", "kind", "quantile"]
-        )
-        for slice_name, observed in sorted(state.latency.items()):
-            for kind in ("ttft", "e2e"):
-                for q in ("p50", "p95", "p99"):
-                    value = getattr(observed, f"{kind}_{q}_ms")
+                    gpu.add_metric([str(device.index)], float(value))
+            yield gpu
+        for kind, name, help_text in _LATENCY_FAMILIES:
+            latency = GaugeMetricFamily(name, help_text, labels=["slice", "quantile"])
+            for slice_name, observed in sorted(state.latency.items()):
+                for infix, quantile in _QUANTILES:
+                    value = getattr(observed, f"{kind}_{infix}_ms")
                     if value is not None:
-                        latency.add_metric([slice_name, kind, q], value)
-        yield from (node, alarm, gpu, latency)
+                        latency.add_metric([slice_name, quantile], value * MS_TO_S)
+            yield latency
         sampler = self._agent.sampler
         if sampler is not None:
             failures = CounterMetricFamily("prism_agent_source_failures", "Failed source reads", labels=["source"])

@@ -4,7 +4,7 @@ it goes stale, and the health score and alarms computed over whatever is present
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,8 +115,3 @@ class NodeSampler:
         if h.dimensions:
             metrics = msgspec.structs.replace(metrics, health_score=h.score)
         return NodeState(metrics=metrics, alarms=list(h.alarms), gpus=gpus, kv=kv, latency=latency)
-
-
-def metric_values(metrics: NodeMetrics) -> Mapping[str, float]:
-    """The present metrics as name → value (for /metrics)."""
-    return {k: float(v) for k, v in msgspec.structs.asdict(metrics).items() if v is not None}

@@ -34,7 +34,7 @@ from ._config import BrainConfig
 from ._control import Control
 from ._drift import DriftDetector
 from ._experiments import Experiments
-from ._exporter import PredictorCollector, RegistryCollector
+from ._exporter import PredictorCollector, RegistryCollector, TallyCollector
 from ._features import node_features, series_p99_ms, slice_predictions
 from ._guardian import Guardian, GuardianConfig
 from ._history import History
@@ -116,11 +116,21 @@ class Brain:
         Gauge(
             "prism_brain_holding", "1 while the first table is held back after a start", registry=self.metrics
         ).set_function(lambda: 0 if self.hold.released else 1)
-        Gauge(
-            "prism_brain_table_entries_clamped", "Table entries whose values were clamped", registry=self.metrics
-        ).set_function(lambda: self.tables.clamped)
-        Gauge("prism_brain_predictor_trained_steps", "Optimiser steps so far", registry=self.metrics).set_function(
-            lambda: self.predictor.trained_steps
+        self.metrics.register(
+            TallyCollector(
+                [
+                    (
+                        "prism_brain_table_entries_clamped",
+                        "Table entries whose values were clamped",
+                        lambda: self.tables.clamped,
+                    ),
+                    (
+                        "prism_brain_predictor_trained_steps",
+                        "Optimiser steps so far",
+                        lambda: self.predictor.trained_steps,
+                    ),
+                ]
+            )
         )
         self.kv = KvRelay(self.tables.brain_id, self.tables.epoch)
         """The engines' KV blocks, relayed to the routers as they come (`_kv_relay`)."""

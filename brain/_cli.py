@@ -39,8 +39,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="CURVE off on a non-loopback bind without the warning (env PRISM_BRAIN_ALLOW_PLAINTEXT=1)",
     )
     p.add_argument("--metrics-port", help="Prometheus /metrics port, 0 = off (env PRISM_BRAIN_METRICS_PORT)")
-    p.add_argument("--metrics-addr", help="address for /metrics (127.0.0.1)")
-    p.add_argument("--admin-port", help="admin API port for prism ctl / top, 0 = off (env PRISM_BRAIN_ADMIN_PORT; 9470)")
+    p.add_argument("--metrics-addr", help="address for /metrics (env PRISM_BRAIN_METRICS_ADDR; 0.0.0.0)")
+    p.add_argument(
+        "--admin-port", help="admin API port for prism ctl / top, 0 = off (env PRISM_BRAIN_ADMIN_PORT; 9470)"
+    )
     p.add_argument(
         "--admin-addr", help="admin API address; non-loopback needs a token (env PRISM_BRAIN_ADMIN_ADDR; 127.0.0.1)"
     )
@@ -63,7 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--brain-id", help="this brain's name in tables (env PRISM_BRAIN_ID; host name/updates endpoint)")
     p.add_argument(
-        "--priority", help="routers follow the live brain of highest priority, -1000..1000 (env PRISM_BRAIN_PRIORITY; 0)"
+        "--priority",
+        help="routers follow the live brain of highest priority, -1000..1000 (env PRISM_BRAIN_PRIORITY; 0)",
     )
     p.add_argument(
         "--holddown-s",

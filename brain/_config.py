@@ -17,6 +17,7 @@ ENV = {
     "snapshot": "PRISM_BRAIN_SNAPSHOT",
     "state_dir": "PRISM_BRAIN_STATE_DIR",
     "metrics_port": "PRISM_BRAIN_METRICS_PORT",
+    "metrics_addr": "PRISM_BRAIN_METRICS_ADDR",
     "curve_secret": "PRISM_CURVE_SECRET",
     "curve_clients": "PRISM_CURVE_CLIENTS",
     "curve_routers": "PRISM_CURVE_ROUTERS",
@@ -48,7 +49,8 @@ class BrainConfig:
     allow_plaintext: bool = False
     """CURVE off on a bind beyond this host without the start-up warning: the operator trusts the network."""
     metrics_port: int = 0
-    metrics_addr: str = "127.0.0.1"
+    metrics_addr: str = "0.0.0.0"
+    """Every interface, so that the cluster's Prometheus can scrape the brain; read-only, so no token needed."""
     admin_port: int = 9470
     admin_addr: str = "127.0.0.1"
     admin_access: AdminAccess = AdminAccess()  # token (if any), public reads, insecure, allowed Host names

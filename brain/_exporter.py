@@ -1,40 +1,45 @@
-"""Prometheus view of the registry: per-node health, weight, alarms and latest metrics."""
+"""Prometheus view of the brain: per-node health, weight, alarms and latest metrics, the predictors' scores, and
+the counters the brain keeps as plain numbers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
-import msgspec
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from prismlb.wire import MS_TO_S, node_families
 
 from ._predictor import Predictor
 from ._registry import Registry
 
 
 class RegistryCollector(Collector):
+    """Every live node: the brain's health score, weights and alarms for it, and the measurements it last
+    reported (one family per quantity, labelled by node)."""
+
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         health = GaugeMetricFamily("prism_brain_node_health", "Health score in [0, 1]", labels=["node"])
         weight = GaugeMetricFamily(
             "prism_brain_node_weight", "Routing weight per slice (and GPU)", labels=["node", "slice", "gpu"]
         )
-        alarm = GaugeMetricFamily("prism_brain_node_alarm", "1 while a dimension is over its alarm", labels=["node", "dimension"])
-        metric = GaugeMetricFamily(
-            "prism_brain_node_metric", "Latest value the node reported (unit in the name)", labels=["node", "metric"]
+        alarm = GaugeMetricFamily(
+            "prism_brain_node_alarm", "1 while a dimension is over its alarm", labels=["node", "dimension"]
         )
-        for node_id, state in list(self._registry.nodes.items()):
+        nodes = list(self._registry.nodes.items())
+        for node_id, state in nodes:
             health.add_metric([node_id], state.health.score)
             for (slice_, gpu), value in state.weights.items():
                 weight.add_metric([node_id, slice_.value, "" if gpu is None else str(gpu)], value)
             for name in state.health.alarms:
                 alarm.add_metric([node_id, name], 1.0)
-            for name, value in msgspec.structs.asdict(state.vector.metrics).items():
-                if value is not None:
-                    metric.add_metric([node_id, name], float(value))
-        yield from (health, weight, alarm, metric)
+        yield from (health, weight, alarm)
+        yield from node_families(
+            "prism_brain_node_", ["node"], (([node_id], state.vector.metrics) for node_id, state in nodes)
+        )
 
 
 class PredictorCollector(Collector):
@@ -43,17 +48,34 @@ class PredictorCollector(Collector):
     def __init__(self, predictor: Predictor) -> None:
         self._predictor = predictor
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         evaluation = self._predictor.evaluation
         if evaluation is None:
             return
-        mae = GaugeMetricFamily("prism_brain_predictor_mae_ms", "MAE on held-out recent windows", labels=["predictor"])
-        p99 = GaugeMetricFamily(
-            "prism_brain_predictor_p99_error_ms", "P99 absolute error on held-out windows", labels=["predictor"]
+        mae = GaugeMetricFamily(
+            "prism_brain_predictor_mae_seconds", "Mean absolute error on held-out recent windows", labels=["predictor"]
         )
-        used = GaugeMetricFamily("prism_brain_predictor_in_use", "1 for the predictor the weights use", labels=["predictor"])
+        p99 = GaugeMetricFamily(
+            "prism_brain_predictor_p99_error_seconds", "P99 absolute error on held-out windows", labels=["predictor"]
+        )
+        used = GaugeMetricFamily(
+            "prism_brain_predictor_in_use", "1 for the predictor the weights use", labels=["predictor"]
+        )
         for name, score in sorted(evaluation.scores.items()):
-            mae.add_metric([name], score.mae_ms)
-            p99.add_metric([name], score.p99_abs_error_ms)
+            mae.add_metric([name], score.mae_ms * MS_TO_S)
+            p99.add_metric([name], score.p99_abs_error_ms * MS_TO_S)
             used.add_metric([name], 1.0 if name == evaluation.best else 0.0)
         yield from (mae, p99, used)
+
+
+class TallyCollector(Collector):
+    """Counters over tallies the brain keeps as plain integers (prometheus_client's `Counter` cannot read a
+    value, only be incremented): each is read at scrape time. `counters` holds (name without `_total`, HELP,
+    read) triples."""
+
+    def __init__(self, counters: Sequence[tuple[str, str, Callable[[], float]]]) -> None:
+        self._counters = tuple(counters)
+
+    def collect(self) -> Iterator[Metric]:
+        for name, help_text, read in self._counters:
+            yield CounterMetricFamily(name, help_text, value=read())

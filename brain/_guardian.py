@@ -100,20 +100,20 @@ class Guardian:
         self._shed = 0  # how many classes, counted from the end of `shed_classes`, are shed
         self._last_hook_at: float | None = None  # while overloaded: when capacity was last asked for
         self._transitions = Counter(
-            "prism_guardian_transitions", "SLO guardian state changes", ["from", "to"], registry=registry
+            "prism_brain_guardian_transitions", "SLO guardian state changes", ["from", "to"], registry=registry
         )
         self._state = Gauge(
-            "prism_guardian_state", "1 for the SLO guardian's current state", ["state"], registry=registry
+            "prism_brain_guardian_state", "1 for the SLO guardian's current state", ["state"], registry=registry
         )
         self._hook_results = Counter(
-            "prism_guardian_scale_hook_calls", "Scale-out hook calls by result", ["result"], registry=registry
+            "prism_brain_guardian_scale_hook_calls", "Scale-out hook calls by result", ["result"], registry=registry
         )
-        Gauge("prism_guardian_shed_classes", "Traffic classes shed now", registry=registry).set_function(
+        Gauge("prism_brain_guardian_shed_classes", "Traffic classes shed now", registry=registry).set_function(
             lambda: self._shed
         )
-        Gauge("prism_guardian_load_factor", "QPS / baseline QPS at the last check", registry=registry).set_function(
-            lambda: self.load_factor or 0.0
-        )
+        Gauge(
+            "prism_brain_guardian_load_factor", "QPS / baseline QPS at the last check", registry=registry
+        ).set_function(lambda: self.load_factor or 0.0)
         for state in GuardianState:
             self._state.labels(state.value).set(1.0 if state is self.state else 0.0)
         for result in ("ok", "failed", "skipped"):
@@ -129,9 +129,7 @@ class Guardian:
         """(state, classes shed) for the routing table's `guardian` and `shed_classes`."""
         return self.state.value, list(self.shed_classes)
 
-    def check(
-        self, now_s: float, p99_ms: float | None, error_ratio: float | None, qps: float | None
-    ) -> GuardianState:
+    def check(self, now_s: float, p99_ms: float | None, error_ratio: float | None, qps: float | None) -> GuardianState:
         """One period: classify the measures, move the state machine, ask for capacity under overload."""
         cfg = self.config
         breaches = []

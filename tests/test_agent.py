@@ -168,7 +168,7 @@ def test_without_ebpf_connect_calls_and_tcp_health_are_absent(ctx: zmq.Context) 
         assert b"gpu_" not in payload and b"nvlink" not in payload
         assert vector.started_unix_s is not None and vector.metrics.health_score is not None
     assert registry.get_sample_value("prism_agent_ebpf_up") == 0
-    assert registry.get_sample_value("prism_agent_node_metric", {"metric": "connect_calls_total"}) is None
+    assert registry.get_sample_value("prism_agent_node_connect_calls_total") is None
 
 
 def test_unloadable_ebpf_logs_one_line_and_keeps_reporting(

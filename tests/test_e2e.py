@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import socket
 import subprocess
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from prismlb.cli._demo import llm_nodes
 from prismlb.router import Router
@@ -23,6 +23,7 @@ from .conftest import free_port, require_ebpf, wait_for
 
 NODES = ("node-a", "node-b", "node-c")
 KEYS = [f"prefix-{i}" for i in range(3000)]
+CONNECTS = "prism_brain_node_connect_calls_total"
 
 
 @dataclass
@@ -52,19 +53,35 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     brain = prism(
         [
             "brain",
-            "--ingest", ingest,
-            "--updates", address.updates,
-            "--snapshot", address.snapshot,
-            "--metrics-port", str(metrics_port),
-            "--state-dir", str(logs / "state"),
+            "--ingest",
+            ingest,
+            "--updates",
+            address.updates,
+            "--snapshot",
+            address.snapshot,
+            "--metrics-port",
+            str(metrics_port),
+            "--state-dir",
+            str(logs / "state"),
         ],
         logs / "brain.log",
     )
     agents = {
         node: prism(
             [
-                "agent", "--node-id", node, "--brain", ingest, "--period", "0.5",
-                "--endpoint", f"http://127.0.0.1:{9000 + i}", "--otlp-grpc-port", "0", "--otlp-http-port", "0",
+                "agent",
+                "--node-id",
+                node,
+                "--brain",
+                ingest,
+                "--period",
+                "0.5",
+                "--endpoint",
+                f"http://127.0.0.1:{9000 + i}",
+                "--otlp-grpc-port",
+                "0",
+                "--otlp-http-port",
+                "0",
             ],
             logs / f"{node}.log",
         )
@@ -78,11 +95,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             proc.wait()
 
 
-def brain_metric(port: int, node: str, metric: str) -> float | None:
+def brain_metric(port: int, node: str, sample: str) -> float | None:
+    """The value of the brain's `sample` for `node` on its /metrics, None while it has none."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-    pattern = rf'prism_brain_node_metric\{{(?=[^}}]*metric="{metric}")(?=[^}}]*node="{node}")[^}}]*\}} (\S+)'
-    match = re.search(pattern, text)
-    return float(match.group(1)) if match else None
+    for family in text_string_to_metric_families(text):
+        for point in family.samples:
+            if point.name == sample and point.labels.get("node") == node:
+                return point.value
+    return None
 
 
 def test_router_gets_a_table_with_all_agents(cluster: Cluster) -> None:
@@ -95,8 +115,8 @@ def test_router_gets_a_table_with_all_agents(cluster: Cluster) -> None:
 
 def test_ebpf_counter_sees_connections_the_test_makes(cluster: Cluster) -> None:
     require_ebpf()
-    wait_for(lambda: brain_metric(cluster.metrics_port, "node-a", "connect_calls_total") is not None, 20, "eBPF counter")
-    before = brain_metric(cluster.metrics_port, "node-a", "connect_calls_total")
+    wait_for(lambda: brain_metric(cluster.metrics_port, "node-a", CONNECTS) is not None, 20, "eBPF counter")
+    before = brain_metric(cluster.metrics_port, "node-a", CONNECTS)
     assert before is not None
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -105,7 +125,7 @@ def test_ebpf_counter_sees_connections_the_test_makes(cluster: Cluster) -> None:
             with socket.create_connection(listener.getsockname()):
                 pass
     wait_for(
-        lambda: (brain_metric(cluster.metrics_port, "node-a", "connect_calls_total") or 0) >= before + 40,
+        lambda: (brain_metric(cluster.metrics_port, "node-a", CONNECTS) or 0) >= before + 40,
         10,
         "the connect counter to count the test's 40 connections",
     )
@@ -164,4 +184,3 @@ def test_packages_live_only_under_prismlb(tmp_path: Path) -> None:
     for name in ("agent", "brain", "router", "wire", "cli"):
         assert run(f"import {name}") != 0, f"top-level module {name!r} must not be importable"
     assert run("import prismlb.router, prismlb.agent, prismlb.brain, prismlb.wire, prismlb.otel, prismlb.sim") == 0
-

@@ -46,12 +46,12 @@ class Scripted:
 
     def transitions(self, source: GuardianState, target: GuardianState) -> float:
         value = self.registry.get_sample_value(
-            "prism_guardian_transitions_total", {"from": source.value, "to": target.value}
+            "prism_brain_guardian_transitions_total", {"from": source.value, "to": target.value}
         )
         return value or 0.0
 
     def hook(self, result: str) -> float:
-        return self.registry.get_sample_value("prism_guardian_scale_hook_calls_total", {"result": result}) or 0.0
+        return self.registry.get_sample_value("prism_brain_guardian_scale_hook_calls_total", {"result": result}) or 0.0
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_the_guardian_walks_every_transition(scripted: Callable[..., Scripted]) 
         assert s.step(load) is state, f"step {i}"
         assert s.guardian.flags() == (state.value, list(shed)), f"step {i}"
         for other in GuardianState:
-            gauge = s.registry.get_sample_value("prism_guardian_state", {"state": other.value})
+            gauge = s.registry.get_sample_value("prism_brain_guardian_state", {"state": other.value})
             assert gauge == (1.0 if other is state else 0.0)
     expected = {
         (N, D): 2, (N, S): 1,
@@ -328,7 +328,14 @@ def test_the_control_step_feeds_the_guardian_the_cluster_error_ratio() -> None:
         latency = {"llm": ModalityLatency(requests=requests, errors=errors, ttft_p99_ms=100.0)}
         metrics = NodeMetrics(requests_per_s=1.0)
         vector = NodeVector(
-            node_id=node, host=node, endpoint="e", seq=1, sample_time_unix_s=1.0, period_s=1.0, metrics=metrics, latency=latency
+            node_id=node,
+            host=node,
+            endpoint="e",
+            seq=1,
+            sample_time_unix_s=1.0,
+            period_s=1.0,
+            metrics=metrics,
+            latency=latency,
         )
         return NodeState(vector, 0.0, health(metrics))
 
