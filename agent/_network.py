@@ -16,10 +16,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from prismlb.wire import MAX_MS
+from prismlb.wire import MAX_MS, quantile
 
 from ._connections import Connection
-from ._windows import percentile
 
 MAX_HANDSHAKES = 50_000
 """Handshake times kept per window (the oldest dropped first): a bound on memory, like `Window`'s."""
@@ -77,7 +76,7 @@ class NetworkWindow:
         return {
             "tcp_retransmits_per_conn": (counts.retransmits - before.retransmits) / active if active > 0 else None,
             # a handshake can outlast the wire's latency bound only with SYN retries raised far past the default
-            "tcp_handshake_p95_ms": min(percentile(handshakes, 0.95), MAX_MS) if handshakes else None,
+            "tcp_handshake_p95_ms": min(quantile(handshakes, 0.95), MAX_MS) if handshakes else None,
             "tcp_resets_per_s": (counts.resets - before.resets) / elapsed_s if elapsed_s > 0 else None,
             "tcp_refused_per_s": (counts.refused - before.refused) / elapsed_s if elapsed_s > 0 else None,
         }

@@ -6,15 +6,7 @@ import math
 import threading
 from collections import deque
 
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """The q-quantile (0..1) by linear interpolation between closest ranks."""
-    if not sorted_values:
-        raise ValueError("no values")
-    position = q * (len(sorted_values) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+from prismlb.wire import quantile
 
 
 class Window:
@@ -45,7 +37,7 @@ class Window:
     def quantiles(self, now_s: float, qs: tuple[float, ...]) -> tuple[float, ...] | None:
         """The requested quantiles of the window, or None when it is empty."""
         values = self.values(now_s)
-        return tuple(percentile(values, q) for q in qs) if values else None
+        return tuple(quantile(values, q, ordered=True) for q in qs) if values else None
 
     def rate(self, now_s: float) -> float:
         """Observations per second over the window."""

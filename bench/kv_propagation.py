@@ -28,7 +28,7 @@ from prismlb.agent._kv_events import KvChanges
 from prismlb.agent._kv_stream import KvStream
 from prismlb.brain import Brain, BrainConfig
 from prismlb.router import Router
-from prismlb.wire import BrainAddress, NodeMetrics, NodeVector, VectorSender
+from prismlb.wire import BrainAddress, NodeMetrics, NodeVector, VectorSender, quantile
 
 BUDGET_P99_MS = 100.0
 CHANGE_EVERY_S = 0.05
@@ -131,11 +131,6 @@ class _StampedRouter(Router):
                 self.seen[block] = now
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def run(routers: int, changes: int) -> tuple[float, float, float, int, int]:
     """p50, p99 and max ms from an engine change to each router's index, and (seen, expected) counts."""
     config = BrainConfig(
@@ -169,8 +164,8 @@ def run(routers: int, changes: int) -> tuple[float, float, float, int, int]:
         node.join(timeout=60)
     latencies = [(r.seen[b] - t) / 1e6 for r in fleet for b, t in stamps if b in r.seen]
     return (
-        percentile(latencies, 0.5),
-        percentile(latencies, 0.99),
+        quantile(latencies, 0.5),
+        quantile(latencies, 0.99),
         max(latencies),
         len(latencies),
         len(stamps) * routers,

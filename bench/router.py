@@ -38,6 +38,7 @@ from prismlb.wire import (
     TableNode,
     TablePublisher,
     TableSubscriber,
+    quantile,
 )
 
 MOONCAKE = traces_dir() / "mooncake/conversation_trace.jsonl"
@@ -75,11 +76,6 @@ def ketama(nodes: Sequence[TableNode]) -> HashRing:
         for n in nodes
     }
     return HashRing(nodes=spec, hash_fn="ketama")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def per_call_ns(fns: dict[str, Callable[[Any], object]], keys: Sequence[Any], rounds: int) -> dict[str, list[float]]:
@@ -158,9 +154,9 @@ def lookup_section(quick: bool) -> None:
     }
     print("| lookup | p50 ns | p99 ns | mean ns, tight loop | ketama p50 / this p50 | ketama mean / this mean |")
     print("|---|---|---|---|---|---|")
-    k50 = percentile(times["ketama"], 0.5)
+    k50 = quantile(times["ketama"], 0.5)
     for key, name in names.items():
-        p50, p99 = percentile(times[key], 0.5), percentile(times[key], 0.99)
+        p50, p99 = quantile(times[key], 0.5), quantile(times[key], 0.99)
         print(
             f"| {name} | {p50:.0f} | {p99:.0f} | {means[key]:.0f} | {k50 / p50:.1f}× | {means['ketama'] / means[key]:.1f}× |"
         )
@@ -178,7 +174,7 @@ def lookup_section(quick: bool) -> None:
     print("|---|---|---|")
     for name, fn, inputs in richer:
         values = per_call_ns({name: fn}, inputs[: count // 5], rounds=1)[name]
-        print(f"| {name} | {percentile(values, 0.5):.0f} | {percentile(values, 0.99):.0f} |")
+        print(f"| {name} | {quantile(values, 0.5):.0f} | {quantile(values, 0.99):.0f} |")
     for lease in held:
         lease.end()
 
@@ -426,7 +422,7 @@ def propagation_section(
     expected = tables * (subscribers // processes) * processes
     if len(latencies) != expected:
         print(f"(only {len(latencies)} of {expected} deliveries arrived)")
-    return percentile(latencies, 0.5), percentile(latencies, 0.99), max(latencies)
+    return quantile(latencies, 0.5), quantile(latencies, 0.99), max(latencies)
 
 
 def _free_port() -> int:

@@ -32,7 +32,6 @@ import bisect
 import csv
 import heapq
 import json
-import math
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -41,7 +40,7 @@ from datetime import datetime
 from pathlib import Path
 
 from prismlb.sim import traces_dir
-from prismlb.wire import ENGINE_LATENCY_KEY, ModalityLatency, NodeMetrics, NodeVector
+from prismlb.wire import ENGINE_LATENCY_KEY, ModalityLatency, NodeMetrics, NodeVector, quantile
 
 TRACES = traces_dir()
 AZURE_CONV = TRACES / "azure" / "AzureLLMInferenceTrace_conv.csv"
@@ -159,14 +158,6 @@ def _serve(requests: Sequence[TraceRequest], prefill_tokens_per_s: float, config
     return served
 
 
-def _quantile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolation quantile of sorted values."""
-    position = q * (len(sorted_values) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
-
-
 def _busy_intervals(served: Sequence[_Served]) -> list[tuple[float, float]]:
     """Merged [admission, finish] intervals: when the node's GPU had any request."""
     merged: list[tuple[float, float]] = []
@@ -209,9 +200,9 @@ def _node_vectors(node_id: str, served: Sequence[_Served], windows: int, config:
         if ttft:
             latency[ENGINE_LATENCY_KEY] = ModalityLatency(
                 requests=len(ttft),
-                ttft_p50_ms=_quantile(ttft, 0.50),
-                ttft_p95_ms=_quantile(ttft, 0.95),
-                ttft_p99_ms=_quantile(ttft, 0.99),
+                ttft_p50_ms=quantile(ttft, 0.50),
+                ttft_p95_ms=quantile(ttft, 0.95),
+                ttft_p99_ms=quantile(ttft, 0.99),
             )
         metrics = NodeMetrics(
             cpu_util_ratio=min(1.0, 0.05 + sum(s.input_tokens for s in arrived) / (w * config.tokenize_tokens_per_s)),

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import cast
 
 from prismlb.brain import TAU0_MS
-from prismlb.wire import ENGINE_LATENCY_KEY, ModalityLatency, NodeMetrics, NodeVector, Slice, parse_signature
+from prismlb.wire import ENGINE_LATENCY_KEY, ModalityLatency, NodeMetrics, NodeVector, Slice, parse_signature, quantile
 
 from ._model import PROFILES, EngineModel, Event, GpuClass, Job
 from ._types import EngineStats, KvEvent, Outcome, Policy, RunResult, SimNode, SimRequest, SliceStats, Workload
@@ -100,14 +100,6 @@ def recovery_s(killed_at: float, refused: Sequence[float]) -> float:
     return (max(busy) + 1) * RECOVERY_WINDOW_S if busy else 0.0
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The `q` quantile by nearest rank (NaN for no values)."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 class _Node:
     """One engine, its agent's window and what the replay measures on it."""
 
@@ -155,9 +147,9 @@ class _Node:
         latency = {
             key: ModalityLatency(
                 requests=len(v),
-                ttft_p50_ms=percentile(v, 0.5),
-                ttft_p95_ms=percentile(v, 0.95),
-                ttft_p99_ms=percentile(v, 0.99),
+                ttft_p50_ms=quantile(v, 0.5),
+                ttft_p95_ms=quantile(v, 0.95),
+                ttft_p99_ms=quantile(v, 0.99),
             )
             for key, v in by_slice.items()
         }
@@ -536,7 +528,7 @@ class Simulation:
             ms = [t * 1000 for t, _ in values]
             within = sum(met for _, met in values)
             slices[name] = SliceStats(
-                len(ms), percentile(ms, 0.5), percentile(ms, 0.99), within / len(ms) if ms else math.nan
+                len(ms), quantile(ms, 0.5), quantile(ms, 0.99), within / len(ms) if ms else math.nan
             )
         queries = sum(n.model.prefix_queries_tokens for n in self.nodes.values())
         hits = sum(n.model.prefix_hits_tokens for n in self.nodes.values())
@@ -547,7 +539,7 @@ class Simulation:
         for _, t, ttft, _ in self.ttft:
             windows.setdefault(int(t // TIMELINE_WINDOW_S), []).append(ttft * 1000)
         for k in sorted(windows):
-            timeline.append(((k + 0.5) * TIMELINE_WINDOW_S, percentile(windows[k], 0.99)))
+            timeline.append(((k + 0.5) * TIMELINE_WINDOW_S, quantile(windows[k], 0.99)))
         recovery = None if self.killed_at is None else recovery_s(self.killed_at, self.refused)
         return RunResult(
             trace=self.workload.name,

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from prismlb.router import AFFINITY_HEADER, Ring, Router, Settings, prefix_key
-from prismlb.wire import MODALITY_HEADER, BrainAddress, RoutingTable, Slice, TableNode
+from prismlb.wire import MODALITY_HEADER, BrainAddress, RoutingTable, Slice, TableNode, quantile
 
 from ._engine import CHARS_PER_TOKEN
 from ._model import KV_BLOCK_TOKENS, PROFILES
@@ -376,11 +376,8 @@ class NodeStats:
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..1); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+    """The project's `quantile` (q in 0..1) for the view, which shows None as "-"; None for no values."""
+    return quantile(values, q) if values else None
 
 
 class _NodeTagging:

@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import pytest
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+)
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-from opentelemetry.proto.metrics.v1.metrics_pb2 import Gauge, Metric, NumberDataPoint, ResourceMetrics, ScopeMetrics
-from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
+from opentelemetry.proto.metrics.v1.metrics_pb2 import (
+    Gauge,
+    Metric,
+    NumberDataPoint,
+    ResourceMetrics,
+    ScopeMetrics,
+)
+from opentelemetry.proto.trace.v1.trace_pb2 import (
+    ResourceSpans,
+    ScopeSpans,
+    Span,
+    Status,
+)
 
 from prismlb.agent._signals import SpanSignals
-from prismlb.agent._windows import Window, percentile
+from prismlb.agent._windows import Window
 
 
 class Clock:
@@ -51,12 +66,6 @@ def fragmentation(
     )
 
 
-def test_percentile_interpolates() -> None:
-    assert percentile([10.0], 0.99) == 10.0
-    assert percentile([0.0, 10.0], 0.5) == 5.0
-    assert percentile([float(i) for i in range(101)], 0.95) == pytest.approx(95.0)
-    with pytest.raises(ValueError):
-        percentile([], 0.5)
 
 
 def test_window_forgets_old_values_and_is_bounded() -> None:

@@ -41,6 +41,7 @@ from ._exceptions import (
     UnknownKindError,
     WireError,
 )
+from ._exposition import MS_TO_S, NODE_FAMILIES, NodeFamily, node_families
 from ._health import DIMENSIONS, Dimension, Health, health
 from ._kv import KvApply, KvFollower, KvFollowerStats, split_kv_changes
 from ._messages import (
@@ -75,10 +76,24 @@ from ._messages import (
     TableHead,
     TableNode,
 )
-from ._modality import DEFAULT_SLICE, ENGINE_LATENCY_KEY, MODALITY_HEADER, Slice, parse_signature
+from ._modality import (
+    DEFAULT_SLICE,
+    ENGINE_LATENCY_KEY,
+    MODALITY_HEADER,
+    Slice,
+    parse_signature,
+)
 from ._numa import CROSS_NUMA, SAME_NUMA, numa_factor
 from ._rejects import RejectCounter
-from ._service import MetricsServer, sd_notify, serve_metrics, setup_logging, stop_on_signals, watchdog_interval_s
+from ._service import (
+    MetricsServer,
+    sd_notify,
+    serve_metrics,
+    setup_logging,
+    stop_on_signals,
+    watchdog_interval_s,
+)
+from ._stats import quantile
 from ._tables import TableAssembler, TableEncoder
 from ._transport import (
     LOAD_REFRESH_S,
@@ -117,6 +132,8 @@ __all__ = [
     "MAX_TABLE_VALUE",
     "MAX_VECTOR_BYTES",
     "MODALITY_HEADER",
+    "MS_TO_S",
+    "NODE_FAMILIES",
     "ROUTERS_DOMAIN",
     "SAME_NUMA",
     "SCHEMA_VERSION",
@@ -150,6 +167,7 @@ __all__ = [
     "MetricsServer",
     "ModalityLatency",
     "NoRouteError",
+    "NodeFamily",
     "NodeMetrics",
     "NodeVector",
     "NonFiniteError",
@@ -182,9 +200,11 @@ __all__ = [
     "encode",
     "generate_keypair",
     "health",
+    "node_families",
     "normal_host",
     "numa_factor",
     "parse_signature",
+    "quantile",
     "sd_notify",
     "serve_metrics",
     "split_kv_changes",
