@@ -22,7 +22,8 @@ from ._kv_events import rank_endpoint
 DEFAULT_BRAIN = "tcp://127.0.0.1:5555"
 DEFAULT_ENDPOINT_PORT = 8000
 DEFAULT_PERIOD_S = 1.0
-DEFAULT_METRICS_ADDR = "127.0.0.1"
+DEFAULT_METRICS_ADDR = "0.0.0.0"
+"""Every interface, as the brain's: a cluster's Prometheus scrapes each host from outside it."""
 DEFAULT_OTLP_HOST = "127.0.0.1"
 DEFAULT_OTLP_GRPC_PORT = 4317
 DEFAULT_OTLP_HTTP_PORT = 4318

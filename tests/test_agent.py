@@ -249,7 +249,7 @@ def test_full_queue_counts_drops(ctx: zmq.Context) -> None:
         (["--no-ebpf"], {}, "ebpf", False),
         ([], {}, "ebpf", True),
         (["--metrics-addr", "0.0.0.0"], {}, "metrics_addr", "0.0.0.0"),
-        ([], {}, "metrics_addr", "127.0.0.1"),
+        ([], {}, "metrics_addr", "0.0.0.0"),
         (["--host", "h1"], {}, "host", "h1"),
         ([], {}, "host", socket.gethostname()),
     ],
