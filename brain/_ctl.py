@@ -112,15 +112,16 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 def _arms(items: list[str]) -> dict[str, float]:
+    """`--arm VERSION=FRACTION` flags as {version: fraction}; argparse.ArgumentError (a usage error) for a bad one."""
     arms: dict[str, float] = {}
     for item in items:
         version, sep, fraction = item.partition("=")
         try:
             arms[version] = float(fraction)
         except ValueError:
-            raise CtlError(f"--arm {item!r}: expected VERSION=FRACTION") from None
+            raise argparse.ArgumentError(None, f"--arm {item!r}: expected VERSION=FRACTION") from None
         if not sep or not version:
-            raise CtlError(f"--arm {item!r}: expected VERSION=FRACTION")
+            raise argparse.ArgumentError(None, f"--arm {item!r}: expected VERSION=FRACTION")
     return arms
 
 
@@ -137,7 +138,9 @@ def _ctl(args: argparse.Namespace) -> int:
             result = call(admin, "DELETE", f"/v1/experiments/{args.name}", token=token)
         else:
             if not args.slice or not args.arm:
-                raise CtlError("experiment set needs --slice and at least one --arm VERSION=FRACTION")
+                raise argparse.ArgumentError(
+                    None, "experiment set needs --slice and at least one --arm VERSION=FRACTION"
+                )
             body = {"slice": args.slice, "arms": _arms(args.arm)}
             result = call(admin, "PUT", f"/v1/experiments/{args.name}", body, token=token)
     except CtlError as exc:
@@ -175,6 +178,8 @@ def render(status: dict[str, Any]) -> str:
 
 
 def _top(args: argparse.Namespace) -> int:
+    if not args.interval > 0:
+        raise argparse.ArgumentError(None, f"--interval must be positive, got {args.interval:g}")
     admin = _admin(args)
     try:
         token = _token(args)

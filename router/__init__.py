@@ -31,8 +31,15 @@ from ._keys import (
     text_block_hashes,
 )
 from ._lease import Lease
-from ._nginx import render_nginx
-from ._request import AFFINITY_HEADER, CLASS_HEADER, CONTEXT_HEADER, SESSION_HEADER, Request
+from ._nginx import nginx_choices, render_nginx
+from ._nginx import ring_points as nginx_ring_points
+from ._request import (
+    AFFINITY_HEADER,
+    CLASS_HEADER,
+    CONTEXT_HEADER,
+    SESSION_HEADER,
+    Request,
+)
 from ._ring import Ring
 from ._router import Router
 from ._settings import Settings
@@ -79,6 +86,8 @@ __all__ = [
     "media_block",
     "position",
     "prefix_key",
+    "nginx_choices",
+    "nginx_ring_points",
     "render_nginx",
     "text_block_hashes",
 ]

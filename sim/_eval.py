@@ -274,13 +274,24 @@ def _levels(text: str) -> list[float]:
     return levels
 
 
-def _limit(text: str) -> int:
+def _whole_number(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _limit(text: str) -> int:
+    value = _whole_number(text)
     if value < 10:
         raise argparse.ArgumentTypeError(f"a replay needs at least 10 requests, not {value}")
+    return value
+
+
+def _jobs(text: str) -> int:
+    value = _whole_number(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"runs need at least 1 process, not {value}")
     return value
 
 
@@ -331,7 +342,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"a few minutes' version: every shared trace and the families {', '.join(QUICK_FAMILIES)}, "
         f"{QUICK_LIMIT} requests each, 80%% load, the kill runs, goodput and ablations; no report files",
     )
-    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--jobs", type=_jobs, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=Path("docs/results"), help="where the report goes")
     parser.add_argument("--no-report", action="store_true", help="print the tables only")
     parser.add_argument(
@@ -357,7 +368,7 @@ def _traces(args: argparse.Namespace) -> list[str | Path]:
     shared = list(WORKLOADS) if args.traces is None else [t.strip() for t in args.traces.split(",") if t.strip()]
     unknown = sorted(set(shared) - set(WORKLOADS))
     if unknown:
-        raise SystemExit(f"prism eval: unknown traces {unknown}; known: {', '.join(WORKLOADS)}")
+        raise argparse.ArgumentError(None, f"unknown traces {unknown}; known: {', '.join(WORKLOADS)}")
     if args.traces is None and (args.workload or args.trace):
         shared = []
     families = list(args.workload or ())
@@ -367,7 +378,7 @@ def _traces(args: argparse.Namespace) -> list[str | Path]:
         try:
             workload, bound = _workload(spec, args.seed, args.limit)
         except ValueError as e:
-            raise SystemExit(f"prism eval: {e}") from None
+            raise argparse.ArgumentError(None, str(e)) from None
         print(f"{workload.name}: {len(workload.requests)} requests, prefix-hit bound {bound:.3f}")
     for name in shared:  # a cut that leaves one instant cannot be scaled to a load: say so before any run
         workload, _ = _workload(name, args.seed, args.limit)
@@ -375,7 +386,7 @@ def _traces(args: argparse.Namespace) -> list[str | Path]:
             offered_utilisation(workload, 1.0)
         except ValueError as e:
             cut = f" (--limit {args.limit} keeps only its first requests)" if args.limit is not None else ""
-            raise SystemExit(f"prism eval: {e}{cut}") from None
+            raise argparse.ArgumentError(None, f"{e}{cut}") from None
     files = _trace_files(args.trace or (), [*shared, *families], args.seed, args.limit)
     return [*shared, *families, *files]
 
@@ -386,19 +397,21 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.quick:
         _quick(args)
-    traces = _traces(args)
     known = [*policy_factories(1), *VARIANTS]
     policies = list(policy_factories(1)) if args.policies is None else [p.strip() for p in args.policies.split(",")]
     policies = [p for p in policies if p]
     if set(policies) - set(known):
-        raise SystemExit(
-            f"prism eval: unknown policies {sorted(set(policies) - set(known))}; known: {', '.join(known)}"
+        raise argparse.ArgumentError(
+            None, f"unknown policies {sorted(set(policies) - set(known))}; known: {', '.join(known)}"
         )
+    if args.ablations and PRISM not in policies:
+        raise argparse.ArgumentError(
+            None, "--ablations compares Prism's variants with Prism; --policies must name prism"
+        )
+    traces = _traces(args)  # after the checks above: it reads every trace
     levels = not (args.goodput or args.ablations)
     search = (args.goodput or levels) and not args.no_goodput
     ablations = (args.ablations or levels) and not args.no_ablations and PRISM in policies
-    if args.ablations and PRISM not in policies:
-        raise SystemExit("prism eval: --ablations compares Prism's variants with Prism; --policies must name prism")
     started = time.monotonic()
 
     def progress(r: RunResult) -> None:
@@ -508,7 +521,7 @@ def _trace_files(paths: Sequence[Path], taken: Sequence[str | Path], seed: int, 
     names = {t for t in taken if isinstance(t, str)}
     for path in paths:
         if path.stem in names:
-            raise SystemExit(f"prism eval: two traces named {path.stem!r}; rename one of the files")
+            raise argparse.ArgumentError(None, f"two traces named {path.stem!r}; rename one of the files")
         names.add(path.stem)
         try:
             workload, _ = _workload(path, seed, limit)

@@ -24,34 +24,12 @@ import bisect
 import zlib
 from collections.abc import Mapping
 
+from prismlb.router import nginx_ring_points as ring_points
+
 from .._types import ClusterView, SimRequest
 from ._round_robin import FAIL_TIMEOUT_S, MAX_FAILS, NginxUpstream
 
-POINTS_PER_WEIGHT = 160
 MAX_TRIES = 20
-
-
-def ring_points(servers: Mapping[str, int]) -> list[tuple[int, str]]:
-    """nginx's consistent-hash points `(hash, server)` for `{server: weight}`, sorted, duplicates dropped."""
-    points: list[tuple[int, str]] = []
-    for server, weight in servers.items():
-        host, port = _host_port(server)
-        base = zlib.crc32(host + b"\0" + port)
-        prev = 0
-        for _ in range(POINTS_PER_WEIGHT * weight):
-            prev = zlib.crc32(prev.to_bytes(4, "little"), base)
-            points.append((prev, server))
-    points.sort(key=lambda p: p[0])
-    return [p for i, p in enumerate(points) if i == 0 or p[0] != points[i - 1][0]]
-
-
-def _host_port(server: str) -> tuple[bytes, bytes]:
-    """Split as nginx does: `unix:` paths have no port; otherwise digits after the last ':' are the port."""
-    raw = server.encode()
-    if raw[:5].lower() == b"unix:":
-        return raw[5:], b""
-    host, sep, port = raw.rpartition(b":")
-    return (host, port) if sep and port.isdigit() else (raw, b"")
 
 
 class NginxConsistentHash(NginxUpstream):

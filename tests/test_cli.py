@@ -1,0 +1,96 @@
+"""`prism`'s exit statuses, run as the installed command runs: a usage error in any command is status 2 with one
+line on stderr (argparse's convention), a failure at run time is status 1 with one line."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from .conftest import free_port
+
+USAGE_ERRORS: dict[str, tuple[list[str], str]] = {
+    # name: (argv, the start of the one line on stderr)
+    "no command": ([], "prism: the following arguments are required: COMMAND"),
+    "unknown command": (["nosuch"], "prism: argument COMMAND: invalid choice: 'nosuch'"),
+    "agent setting": (["agent", "--period", "0"], "prism agent: --period: period must be a positive number"),
+    "agent flag type": (["agent", "--metrics-port", "x"], "prism agent: argument --metrics-port: invalid int value"),
+    "brain setting": (["brain", "--priority", "5000"], "prism brain: priority must be a whole number from -1000"),
+    "ctl experiment": (["ctl", "experiment", "set", "canary"], "prism ctl: experiment set needs --slice"),
+    "ctl arm": (
+        ["ctl", "experiment", "set", "canary", "--slice", "llm", "--arm", "v1"],
+        "prism ctl: --arm 'v1': expected VERSION=FRACTION",
+    ),
+    "ctl slice": (["ctl", "experiment", "set", "c", "--slice", "x"], "prism ctl experiment: argument --slice"),
+    "top interval": (["top", "--interval", "0"], "prism top: --interval must be positive"),
+    "route nothing": (["route"], "prism route: give keys to route, or --nginx"),
+    "route timeout": (["route", "--timeout", "0", "k"], "prism route: --timeout must be positive"),
+    "route max fails": (["route", "--nginx", "--max-fails", "-1"], "prism route: max_fails (--max-fails)"),
+    "route hash": (["route", "--nginx", "--nginx-hash", "$a;b"], "prism route: hash key (--nginx-hash)"),
+    "route keys round robin": (["route", "--nginx", "--nginx-hash", "", "k"], "prism route: with --nginx-hash ''"),
+    "route listen": (["route", "--nginx", "--nginx-listen", "99999"], "prism route: listen (--nginx-listen)"),
+    "route listen with keys": (["route", "--nginx-listen", "8080", "k"], "prism route: --nginx-listen adds"),
+    "keys name": (["keys", "../x"], "prism keys: argument name: '../x' is not a key name"),
+    "demo duration": (["demo", "--duration", "500"], "prism demo: --duration must be within 5..90 seconds"),
+    "eval traces": (["eval", "--traces", "nope"], "prism eval: unknown traces ['nope']"),
+    "eval policies": (["eval", "--policies", "nope"], "prism eval: unknown policies ['nope']"),
+    "eval ablations": (["eval", "--ablations", "--policies", "round-robin"], "prism eval: --ablations compares"),
+    "eval workload": (["eval", "--workload", "nope"], "prism eval: unknown workload family 'nope'"),
+    "eval jobs": (["eval", "--jobs", "0"], "prism eval: argument --jobs: runs need at least 1 process"),
+    "eval limit": (["eval", "--limit", "5"], "prism eval: argument --limit: a replay needs at least 10 requests"),
+}
+
+
+def prism_runs(argvs: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess[str]]:
+    """`python -m prismlb.cli ARGV` for each, four at a time."""
+
+    def run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "prismlb.cli", *argv]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+    with ThreadPoolExecutor(4) as pool:
+        return dict(zip(argvs, pool.map(run, argvs.values()), strict=True))
+
+
+def test_a_usage_error_is_status_2_and_one_line_in_every_command() -> None:
+    done = prism_runs({name: argv for name, (argv, _) in USAGE_ERRORS.items()})
+    seen = {name: (run.returncode, run.stderr.splitlines()) for name, run in done.items()}
+    for name, (status, lines) in seen.items():
+        assert status == 2 and len(lines) == 1, f"{name}: status {status}, stderr {lines}"
+        assert lines[0].startswith(USAGE_ERRORS[name][1]), f"{name}: {lines[0]}"
+    assert "(see prism eval --help)" in seen["eval jobs"][1][0], "argparse's own errors point at --help"
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A loopback port something else listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+def test_a_failure_at_run_time_is_status_1_and_one_line(taken_port: int) -> None:
+    updates, snapshot, admin = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    failures = {
+        "route without a brain": (
+            ["route", "--updates", f"tcp://{updates}", "--snapshot", f"tcp://{snapshot}", "--timeout", "0.2", "k"],
+            "prism route: no routing table from",
+        ),
+        "agent on a taken port": (
+            ["agent", "--no-ebpf", "--brain", f"tcp://{updates}", "--otlp-grpc-port", "0", "--otlp-http-port", "0"]
+            + ["--metrics-addr", "127.0.0.1", "--metrics-port", str(taken_port)],
+            f"prism agent: cannot serve /metrics on 127.0.0.1:{taken_port}",
+        ),
+        "ctl without a brain": (["ctl", "--admin", f"http://{admin}", "status"], "prism ctl: cannot reach"),
+        "eval of a missing trace": (["eval", "--trace", "/nonexistent/t.jsonl"], "prism eval: [Errno 2]"),
+    }
+    done = prism_runs({name: argv for name, (argv, _) in failures.items()})
+    for name, run in done.items():
+        lines = run.stderr.splitlines()
+        assert run.returncode == 1 and len(lines) == 1, f"{name}: status {run.returncode}, stderr {lines}"
+        assert lines[0].startswith(failures[name][1]), f"{name}: {lines[0]}"
