@@ -156,6 +156,13 @@ def no_kv_index(block_tokens: int) -> Policy:
     return PrismPolicy(block_tokens=block_tokens, settings=Settings(prefix_index=False))
 
 
+def no_kv_index_flat(block_tokens: int) -> Policy:
+    """No prefix index and every weight 1.0: against `no-kv-index`, what the weights do where requests go by their
+    ring (keyed requests without block hashes, bare keys, nginx's rendered upstreams), as nothing there has an
+    expected time to first token to see a slow node by."""
+    return PrismPolicy(block_tokens=block_tokens, settings=Settings(prefix_index=False), brain=FlatWeightsBrain)
+
+
 def no_cache_affinity(block_tokens: int) -> Policy:
     """The least expected time to first token always (`Settings(cache_affinity=1.0)`): a node holding the prefix
     gets no preference beyond the tokens it saves."""
@@ -170,6 +177,7 @@ def no_overflow(block_tokens: int) -> Policy:
 
 VARIANTS: dict[str, Callable[[int], Policy]] = {
     "no-kv-index": no_kv_index,
+    "no-kv-index-flat": no_kv_index_flat,
     "no-cache-affinity": no_cache_affinity,
     "no-overflow": no_overflow,
     "flat-weights": flat_weights,
@@ -182,9 +190,10 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
     "4-routers-no-share": routers_4_no_share,
 }
 """Every ablation by name; each builds its policy from the workload's KV block size."""
-GRAY_VARIANTS = ("flat-weights", "no-health", "no-predictor", "ewma")
+GRAY_VARIANTS = ("flat-weights", "no-health", "no-predictor", "ewma", "no-kv-index", "no-kv-index-flat")
 """The ablations of the signals that exist for nodes going bad, searched again under a gray failure
-(`_eval.gray_failure`): on a sound cluster they have little to find."""
+(`_eval.gray_failure`): on a sound cluster they have little to find. The last two compare the weights on the
+ring path, where no expected time to first token stands in for them."""
 
 
 def format_ablations(rows: Sequence[Goodput]) -> str:

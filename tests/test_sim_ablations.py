@@ -63,6 +63,7 @@ def weights(built: RoutingTable) -> dict[str, float]:
 def test_every_variant_is_listed_with_a_docstring() -> None:
     assert list(VARIANTS) == [
         "no-kv-index",
+        "no-kv-index-flat",
         "no-cache-affinity",
         "no-overflow",
         "flat-weights",
@@ -82,6 +83,7 @@ def test_router_variants_switch_off_their_setting_alone() -> None:
     defaults = Settings()
     for name, changed in (
         ("no-kv-index", {"prefix_index": False}),
+        ("no-kv-index-flat", {"prefix_index": False}),
         ("no-cache-affinity", {"cache_affinity": 1.0}),
         ("no-overflow", {"overflow": 0.0}),
         ("4-routers-no-share", {"share_load": False}),
@@ -100,6 +102,9 @@ def test_flat_weights_publish_every_entry_at_one() -> None:
     assert [n.weight for s in flat.slices for n in s.nodes] and all(
         n.weight == 1.0 for s in flat.slices for n in s.nodes
     )
+    ring_flat = VARIANTS["no-kv-index-flat"](16)
+    assert isinstance(ring_flat, PrismPolicy) and isinstance(ring_flat.brain, FlatWeightsBrain)
+    ring_flat.close()
 
 
 def test_no_health_weighs_by_latency_alone_and_keeps_the_real_quality() -> None:
@@ -142,7 +147,7 @@ def test_no_predictor_brain_has_no_predictions_where_the_full_brain_has() -> Non
 
 
 def test_prism_and_every_brain_ablation_run_the_librarys_settings() -> None:
-    router_variants = {"no-kv-index", "no-cache-affinity", "no-overflow", "4-routers-no-share"}  # one setting each
+    router_variants = {"no-kv-index", "no-kv-index-flat", "no-cache-affinity", "no-overflow", "4-routers-no-share"}
     variants = [variant(16) for name, variant in VARIANTS.items() if name not in router_variants]
     policies = [policy_factories(16)[PRISM](), *variants]
     try:
