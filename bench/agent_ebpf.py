@@ -51,7 +51,8 @@ from typing import Protocol
 
 import psutil
 
-from prismlb.sim._demo import _die_with_parent, signals_interrupt, spawn, stop
+from prismlb.demo import die_with_parent as _die_with_parent
+from prismlb.demo import signals_interrupt, spawn, stop
 
 RATES = (2000.0, 10000.0, 20000.0, 0.0)
 QUICK_RATES = (1000.0,)

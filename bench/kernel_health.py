@@ -65,9 +65,9 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from prismlb.brain import Brain, BrainConfig
+from prismlb.demo import free_port, percentile, signals_interrupt, spawn, stop
 from prismlb.router import AsyncPrismTransport, Router, Settings
 from prismlb.sim._ablations import FlatWeightsBrain, NoHealthBrain
-from prismlb.sim._demo import free_port, percentile, signals_interrupt, spawn, stop
 from prismlb.wire import BrainAddress, RoutingTable, Slice
 
 PORT = 8000

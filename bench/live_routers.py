@@ -7,8 +7,8 @@ policies. This runs the routers themselves: their released wheels, pinned below,
 into their own virtualenv (`--venv`), so a claim against them rests on their code, not on a model of it.
 
 For each contender a fresh cluster of four emulated engines (`make demo`'s: h100, 2 × a100, l40s, vLLM-format
-KV events over ZeroMQ, the same `time_scale`) is started with `sim._demo.Cluster`, and the demo's load
-generator (`sim._demo.Demo`) sends the same requests at the same times: the first `--requests` of the
+KV events over ZeroMQ, the same `time_scale`) is started with `prismlb.demo.Cluster`, and the demo's load
+generator (`prismlb.demo.Demo`) sends the same requests at the same times: the first `--requests` of the
 Mooncake conversation trace, time-compressed to `--duration` seconds, text only (the SGLang gateway drops
 Prism's `X-Modality-Signature` header). Contenders:
 
@@ -41,8 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from prismlb.router import Router, Settings
-from prismlb.sim._demo import (
+from prismlb.demo import (
     DEFAULT_LOAD,
     DEFAULT_NODES,
     DRAIN_LIMIT_S,
@@ -63,6 +62,7 @@ from prismlb.sim._demo import (
     spawn,
     stop,
 )
+from prismlb.router import Router, Settings
 from prismlb.sim._engine import MODEL_NAME
 
 PINS = {"sglang-router": "0.3.2", "vllm-router": "0.1.17"}

@@ -14,10 +14,10 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from prismlb import agent, brain, router
+from prismlb import agent, brain, demo, router
 from prismlb.sim import _eval
 
-from . import _demo, _keys
+from . import _keys
 
 
 def _usage_error(prog: str, message: str) -> NoReturn:
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     brain.add_ctl_parsers(subparsers)
     router.add_parser(subparsers)
     _keys.add_parser(subparsers)
-    _demo.add_parser(subparsers)
+    demo.add_parser(subparsers)
     _eval.add_parser(subparsers)
     return parser
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from prismlb.demo import free_port, spawn
 from prismlb.router import Router
 from prismlb.wire import (
     BrainAddress,
@@ -33,8 +34,6 @@ from prismlb.wire import (
     VectorSender,
     generate_keypair,
 )
-
-from ._demo import free_port, spawn
 
 PERIOD_S = 0.5
 

@@ -51,11 +51,12 @@ def test_the_tables_show_the_loss_window_the_ratios_and_the_timeline(bench: Modu
     full, bare = _run(bench, "full", 400.0, 4), _run(bench, "no-health", 400.0, 2)
     rows = bench.table([full, bare], 300.0)
     assert rows[0].startswith("| brain | round | requests | errors | p50 ms | p99 ms | max ms | mean ms | over 300 ms")
-    # 100 requests in the window; node-1 got 25 of them (50 without health), each in 400 ms; 0.5 at its lowest
+    # 100 requests in the window; node-1 got 25 of them (50 without health: the median halfway), each in 400 ms;
+    # 0.5 at its lowest
     assert rows[2].startswith("| full | 1 | 100 | 0 | 100 | 400 | 400 | 175 | 25 (25) | 25.0% | 0.50 / 0.50 | 0.60 (")
-    assert rows[3].startswith("| no-health | 1 | 100 | 0 | 100 | 400 | 400 | 250 | 50 (50) | 50.0% | 1.00 / 1.00 |")
+    assert rows[3].startswith("| no-health | 1 | 100 | 0 | 250 | 400 | 400 | 250 | 50 (50) | 50.0% | 1.00 / 1.00 |")
     ratios = bench.ratios([full, bare], 300.0)
-    assert ratios[2] == "| full / no-health | 1.00 | 1.00 | 1.00 | 0.70 | 0.50 | 0.50 |"
+    assert ratios[2] == "| full / no-health | 0.40 | 1.00 | 1.00 | 0.70 | 0.50 | 0.50 |"
     assert bench.timeline(full) == (
         "full round 1: node-1 weight at the loss start | every 5 s after 1.00 | 1.00 0.50; its share 24% 26%"
     )

@@ -12,9 +12,7 @@ import psutil
 import pytest
 
 from prismlb.cli import main
-from prismlb.router import Router
-from prismlb.sim import block_hashes, prompt_tokens, traces_dir
-from prismlb.sim._demo import (
+from prismlb.demo import (
     BLOCK_CHARS,
     TOKEN_SCALE,
     TRACE,
@@ -22,6 +20,8 @@ from prismlb.sim._demo import (
     moved_keys,
     prefix_cache_bound,
 )
+from prismlb.router import Router
+from prismlb.sim import block_hashes, prompt_tokens, traces_dir
 from prismlb.wire import RoutingTable, Slice, SliceTable, TableNode
 
 needs_trace = pytest.mark.skipif(not (traces_dir() / TRACE).is_file(), reason=f"no Mooncake trace at {traces_dir()}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prismlb.cli._demo import llm_nodes
+from prismlb.demo import llm_nodes
 from prismlb.router import Router
 from prismlb.wire import BrainAddress, RoutingTable
 

@@ -1,23 +1,11 @@
-"""`prism demo`: brain, agents, emulated engines and a router on loopback, loaded by a replayed trace.
-
-The demo itself lives in `prismlb.sim._demo`; this module registers the subcommand."""
+"""`prism demo`: its flags, checked here so that an out-of-range value is a usage error rather than clamped."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from prismlb.sim._demo import (
-    DEFAULT_DURATION_S,
-    DEFAULT_LOAD,
-    DEFAULT_NODES,
-    DEFAULT_REQUESTS,
-    Options,
-    llm_nodes,
-    run,
-)
-
-__all__ = ["add_parser", "llm_nodes"]
+from ._run import DEFAULT_DURATION_S, DEFAULT_LOAD, DEFAULT_NODES, DEFAULT_REQUESTS, Options, run
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -1,0 +1,233 @@
+"""The demo's child processes: the brain, and per node an emulated engine and its agent, on loopback ports.
+
+Every child runs in its own session (Ctrl-C reaches only the demo, which stops them) and gets SIGTERM from the
+kernel if the demo process dies, however it dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from prismlb.wire import BrainAddress
+
+AGENT_PERIOD_S = 1.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def die_with_parent() -> None:
+    """In the child: SIGTERM when the demo process dies, however it dies (Linux prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def spawn(args: Sequence[str], log: Path, executable: str = sys.executable) -> subprocess.Popen[bytes]:
+    """A child process in its own session (Ctrl-C reaches only the demo, which stops it), output to `log`;
+    `executable` runs `args` (this Python by default; another program for a router under comparison)."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [executable, *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+        )
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 5.0) -> None:
+    """SIGTERM each live process, wait up to `timeout_s` for all, then SIGKILL what is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def raise_interrupt(_signum: int, _frame: object) -> None:
+    """A signal handler that stops the main thread as Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt inside the block, so that a script stops through its own clean-up.
+    SIGINT is set explicitly: a shell without job control starts a background command with SIGINT ignored, and
+    Python then leaves it ignored."""
+    previous = {sig: signal.signal(sig, raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class Node:
+    node_id: str
+    gpu: str
+    engine_port: int
+    kv_port: int
+    otlp_port: int
+    metrics_port: int
+    engine: subprocess.Popen[bytes] | None = None
+    agent: subprocess.Popen[bytes] | None = None
+    killed_at: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.engine_port}"
+
+
+class Cluster:
+    """The brain, and per node an emulated engine and its agent, as child processes logging into `logs`."""
+
+    def __init__(self, gpus: Sequence[str], time_scale: float, logs: Path, ebpf: bool) -> None:
+        self.logs = logs
+        self.time_scale = time_scale
+        self.ingest = f"tcp://127.0.0.1:{free_port()}"
+        self.address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+        self.brain_metrics_port = free_port()
+        self.admin_port = free_port()
+        self.ebpf = ebpf
+        self.nodes = [
+            Node(f"{gpu}-{i + 1}", gpu, free_port(), free_port(), free_port(), free_port())
+            for i, gpu in enumerate(gpus)
+        ]
+        self.brain: subprocess.Popen[bytes] | None = None
+
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        """Every child, agents first (they report to the brain), then engines, then the brain."""
+        agents = [n.agent for n in self.nodes if n.agent is not None]
+        engines = [n.engine for n in self.nodes if n.engine is not None]
+        return [*agents, *engines, *([self.brain] if self.brain is not None else [])]
+
+    def start(self, prism: bool = True) -> None:
+        """Start the children. Without `prism` only the engines start (no brain, no agents, no OTLP export):
+        a cluster for another router to balance."""
+        if prism:
+            self.brain = spawn(
+                [
+                    "-m",
+                    "prismlb.cli",
+                    "brain",
+                    "--ingest",
+                    self.ingest,
+                    "--updates",
+                    self.address.updates,
+                    "--snapshot",
+                    self.address.snapshot,
+                    "--metrics-port",
+                    str(self.brain_metrics_port),
+                    "--admin-port",
+                    str(self.admin_port),
+                    "--state-dir",
+                    str(self.logs / "brain-state"),
+                ],
+                self.logs / "brain.log",
+            )
+        for node in self.nodes:
+            node.engine = spawn(
+                [
+                    "-m",
+                    "prismlb.demo._engine",
+                    "--gpu",
+                    node.gpu,
+                    "--port",
+                    str(node.engine_port),
+                    "--kv-events",
+                    f"tcp://127.0.0.1:{node.kv_port}",
+                    "--time-scale",
+                    repr(self.time_scale),
+                    *(["--otlp", f"http://127.0.0.1:{node.otlp_port}"] if prism else []),
+                ],
+                self.logs / f"engine-{node.node_id}.log",
+            )
+        if not prism:
+            return
+        for node in self.nodes:
+            args = [
+                "-m",
+                "prismlb.cli",
+                "agent",
+                "--node-id",
+                node.node_id,
+                "--brain",
+                self.ingest,
+                "--endpoint",
+                node.url,
+                "--engine-url",
+                f"{node.url}/metrics",
+                "--kv-events",
+                f"tcp://127.0.0.1:{node.kv_port}",
+                "--otlp-grpc-port",
+                str(node.otlp_port),
+                "--otlp-http-port",
+                "0",
+                "--metrics-port",
+                str(node.metrics_port),
+                "--period",
+                str(AGENT_PERIOD_S),
+                "--trace-port",
+                str(node.engine_port),
+            ]
+            if not self.ebpf:
+                args.append("--no-ebpf")
+            node.agent = spawn(args, self.logs / f"agent-{node.node_id}.log")
+
+    def failed(self) -> str | None:
+        """A description of a child that exited (other than a killed node), or None."""
+        for name, proc in [("brain", self.brain)] + [
+            (f"{kind} {n.node_id}", p)
+            for n in self.nodes
+            if n.killed_at is None
+            for kind, p in (("engine", n.engine), ("agent", n.agent))
+        ]:
+            if proc is not None and proc.poll() is not None:
+                return f"{name} exited with status {proc.returncode}"
+        return None
+
+    def kill(self, node: Node) -> None:
+        """SIGKILL a node's engine and agent: the machine is gone."""
+        for proc in (node.engine, node.agent):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        node.killed_at = time.monotonic()
+
+    def close(self) -> None:
+        stop(self.procs())
+
+    def log_tail(self, lines: int = 8) -> str:
+        out = []
+        for path in sorted(self.logs.glob("*.log")):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path.name}\n" + "\n".join(tail))
+        return "\n".join(out)
+
+
+def metric(text: str, name: str) -> float | None:
+    """The sum of a metric's samples in Prometheus text (None when absent)."""
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    return sum(values) if values else None
