@@ -1,6 +1,7 @@
 """Check GPU telemetry on a real NVIDIA GPU: every NVML call the agent's GPU collector makes, on every device,
 timed; the collector end to end under PCIe (and, with two GPUs, NVLink) traffic; and the otel allocator
-fragmentation metrics on torch's real CUDA caching allocator. Runs in well under a minute.
+fragmentation metrics on torch's real CUDA caching allocator; and gradient offload under static and
+gradient-aware schedules with real pinned-memory copies. Runs in well under a minute.
 
 Run on a GPU host: .venv/bin/python bench/gpu_check.py   (without an NVIDIA GPU/driver: one line, exit code 2)
 """
@@ -262,6 +263,55 @@ def allocator_check() -> None:
     print_allocator("after freeing all and empty_cache()", torch.cuda.memory_snapshot())
 
 
+def offload_check() -> None:
+    """Gradient offload with real copies: each step's gradients of bench/offload.py's model (at GPU size) go
+    from GPU 0 into pinned host memory in 4 MiB synchronous copies, under the two static schedules and the
+    gradient-aware one; the emulated link runs on the wall clock, its bucket at the pinned copy rate
+    measured first, so the copies set the pace and the schedule sets the order."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("\noffload check skipped: torch sees no CUDA device")
+        return
+    import offload  # bench/offload.py: this script's directory is the first entry of sys.path
+
+    from prismlb.otel import EmulatedLink, WallClock
+
+    probe = torch.empty(256 * _MIB, dtype=torch.uint8, device="cuda:0")
+    pinned = torch.empty_like(probe, device="cpu").pin_memory()
+    pinned.copy_(probe)
+    start = time.perf_counter()
+    for _ in range(4):
+        pinned.copy_(probe)
+    rate = 4 * probe.numel() / (time.perf_counter() - start)
+    del probe, pinned
+    link = EmulatedLink(rate, chunk_bytes=4 * _MIB, clock=WallClock())
+    shape = offload.GPU_SHAPE
+    print(f"\noffload (device → pinned host, {shape}): pinned copy rate {rate / 1e9:.1f} GB/s")
+    sources: dict[str, Any] = {}
+    hosts: dict[str, Any] = {}
+    results: list[Any] = []
+
+    def send(transfer: Any, offset: int, nbytes: int) -> None:
+        hosts[transfer.layer][offset : offset + nbytes].copy_(sources[transfer.layer][offset : offset + nbytes])
+
+    def on_gradients(step: int, layers: Any, rates: Any, model: Any) -> None:
+        modules = dict(model.named_modules())
+        for layer in layers:
+            grads = [p.grad.reshape(-1) for p in modules[layer.name].parameters(recurse=False) if p.grad is not None]
+            sources[layer.name] = torch.cat(grads).view(torch.uint8)
+            if layer.name not in hosts:
+                hosts[layer.name] = torch.empty(layer.grad_bytes, dtype=torch.uint8).pin_memory()
+        torch.cuda.synchronize(0)
+        if step >= offload.WARMUP_STEPS:
+            results.append(offload.offload(step, layers, rates, link, send))
+
+    losses = offload.train(shape, 6, on_gradients, device="cuda:0")
+    print(*offload.layer_lines(results, shape), sep="\n")
+    print(f"loss {losses[0]:.3f} → {losses[-1]:.3f}; wall-clock means over the last {len(results)} steps")
+    print(*offload.table(results, "ms"), sep="\n")
+
+
 def main() -> int:
     try:
         pynvml.nvmlInit()
@@ -293,6 +343,7 @@ def main() -> int:
         allocator_check()
     else:
         print("torch sees no CUDA device (CPU build?): allocator check skipped")
+    offload_check()
     print(f"\ndone in {time.perf_counter() - started:.1f} s")
     return 0
 
