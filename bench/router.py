@@ -359,8 +359,8 @@ class _StampedRouter(Router):
 
     record: Callable[[int], None]
 
-    def apply(self, table: RoutingTable) -> bool:
-        applied = super().apply(table)
+    def apply(self, table: RoutingTable, *, replace: bool = False, guard: bool = False) -> bool:
+        applied = super().apply(table, replace=replace, guard=guard)
         if applied:
             self.record(table.version)
         return applied

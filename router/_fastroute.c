@@ -1,9 +1,11 @@
 /* route()'s common case in C, and the prefix index that scores prompts' cached blocks (BlockIndex, below).
  *
- * Table.route(): a bare key's ring owner, or the first entry along its probe order, that is available and under
- * its bounded-load limit. Every case this cannot decide exactly as the pure-Python path does (a gated entry, whose
- * admits(now) Python must ask; an unexpected key or attribute type) returns None, and the caller then takes that
- * path. Lookups read one immutable Table built per group and never block. */
+ * Table.route(): Group.pick() (router/_snapshot.py, the one definition of the bounded-load rule) for a bare key with
+ * nothing excluded: its ring owner while that fits, else the first entry along its probe order that is available
+ * and under the bound. The functions below mirror Group's methods of the same names. Every case this cannot decide
+ * exactly as Group does (a gated entry, whose admits(now) Python must ask; an unexpected key or attribute type)
+ * returns None, and the caller then asks Group. Lookups read one immutable Table built per group and never block;
+ * tests/test_router_fast.py checks that both choose alike. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -121,7 +123,7 @@ static int usable(Table *t, PyObject *state, double *inflight) {
     return *(PyObject **)((char *)state + t->gated_at) == Py_False ? read_int(state, t->inflight_at, inflight) : -1;
 }
 
-/* balance * (base_total + group in flight + 1), in Python's evaluation order (float + int, then + 1). */
+/* Group.limit(): balance * (base_total + group in flight + 1), in Python's evaluation order (float + int, then + 1). */
 static int group_limit(Table *t, double *limit) {
     double value;
     if (read_int(t->counter, t->value_at, &value) < 0) return -1;
@@ -144,8 +146,8 @@ static PyObject *endpoint_of(Table *t, Py_ssize_t index) {
     return Py_NewRef(t->entry[index].endpoint);
 }
 
-/* Router._bounded() with nothing excluded, from point `start`; None where a gated entry is met first, or in
-   rings of more than PROBE_ENTRIES entries (the pure-Python path walks those). */
+/* Group.bounded() with nothing excluded, from point `start`; None where a gated entry is met first, or in
+   rings of more than PROBE_ENTRIES entries (Group walks those). */
 static PyObject *bounded(Table *t, Py_ssize_t start) {
     unsigned char seen[PROBE_ENTRIES / 8];
     double limit, inflight, best_load = 0.0;
@@ -168,20 +170,32 @@ static PyObject *bounded(Table *t, Py_ssize_t start) {
     return endpoint_of(t, best); /* the first step returned or set best */
 }
 
+/* Group.fits(): 1 when the entry is plainly available and under the bound (its `safe` count first), 0 when it is
+ * available but not under it, -1 where Python must decide (gated, or anything unexpected). */
+static int fits(Table *t, Entry *e) {
+    double inflight, limit;
+    if (usable(t, e->state, &inflight) < 0) return -1;
+    if (inflight < e->safe) return 1;
+    if (group_limit(t, &limit) < 0) return -1;
+    return (inflight + e->base_load) * e->inv_share < limit;
+}
+
+/* Group.pick() with nothing excluded: the owner of `pos` (Ring.owner()) while it fits, else the walk from its point. */
+static PyObject *pick(Table *t, uint32_t pos) {
+    uint32_t slot = t->slots[pos >> t->shift];
+    uint32_t index = slot != NO_SLOT ? slot : t->owners[point_index(t, pos)];
+    int owner_fits = fits(t, &t->entry[index]);
+    if (owner_fits < 0) Py_RETURN_NONE;
+    if (owner_fits) return endpoint_of(t, index);
+    return bounded(t, point_index(t, pos));
+}
+
 static PyObject *Table_route(Table *t, PyObject *key) {
     uint32_t pos;
     int known = key_position(key, &pos);
     if (known < 0) return NULL;
     if (known == 0) Py_RETURN_NONE;
-    uint32_t slot = t->slots[pos >> t->shift];
-    uint32_t index = slot != NO_SLOT ? slot : t->owners[point_index(t, pos)];
-    Entry *e = &t->entry[index];
-    double inflight, limit;
-    if (usable(t, e->state, &inflight) < 0) Py_RETURN_NONE;
-    if (inflight < e->safe) return endpoint_of(t, index);
-    if (group_limit(t, &limit) < 0) Py_RETURN_NONE;
-    if ((inflight + e->base_load) * e->inv_share < limit) return endpoint_of(t, index);
-    return bounded(t, point_index(t, pos)); /* Router._choose()'s first step */
+    return pick(t, pos);
 }
 
 /* A new C array of a sequence's ints in [0, high] (None as NO_SLOT where none_ok), its length in *n. */
@@ -308,7 +322,7 @@ fail:
 
 static PyMethodDef Table_methods[] = {
     {"route", (PyCFunction)Table_route, METH_O,
-     "route(key) -> Endpoint | None: the endpoint for a bare str/bytes/int key; None where Python must decide."},
+     "route(key) -> Endpoint | None: Group.pick() for a bare str/bytes/int key; None where Python must decide."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,7 +5,7 @@ from collections.abc import Iterable, Sequence
 from ._snapshot import Endpoint, Entry, InFlight
 
 class Table:
-    """One group's ring, entries and in-flight counter, for `route`."""
+    """One group's ring, entries and in-flight counter: `Group.pick`'s twin in C, for `route`."""
 
     def __init__(
         self,
@@ -19,7 +19,8 @@ class Table:
         balance: float,
     ) -> None: ...
     def route(self, key: object) -> Endpoint | None:
-        """The endpoint for a bare str, bytes or int key; None where the pure-Python path must decide."""
+        """`Group.pick` for a bare str, bytes or int key with nothing excluded: its endpoint, or None where the
+        Python path must decide (a gated entry on the way, or another key type)."""
 
 def position(key: object) -> int | None:
     """`_keys.position()` of an exact str, bytes or int key; None for any other type."""

@@ -11,7 +11,6 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Self, TypeVar
-from zlib import crc32
 
 import zmq
 from prometheus_client import CollectorRegistry
@@ -36,18 +35,19 @@ from ._attempts import Attempts
 from ._errors import ShedError
 from ._health import EndpointState, EndpointStatus, classify
 from ._index import PrefixIndex
-from ._keys import GOLDEN as _GOLDEN
 from ._keys import position
 from ._lease import Lease
 from ._memory import PrefixMemory
 from ._metrics import RouterCollector
 from ._request import CONTEXT_HEADER, SESSION_HEADER, Key, Request, slice_of
-from ._sessions import SessionTable
+from ._sessions import Session, SessionTable
 from ._settings import Settings
 from ._snapshot import Endpoint, Group, InFlight, SliceRoute, Snapshot, build
 
 _log = logging.getLogger("prism.router")
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
+_BARE_KEYS = (str, bytes, int)
+"""The exact types `route()` takes as a bare affinity key without building a Request (a subclass builds one)."""
 MAX_PENDING_PLACED = 4096
 """Placements a router holds for its next load report; past it the oldest go unreported (peers then learn of
 those prompts from the engines' KV events alone)."""
@@ -376,8 +376,8 @@ class Router:
         else "default"). Raises NoRouteError without a table or nodes, ShedError for a shed request class."""
         snapshot = self._snapshot
         if snapshot is not None:
-            # The common case inline: a bare key whose ring owner is available and under its load limit. The C
-            # extension makes the same choice, walking the probe order too; None leaves it to the lines below.
+            # A bare key in a slice without an experiment has no step before the ring: the C twin of `Group.pick`
+            # decides it, or leaves it (None) to the ring step `_place` takes, without building a Request.
             target = snapshot.plain.get(slice_name)
             if target is not None:
                 fast = target.group.fast
@@ -385,28 +385,9 @@ class Router:
                     endpoint = fast(request)
                     if endpoint is not None:
                         return endpoint
-                kind = request.__class__
-                if kind is str:
-                    pos = crc32(request.encode())  # type: ignore[union-attr]
-                elif kind is int:
-                    pos = ((request & _M64) * _GOLDEN & _M64) >> 32  # type: ignore[operator]
-                elif kind is bytes:
-                    pos = crc32(request)  # type: ignore[arg-type]
-                else:
-                    pos = -1
-                if pos >= 0:
-                    group = target.group
-                    index = group.slots[pos >> group.shift]
-                    if index is None:
-                        index = group.ring.owner(pos)
-                    state, safe, base_load, inv_share, endpoint = group.entries[index]
-                    if not state.gated and (
-                        state.load < safe
-                        or (state.load + base_load) * inv_share
-                        < self.settings.balance * (group.base_total + group.inflight.value + 1)
-                    ):
-                        return endpoint
-                    group, index = self._choose(snapshot, target, group, pos, (), self.clock())
+                if request.__class__ in _BARE_KEYS:
+                    pos = position(request)  # type: ignore[arg-type]
+                    group, index = self._on_ring(snapshot, target, target.group, pos, (), self.clock())
                     return group.entries[index][4]
         if isinstance(request, Request):
             if slice_name is not None:
@@ -512,53 +493,127 @@ class Router:
     ) -> tuple[Group, int, str | None, str | None, int]:
         """(group, entry index, node the session moved from, context signature, prefill units: the prompt tokens
         the chosen node is expected to compute) for a request; `remember`: a request being sent, which the prefix
-        memory and index (if on) consult and record.
+        memory and index (if on) consult and record. Each step is a method; the first to choose an entry wins."""
+        snapshot, target = self._slice(request)
+        key = request.key if request.key is not None else request.session
+        now = self.clock()
+        home = self._arm(target, request.session or key)
+        spill = target.overflow if home is target.group and self.settings.overflow else None
+        session = self._sessions.get(request.session, now) if request.session else None
+        group, index = self._sticky(home, spill, session, exclude, now)
+        blocks = request.blocks if self.settings.prefix_index else ()
+        depths = self.index.match(blocks, now) if blocks else {}
+        if index is None:
+            group, index = self._by_prefix(home, spill, request, key, blocks, depths, exclude, remember, now)
+        if index is None:
+            pos = position(key) if key is not None else random.getrandbits(32)
+            group, index = self._on_ring(snapshot, target, home, pos, exclude, now)
+        moved_from, context, units = self._record(request, key, group, index, session, blocks, depths, remember, now)
+        return group, index, moved_from, context, units
 
-        The steps: the slice; the experiment arm; the session's endpoint while it is available; for a keyed request
-        whose blocks no node is known to hold, the prefix memory (which outlives the index's claims of this router's
-        own placements); for a request with blocks, the expected-TTFT choice over the prefix index, which takes the
-        slice's overflow entries while they are `Settings.overflow` times faster; else the key's ring owner while it
-        fits, else the bounded-load walk (`_choose`)."""
+    def _slice(self, request: Request) -> tuple[Snapshot, SliceRoute]:
+        """The current table and the request's slice (named, or its modality's; an empty one's fallback). A class
+        the guardian sheds is refused here, before it takes any entry's capacity."""
         snapshot = self._snapshot
         if snapshot is None:
             raise NoRouteError("no routing table yet")
         if request.request_class in snapshot.shed:
             raise ShedError(request.request_class, snapshot.table.guardian, f"table {describe(snapshot.table)}")
-        target = self._resolve(snapshot, request.slice, request.modality)
-        key = request.key if request.key is not None else request.session
-        now = self.clock()
-        group = target.group
-        if target.arms:
-            arm_key = request.session or key
-            group = target.arm(_key_bytes(arm_key) if arm_key is not None else random.randbytes(8))
-        home = group
-        spill = target.overflow if group is target.group and self.settings.overflow else None
-        session = self._sessions.get(request.session, now) if request.session else None
-        index = None if session is None else group.index.get(session.label)
-        if index is None and session is not None and spill is not None and session.label in spill.index:
-            group, index = spill, spill.index[session.label]
-        if index is not None:
-            state = group.entries[index][0]
-            if state.label in exclude or (state.gated and not state.admits(now)):
-                group, index = home, None
-        blocks = request.blocks if self.settings.prefix_index else ()
-        depths = self.index.match(blocks, now) if blocks else {}
-        memory = self._memory if remember else None
-        if index is None and memory is not None and key is not None and not depths:
-            index = self._remembered(group, memory, key, request.cost, exclude, now)
-        if index is None and blocks:
-            index, expected = self._by_ttft(group, request, depths, key, exclude, now)
-            if spill is not None:
-                other, detour = self._by_ttft(spill, request, depths, key, exclude, now)
-                if other is not None and detour * self.settings.overflow < expected:
-                    group, index = spill, other
+        return snapshot, self._resolve(snapshot, request.slice, request.modality)
+
+    def _arm(self, target: SliceRoute, arm_key: Key | None) -> Group:
+        """The group to place in: the slice's, or under an experiment the arm `arm_key` (the session, else the
+        affinity key) is assigned to, as the brain assigns it, so a conversation keeps one model version. A
+        request with neither draws an arm at random."""
+        if not target.arms:
+            return target.group
+        return target.arm(_key_bytes(arm_key) if arm_key is not None else random.randbytes(8))
+
+    def _sticky(
+        self, home: Group, spill: Group | None, session: Session | None, exclude: Collection[str], now: float
+    ) -> tuple[Group, int | None]:
+        """The session's last entry, in the arm's group or the slice's overflow entries, while it is available and
+        not excluded: a conversation's next turn finds its context cached there. Else (`home`, None)."""
+        if session is None:
+            return home, None
+        group, index = home, home.index.get(session.label)
+        if index is None and spill is not None:
+            group, index = spill, spill.index.get(session.label)
         if index is None:
-            pos = position(key) if key is not None else random.getrandbits(32)
-            owner = group.ring.owner(pos)
-            if not exclude and self._fits(group, owner):
-                index = owner
-            else:
-                group, index = self._choose(snapshot, target, group, pos, exclude, now)
+            return home, None
+        state = group.entries[index][0]
+        if state.label in exclude or (state.gated and not state.admits(now)):
+            return home, None
+        return group, index
+
+    def _by_prefix(
+        self,
+        home: Group,
+        spill: Group | None,
+        request: Request,
+        key: Key | None,
+        blocks: Sequence[int],
+        depths: dict[str, int],
+        exclude: Collection[str],
+        remember: bool,
+        now: float,
+    ) -> tuple[Group, int | None]:
+        """Where the prompt's prefix is cached, or is worth computing. A keyed request being sent whose blocks no
+        node is known to hold goes where the prefix memory last sent its key (it outlives the index's claims of
+        this router's own placements); a request with blocks takes the expected-TTFT choice (`_by_ttft`), which
+        goes to the slice's overflow entries while they are `Settings.overflow` times faster. Else (`home`, None):
+        the ring decides."""
+        memory = self._memory if remember else None
+        if memory is not None and key is not None and not depths:
+            index = self._remembered(home, memory, key, request.cost, exclude, now)
+            if index is not None:
+                return home, index
+        if not blocks:
+            return home, None
+        index, expected = self._by_ttft(home, request, depths, key, exclude, now)
+        if spill is not None:
+            other, detour = self._by_ttft(spill, request, depths, key, exclude, now)
+            if other is not None and detour * self.settings.overflow < expected:
+                return spill, other
+        return home, index
+
+    def _on_ring(
+        self, snapshot: Snapshot, target: SliceRoute, group: Group, pos: int, exclude: Collection[str], now: float
+    ) -> tuple[Group, int]:
+        """Bounded-load consistent hashing (`Group.pick`) at ring position `pos` in `group`; when no entry there is
+        available, the bounded walk in each of the slice's fallbacks; when none is either, the first entry not
+        excluded along the probe order, health ignored (Envoy's panic routing: a request to a possibly failed node
+        beats refusing every request)."""
+        index = group.pick(pos, exclude, now)
+        if index is not None:
+            return group, index
+        for name in target.fallbacks:
+            fallback = snapshot.slices.get(name)
+            if fallback is not None:
+                index = fallback.group.bounded(fallback.group.ring.index(pos), exclude, now)
+                if index is not None:
+                    return fallback.group, index
+        for index in group.ring.probe(group.ring.index(pos)):
+            if group.entries[index][0].label not in exclude:
+                return group, index
+        raise NoRouteError(f"every endpoint of slice {target.name!r} was tried for this request")
+
+    def _record(
+        self,
+        request: Request,
+        key: Key | None,
+        group: Group,
+        index: int,
+        session: Session | None,
+        blocks: Sequence[int],
+        depths: dict[str, int],
+        remember: bool,
+        now: float,
+    ) -> tuple[str | None, str | None, int]:
+        """(node the session moved from, context signature, prefill units) for the chosen entry, and what the next
+        placements learn from it: the session's entry, the prefix memory's for the key, and, for a request being
+        sent, the prefix index's claim of its blocks there (queued for the peers' load reports with `share_load`).
+        A session that moved carries its context signature, so the new node can load the session's context."""
         state, _, _, _, endpoint = group.entries[index]
         label = state.label
         context = request.context_signature
@@ -569,6 +624,7 @@ class Router:
             context = context or session.context
         if request.session:
             self._sessions.put(request.session, label, endpoint.node_id, endpoint.model_version, context, now)
+        memory = self._memory if remember else None
         if memory is not None and key is not None:
             memory.put(key, label, request.cost)
         depth = depths.get(endpoint.node_id, 0)
@@ -580,7 +636,7 @@ class Router:
             self.index.placed(endpoint.node_id, blocks, now)
             if depth < len(blocks) and self.shares_load:
                 self._placed_out.append((endpoint.node_id, blocks[depth:]))
-        return group, index, moved_from, context, units
+        return moved_from, context, units
 
     @staticmethod
     def _cached(request: Request, depth: int) -> int:
@@ -671,73 +727,10 @@ class Router:
         index = None if last is None else group.index.get(last[0])
         if index is None or last is None or last[0] in exclude:
             return None
-        state, _, base_load, inv_share, _ = group.entries[index]
-        if state.gated and not state.admits(now):
-            return None
-        saved = min(cost, last[1])
-        if self.settings.balance and (state.load + base_load - saved) * inv_share >= self._limit(group):
+        state = group.entries[index][0]
+        if (state.gated and not state.admits(now)) or not group.under(index, less=min(cost, last[1])):
             return None
         return index
-
-    def _limit(self, group: Group) -> float:
-        """The bounded-load limit on an entry's load per unit of weight share (route() inlines it)."""
-        return self.settings.balance * (group.base_total + group.inflight.value + 1)
-
-    def _fits(self, group: Group, index: int) -> bool:
-        """Whether an entry is fully available and under its load limit (what route() checks inline)."""
-        state, safe, base_load, inv_share, _ = group.entries[index]
-        return not state.gated and (state.load < safe or (state.load + base_load) * inv_share < self._limit(group))
-
-    def _choose(
-        self, snapshot: Snapshot, target: SliceRoute, group: Group, pos: int, exclude: Collection[str], now: float
-    ) -> tuple[Group, int]:
-        """When the key's owner does not fit: the bounded-load choice along the key's probe order in `group`,
-        else in the slice's fallbacks, else ignoring health (panic)."""
-        start = group.ring.index(pos)
-        index = self._bounded(group, start, exclude, now)
-        if index is not None:
-            return group, index
-        for name in target.fallbacks:
-            fallback = snapshot.slices.get(name)
-            if fallback is not None:
-                index = self._bounded(fallback.group, fallback.group.ring.index(pos), exclude, now)
-                if index is not None:
-                    return fallback.group, index
-        # Every endpoint is down or open: route as if all were up rather than fail every request (Envoy's panic).
-        for index in group.ring.probe(start):
-            if group.entries[index][0].label not in exclude:
-                return group, index
-        raise NoRouteError(f"every endpoint of slice {target.name!r} was tried for this request")
-
-    def _bounded(self, group: Group, start: int, exclude: Collection[str], now: float) -> int | None:
-        """The first entry in the probe order from point `start` that is available and under its load limit;
-        when every available entry is at its limit, the least loaded for its weight; None when none is available."""
-        balance = self.settings.balance
-        limit = self._limit(group)
-        entries = group.entries
-        owners = group.ring.owners
-        points = len(owners)
-        seen: set[int] = set()
-        best: int | None = None
-        best_load = 0.0
-        i = start
-        while len(seen) < len(entries):  # the ring walk: each entry at its first point after the key's position
-            index = owners[i]
-            i = i + 1 if i + 1 < points else 0
-            if index in seen:
-                continue
-            seen.add(index)
-            state, _, base_load, inv_share, _ = entries[index]
-            if (state.gated and not state.admits(now)) or (exclude and state.label in exclude):
-                continue
-            if not balance:
-                return index
-            load = (state.load + base_load) * inv_share
-            if load < limit:
-                return index
-            if best is None or load < best_load:
-                best, best_load = index, load
-        return best
 
     # --- state --------------------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from prismlb.wire import Experiment, RoutingTable, Slice, SliceTable, TableNode, assign_arm
@@ -43,23 +43,30 @@ class InFlight:
 
 
 Entry = tuple[EndpointState, float, float, float, Endpoint]
-"""An entry as route() unpacks it (a plain tuple unpacks fastest): `(state, safe, base_load, inv_share,
-endpoint)`. `base_load` is the brain's load estimate (0 when absent), `inv_share` the group's total weight
-over the entry's, and `safe` the count of local requests in flight below which the entry is surely under its
-bounded-load limit (the limit only grows as the group's requests in flight grow)."""
+"""An entry as placement unpacks it (a plain tuple unpacks fastest, and `_fastroute.Table` reads it too):
+`(state, safe, base_load, inv_share, endpoint)`. `base_load` is the brain's load estimate (0 when absent),
+`inv_share` the group's total weight over the entry's, and `safe` the count of local requests in flight below
+which the entry is surely under its bounded-load limit (the limit only grows as the group's requests in flight
+grow)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Group:
-    """One ring (a slice, or an experiment arm) and its entries, indexed by entry index."""
+    """One ring (a slice, or an experiment arm) and its entries, indexed by entry index.
+
+    It holds the bounded-load rule, once for every Python path: consistent hashing with bounded loads, kept as
+    Envoy keeps it, one wrapper around the ring's pick. `pick` takes the ring's owner of a position while it
+    `fits`, else walks the ring's probe order (`bounded`); `fast` is the same choice in C for bare keys, and
+    tests/test_router_fast.py checks that the two agree.
+    """
 
     name: str
     ring: Ring
-    slots: list[int | None]  # the ring's bucket index (`bucket_index`)
-    shift: int
     entries: tuple[Entry, ...]
     base_total: float  # the brain's load estimates, summed
     inflight: InFlight
+    balance: float
+    """`Settings.balance`: the bounded-load factor, 0 for no bound."""
     index: Mapping[str, int]  # label -> entry index
     rates: tuple[float, ...]
     """Each entry's prefill speed in prompt tokens per second: the brain's estimate, else the median of the
@@ -70,9 +77,60 @@ class Group:
     by_node: Mapping[str, tuple[int, ...]]
     """node id -> its entries' indices (several for a node with per-GPU entries)."""
     fast: Callable[[object], Endpoint | None] | None
-    """route()'s common case in C (`_fastroute.Table.route`): a bare key's endpoint, or None where the
-    pure-Python path must decide (a gated entry on the way, or not a str, bytes or int key); None without
-    the extension."""
+    """`pick` for a bare key in C (`_fastroute.Table.route`): its endpoint, or None where the Python path must
+    decide (a gated entry on the way, whose `admits(now)` only Python asks, or not a str, bytes or int key);
+    None without the extension."""
+
+    def limit(self) -> float:
+        """The bound on an entry's load per unit of weight share (`share`): `balance` times the group's load with
+        the request being placed, so it grows as the group's requests in flight grow."""
+        return self.balance * (self.base_total + self.inflight.value + 1)
+
+    def share(self, index: int, less: float = 0.0) -> float:
+        """Entry `index`'s load (this router's in flight, plus the brain's estimate), less `less`, per unit of its
+        weight share: what the bound compares, so that a heavier entry takes proportionally more."""
+        state, _, base_load, inv_share, _ = self.entries[index]
+        return (state.load + base_load - less) * inv_share
+
+    def under(self, index: int, less: float = 0.0) -> bool:
+        """Whether entry `index`, with `less` taken off its load, is under the bound (always, with no bound)."""
+        return not self.balance or self.share(index, less) < self.limit()
+
+    def fits(self, index: int) -> bool:
+        """Whether entry `index` takes a request without a walk: plainly available (a gated entry goes to the
+        walk, which asks `admits(now)`) and under the bound, its precomputed `safe` count first so that the
+        common case costs two comparisons."""
+        state, safe, _, _, _ = self.entries[index]
+        return not state.gated and (state.load < safe or self.share(index) < self.limit())
+
+    def bounded(self, start: int, exclude: Collection[str], now: float) -> int | None:
+        """The first entry along the ring's probe order from point `start` that is available, not excluded and
+        under the bound; when every available entry is at its bound, the least loaded for its weight (a request
+        is never refused for load); None when none is available. The order is deterministic per key and table,
+        so under the same loads every router spills a key to the same entry."""
+        limit = self.limit()
+        best: int | None = None
+        best_share = 0.0
+        for index in self.ring.probe(start):
+            state = self.entries[index][0]
+            if (state.gated and not state.admits(now)) or (exclude and state.label in exclude):
+                continue
+            if not self.balance:
+                return index
+            share = self.share(index)
+            if share < limit:
+                return index
+            if best is None or share < best_share:
+                best, best_share = index, share
+        return best
+
+    def pick(self, pos: int, exclude: Collection[str], now: float) -> int | None:
+        """Bounded load around the ring's pick for ring position `pos`: its owner while that `fits` (and nothing
+        is excluded), else the `bounded` walk from the owner's point."""
+        owner = self.ring.owner(pos)
+        if not exclude and self.fits(owner):
+            return owner
+        return self.bounded(self.ring.index(pos), exclude, now)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -144,11 +202,10 @@ def _group(
     return Group(
         name=name,
         ring=ring,
-        slots=ring.slots,
-        shift=ring.shift,
         entries=entries,
         base_total=base_total,
         inflight=inflight,
+        balance=settings.balance,
         index={label: i for i, label in enumerate(ring.labels)},
         rates=tuple(n.prefill_tokens_per_s or typical for n in ring.entries),
         stretch=tuple(top / w for w in ring.weights),

@@ -130,6 +130,51 @@ def test_overflow_walks_the_keys_probe_order(nodes: list[TableNode], key: int) -
     assert (len(seen) > 1) == (1.25 * owner_share < 0.99)
 
 
+NOW = 1000.0
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(nodes=clusters(loads=True), data=st.data())
+def test_group_pick_takes_the_first_entry_under_its_bound_along_the_probe_order(
+    nodes: list[TableNode], data: st.DataObject
+) -> None:
+    """`Group.pick`, the rule every Python path uses, against the rule as stated: along the key's probe order,
+    passing over entries that are down or excluded, the first under its bound; with none under it, the least
+    loaded for its weight; with none available, None (the caller then tries fallbacks, then panics)."""
+    router = Router.from_table(table(nodes), settings=REQUESTS_1_25, clock=lambda: NOW)
+    assert router._snapshot is not None
+    group = router._snapshot.plain[None].group
+    ring = group.ring
+    count = len(ring.entries)
+    entry = st.integers(0, count - 1)
+    hot = data.draw(st.sets(entry, min_size=1, max_size=count))  # loaded past their bound, most likely
+    local = [data.draw(st.integers(10, 40) if i in hot else st.integers(0, 3)) for i in range(count)]
+    inflight = data.draw(st.integers(0, sum(local)))  # the group's own: states are shared across slices
+    down = data.draw(st.sets(entry, max_size=2))
+    flaky = data.draw(st.sets(entry, max_size=2))  # gated, but admitted (the circuit is closed)
+    excluded = data.draw(st.sets(entry, max_size=2))
+    pos = data.draw(st.integers(0, 2**32 - 1))
+    for i, (state, *_) in enumerate(group.entries):
+        state.load = local[i]
+        state.gated = i in down or i in flaky
+        state.down_until = NOW + 5 if i in down else 0.0
+    group.inflight.value = inflight
+    base = [n.load or 0.0 for n in ring.entries]
+    bound = 1.25 * (sum(base) + inflight + 1) / sum(ring.weights)
+    available = [i for i in ring.probe(ring.index(pos)) if i not in down and i not in excluded]
+    under = [i for i in available if (local[i] + base[i]) / ring.weights[i] < bound]
+    chosen = group.pick(pos, {ring.labels[i] for i in excluded}, NOW)
+    if not available:
+        assert chosen is None
+    elif under:
+        assert chosen == under[0]
+    else:
+        assert chosen in available
+        assert (local[chosen] + base[chosen]) / ring.weights[chosen] == min(
+            (local[i] + base[i]) / ring.weights[i] for i in available
+        )
+
+
 def test_balance_zero_turns_the_bound_off() -> None:
     nodes = [TableNode(node_id=f"n{i}", endpoint=f"n{i}:8000", weight=1.0, load=50.0 * i) for i in range(3)]
     router = Router.from_table(table(nodes), settings=Settings(balance=0))
@@ -215,7 +260,9 @@ def test_prefix_memory_gives_way_when_the_saving_does_not_cover_the_queue() -> N
     router = Router.from_table(table(nodes), settings=Settings(load="prefill", balance=1.05, prefix_memory=100))
     with router.request(Request(key=5, cost=1_000)) as first:
         pass
-    queued = router.request(Request(key=6, cost=50_000), exclude=[n.node_id for n in nodes if n.node_id != first.node_id])
+    queued = router.request(
+        Request(key=6, cost=50_000), exclude=[n.node_id for n in nodes if n.node_id != first.node_id]
+    )
     queued.begin()
     assert queued.node_id == first.node_id
     turn = router.request(Request(key=5, cost=2_000))  # saves 1k, but 50k are queued there

@@ -1,4 +1,5 @@
-"""route()'s C fast path (`_fastroute`) chooses exactly what the pure-Python path does."""
+"""route()'s C fast path (`_fastroute`) chooses exactly what the pure-Python path does: `Group.pick`, the one
+Python definition of bounded load around the ring's pick."""
 
 from __future__ import annotations
 
@@ -107,16 +108,26 @@ def load(router: Router, rng: random.Random, most: int, slice_name: str | None =
     g.inflight.value = sum(state.load for state, *_ in g.entries)
 
 
+def picked(g: Group, key: object) -> Endpoint | None:
+    """`Group.pick` for a bare key with nothing excluded, as the C table decides it; None for another type."""
+    if key.__class__ not in (str, bytes, int):
+        return None
+    index = g.pick(position(key), (), NOW)  # type: ignore[arg-type]
+    return None if index is None else g.entries[index][4]
+
+
 def assert_same(router: Router, inputs: Sequence[object], slice_name: str | None = None) -> int:
-    """Both paths choose alike for every input; returns how many the C path decided itself."""
-    fast = group(router, slice_name).fast
-    assert fast is not None
+    """Both paths choose alike for every input, and whatever the C table decides is `Group.pick`'s choice;
+    returns how many the C path decided itself."""
+    g = group(router, slice_name)
+    assert g.fast is not None
     chosen = [router.route(k, slice_name) for k in inputs]  # type: ignore[arg-type]
-    decided = [fast(k) for k in inputs]
+    decided = [g.fast(k) for k in inputs]
     with python_only(router):
         expected = [router.route(k, slice_name) for k in inputs]  # type: ignore[arg-type]
     assert chosen == expected
     assert all(d is None or d == e for d, e in zip(decided, expected, strict=True))
+    assert all(d is None or d == picked(g, k) for d, k in zip(decided, inputs, strict=True))
     return sum(d is not None for d in decided)
 
 
@@ -151,7 +162,7 @@ def test_busy_tables_route_alike_and_walk_the_probe_order_in_c(seed: int) -> Non
         load(router, rng, rng.choice([2, 10, 40]))
         inputs = keys(rng, 1000)
         assert assert_same(router, inputs) == len(inputs)
-        walked += sum(not router._fits(g, g.ring.owner(position(k))) for k in inputs)
+        walked += sum(not g.fits(g.ring.owner(position(k))) for k in inputs)
     assert walked > 0
 
 
@@ -191,14 +202,15 @@ def test_loads_at_the_limit_and_ties_route_alike(count: int, balance: float, val
 
 @needs_c
 def test_with_balance_zero_the_walk_takes_the_first_available_entry() -> None:
-    """`_bounded` with balance 0, which a router never reaches in C (its `safe` counts are then infinite)."""
+    """`Group.bounded` with balance 0, which a router never reaches in C (its `safe` counts are then infinite)."""
     router = Router.from_table(table(nodes(20, random.Random(6))), clock=lambda: NOW)
     load(router, random.Random(6), 30)
     g = group(router)
     entries = tuple((state, -1.0, base, share, endpoint) for state, _, base, share, endpoint in g.entries)
     fast = fastroute.Table(g.ring.points, g.ring.owners, g.ring.slots, g.ring.shift, entries, 0.0, g.inflight, 0.0)
+    unbounded = dataclasses.replace(g, entries=entries, base_total=0.0, balance=0.0, fast=fast.route)
     for key in keys(random.Random(6), 1000):
-        assert fast.route(key) == g.entries[g.ring.owner(position(key))][4]
+        assert fast.route(key) == g.entries[g.ring.owner(position(key))][4] == picked(unbounded, key)
 
 
 @needs_c
