@@ -12,6 +12,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -35,6 +36,12 @@ Stats = Callable[[int, int, int], "tuple[int, int, int] | None"]
 """(sock_id, local port, remote port) -> a live connection's (bytes sent, bytes received, retransmits), or None."""
 
 
+NORMALISED_MAX = 8192
+"""Addresses whose canonical form is kept: a host's connections and spans name few distinct addresses, and parsing
+one (`ipaddress`) costs several µs, on both ends of every connection event and on every span."""
+
+
+@lru_cache(maxsize=NORMALISED_MAX)
 def normalise_address(text: str) -> str | None:
     """The canonical form of an IP address (IPv4-mapped IPv6 as IPv4); None for a host name."""
     try:
@@ -64,9 +71,11 @@ class ConnectionIndex:
     def __init__(self, retention_s: float = 300.0, max_connections: int = 200_000) -> None:
         self.retention_ns = int(retention_s * 1e9)
         self.max_connections = max_connections
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
+        self._close_seen = threading.Condition(self._lock)
+        self._waiting = 0
         self._live: dict[int, Connection] = {}
-        self._by_remote: dict[tuple[str, int], list[Connection]] = {}
+        self._by_remote: dict[tuple[str, int], deque[Connection]] = {}
         self._order: deque[Connection] = deque()
         self.evicted = 0
 
@@ -77,48 +86,60 @@ class ConnectionIndex:
     def wait_closed(self, conn: Connection, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for `conn`'s close event (the kernel dropped it, the event is on its way)."""
         with self._lock:
-            return self._lock.wait_for(lambda: conn.closed_unix_ns is not None, timeout_s)
+            self._waiting += 1
+            try:
+                return self._close_seen.wait_for(lambda: conn.closed_unix_ns is not None, timeout_s)
+            finally:
+                self._waiting -= 1
 
     def established(self, conn: Connection) -> None:
         _normalise(conn)
         with self._lock:
             self._live[conn.sock_id] = conn
-            self._by_remote.setdefault((conn.remote_addr, conn.remote_port), []).append(conn)
-            self._order.append(conn)
-            self._evict(conn.established_unix_ns)
+            self._add(conn)
 
     def closed(self, final: Connection) -> None:
         """Record the close; a connection first seen at its close is added as well."""
         _normalise(final)
         with self._lock:
             conn = self._live.pop(final.sock_id, None)
-        if conn is None or conn.four_tuple != final.four_tuple:
-            self.established(final)
-            with self._lock:
-                self._live.pop(final.sock_id, None)
-            return
-        with self._lock:
+            if conn is None or conn.four_tuple != final.four_tuple:
+                self._add(final)
+                return
             conn.closed_unix_ns = final.closed_unix_ns
             conn.bytes_sent, conn.bytes_received = final.bytes_sent, final.bytes_received
             conn.retransmits = final.retransmits
             conn.pid = conn.pid or final.pid
             conn.tid = conn.tid or final.tid
             conn.comm = conn.comm or final.comm
-            self._lock.notify_all()
             conn.process_start_unix_s = conn.process_start_unix_s or final.process_start_unix_s
+            if self._waiting:
+                self._close_seen.notify_all()
+
+    def _add(self, conn: Connection) -> None:
+        """Index `conn` by remote endpoint and age (the lock held). Each remote endpoint's connections are in the
+        order they were added, as `_order` is, so the oldest of all is also the first of its endpoint's."""
+        key = (conn.remote_addr, conn.remote_port)
+        bucket = self._by_remote.get(key)
+        if bucket is None:
+            bucket = self._by_remote[key] = deque()
+        bucket.append(conn)
+        self._order.append(conn)
+        self._evict(conn.established_unix_ns)
 
     def _evict(self, now_ns: int) -> None:
         horizon = now_ns - self.retention_ns
-        while self._order and (
-            len(self._order) > self.max_connections
-            or (self._order[0].closed_unix_ns is not None and self._order[0].closed_unix_ns < horizon)
+        order = self._order
+        while order and (
+            len(order) > self.max_connections
+            or (order[0].closed_unix_ns is not None and order[0].closed_unix_ns < horizon)
         ):
-            old = self._order.popleft()
-            bucket = self._by_remote.get((old.remote_addr, old.remote_port))
-            if bucket is not None:
-                bucket.remove(old)
-                if not bucket:
-                    del self._by_remote[(old.remote_addr, old.remote_port)]
+            old = order.popleft()
+            key = (old.remote_addr, old.remote_port)
+            bucket = self._by_remote[key]
+            bucket.popleft()
+            if not bucket:
+                del self._by_remote[key]
             if self._live.get(old.sock_id) is old:
                 del self._live[old.sock_id]
             self.evicted += 1
@@ -240,9 +261,7 @@ class SpanJoiner:
     def _window(self, span: Span) -> tuple[int, int]:
         return span.start_time_unix_nano, max(span.start_time_unix_nano, span.end_time_unix_nano)
 
-    def _server(
-        self, span: Span, peer: str, peer_port: int, local: str | None, local_port: int
-    ) -> Connection | None:
+    def _server(self, span: Span, peer: str, peer_port: int, local: str | None, local_port: int) -> Connection | None:
         start, _ = self._window(span)
         for conn in reversed(self.index.candidates(peer, peer_port)):
             if (

@@ -2,7 +2,7 @@
 connection, client handshake P95, resets and connects that never completed, as NodeMetrics fields.
 
 The counts come from the program's per-CPU counters (`tcp_counts`), cumulative since it was attached; a window
-is the difference between two reads. Counters rather than events: a full perf buffer loses none of them, and a
+is the difference between two reads. Counters rather than events: a full ring buffer loses none of them, and a
 connection that stays open for minutes shows its retransmits in the window they happen in, not when it closes.
 Handshake times need each value for their P95, so they come from the ESTABLISHED events (a lost event is one
 sample fewer, counted in the tracer's `lost_events`).

@@ -12,11 +12,11 @@ listener port, so that every tracer's records of it are told apart by (client pi
 
 The tracers, each attached alone, one after the other, under the same rates:
   prism agent        the agent's eBPF path in a process of its own: `probe_ebpf` (bpf/conntrack.c on its
-                     tracepoints, tracing every connection as the agent does by default), the perf-buffer polling
+                     tracepoints, tracing every connection as the agent does by default), the ring-buffer polling
                      thread of `TracePath` feeding the span-join index and the TCP health window, and the
                      per-period read of the counters (`connect_calls_total`, `tcp_*`) once a second. Seen: the
                      client connections of the load whose ESTABLISHED event arrived (counted by a wrapper around
-                     the tracer's callback). Lost: the tracer's `lost_events` (perf buffer overruns).
+                     the tracer's callback). Lost: the tracer's `lost_events` (ring buffer overruns).
   tcplife-bpfcc      bcc's tool, one line per closed socket; seen: the lines of the load's client sockets. Lost:
                      bcc's "Possibly lost N samples" on its stderr.
   tcpconnlat-bpfcc   bcc's tool, one line per connect; kprobes, which some kernels lack: then it does not attach and
@@ -61,9 +61,10 @@ QUICK_DURATION_S = 1.5
 THREADS = 16
 STARTUP_LIMIT_S = 120.0
 """A tracer's start: bcc compiles its program with clang first (seconds; tens on a busy machine)."""
-DRAIN_LIMIT_S = 5.0
-STEADY_S = 0.3
-"""A tracer has taken in a load's events once its count and CPU time stand still this long."""
+DRAIN_LIMIT_S = 10.0
+STEADY_S = 1.0
+"""A tracer has taken in a load's events once its count and CPU time stand still this long: on a shared machine a
+runnable tracer can wait on the run queue for most of a second, its backlog still in its buffer."""
 REPLY_LIMIT_S = 10.0
 LOAD_MARGIN_S = 30.0
 SYSTEM_PYTHON = "/usr/bin/python3"

@@ -14,10 +14,16 @@
 // A connection is *traced* once it is known to pass both filters: a client at ESTABLISHED (pid checked at
 // SYN_SENT, ports there); a server at ESTABLISHED without a pid filter, else at its first send/recv by a wanted
 // process. Only traced connections have events and count in `tcp_counts`, which are counters rather than
-// events so that a full perf buffer loses none of them and a connection that stays open shows its
+// events so that a full ring buffer loses none of them and a connection that stays open shows its
 // retransmits in the window they happen in: opened and ended (the agent's connections active in a window are
 // those opened by its end less those ended before its start), retransmits, resets sent or received, and
 // connects that never completed (refused, timed out, unreachable or abandoned: SYN_SENT -> CLOSE).
+// A CLOSED event follows only an ESTABLISHED one: a server-side connection that no process ever read or wrote
+// (a port scan, a health check's connect, a listener that closes at once) carried nothing a span could be
+// joined to, so it is only counted.
+//
+// Events go through one ring buffer for all CPUs (`events`, PRISM_EVENT_PAGES pages, set by the loader), in the
+// order they were written; one that does not fit is counted in `lost_events` instead.
 
 #define PRISM_AF_INET 2
 #define PRISM_AF_INET6 10
@@ -31,13 +37,12 @@
 
 #include "conntrack.h"
 
-// A connection as it stands (the value in `conns`) and, with kind and ts_ns set, the event sent to user
-// space: the one definition of the event, which Python reads through bcc's events.event(data).
+// A connection as it stands (the value in `conns`) and, with kind set, the event sent to user space: the one
+// definition of the event, whose layout Python takes from bcc's description of this struct (`conns`' leaf).
 struct conn {
     u64 sock_id;          // the socket's kernel address: the key in `conns`, unique while the socket lives
-    u64 ts_ns;            // event: bpf_ktime_get_ns() when sent (CLOCK_MONOTONIC, like every *_ns here)
     u64 syn_ns;           // client: CLOSE->SYN_SENT, when connect() sends the SYN; 0 on the server side
-    u64 established_ns;   // ->ESTABLISHED; 0 before
+    u64 established_ns;   // ->ESTABLISHED; 0 before (bpf_ktime_get_ns: CLOCK_MONOTONIC, like every *_ns here)
     u64 closed_ns;        // ->CLOSE; 0 before
     u64 bytes_sent;       // sendmsg() results > 0
     u64 bytes_received;   // recvmsg() results > 0, MSG_PEEK excluded
@@ -57,6 +62,7 @@ struct conn {
 };
 
 BPF_PERCPU_ARRAY(connect_calls, u64, 1);
+BPF_PERCPU_ARRAY(lost_events, u64, 1);  // events the ring buffer had no room for
 BPF_PERCPU_ARRAY(tcp_counts, u64, COUNTS);
 BPF_TABLE("lru_hash", u64, struct conn, conns, CONNS_ENTRIES);
 BPF_HASH(ports, u16, u8, FILTER_ENTRIES);   // local or remote ports to trace
@@ -64,7 +70,7 @@ BPF_HASH(pids, u32, u8, FILTER_ENTRIES);    // processes to trace
 // [FILTER_PORTS], [FILTER_PIDS]: 1 while every port / every process is traced. The loader sets them; until
 // then they are 0 and the sets empty, so nothing slips past a filter between attaching and configuring.
 BPF_ARRAY(match_all, u32, 2);
-BPF_PERF_OUTPUT(events);
+BPF_RINGBUF_OUTPUT(events, PRISM_EVENT_PAGES);
 
 static __always_inline int filter_on(u32 which) {
     u32 *all = match_all.lookup(&which);
@@ -101,19 +107,31 @@ static __always_inline void start_tracing(struct conn *c) {
     count(COUNT_RETRANSMITS, c->retransmits);
 }
 
-static __always_inline void emit(void *ctx, struct conn *c, u8 kind) {
-    struct conn event = *c;
-    event.kind = kind;
-    event.ts_ns = bpf_ktime_get_ns();
-    events.perf_submit(ctx, &event, sizeof(event));
+// The kernel wakes the reader only when it has taken every earlier event (adaptive notification), so a busy
+// reader is not woken once per event.
+static __always_inline void emit(struct conn *c, u8 kind) {
+    struct conn *event = events.ringbuf_reserve(sizeof(struct conn));
+    if (!event) {
+        u32 zero = 0;
+        u64 *lost = lost_events.lookup(&zero);
+        if (lost) {
+            __sync_fetch_and_add(lost, 1);
+        }
+        return;
+    }
+    *event = *c;
+    event->kind = kind;
+    events.ringbuf_submit(event, 0);
 }
 
-// The CLOSED event of a traced connection. A server-side one that no process ever read or wrote has no pid,
-// so under a pid filter it never was traced.
-static __always_inline void finish(void *ctx, struct conn *c) {
+// The end of a traced connection, and its CLOSED event when its ESTABLISHED one went out. A server-side
+// connection that no process ever read or wrote has no pid, so under a pid filter it never was traced.
+static __always_inline void finish(struct conn *c) {
     if (c->traced) {
         count(COUNT_ENDED, 1);
-        emit(ctx, c, EVENT_CLOSED);
+        if (c->announced) {
+            emit(c, EVENT_CLOSED);
+        }
     }
 }
 
@@ -134,7 +152,7 @@ static __always_inline void on_reset(u64 sk, u16 lport, u16 rport) {
 
 // sendmsg/recvmsg run in the calling process's context: count the bytes and, on the server side, take the
 // pid the first time and send the ESTABLISHED event that waited for it.
-static __always_inline void on_io(void *ctx, u64 sk, int bytes, int received) {
+static __always_inline void on_io(u64 sk, int bytes, int received) {
     struct conn *c = conns.lookup(&sk);
     if (!c) {
         return;
@@ -158,7 +176,7 @@ static __always_inline void on_io(void *ctx, u64 sk, int bytes, int received) {
     if (!c->traced) {
         start_tracing(c);
     }
-    emit(ctx, c, EVENT_ESTABLISHED);
+    emit(c, EVENT_ESTABLISHED);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_connect) {
@@ -183,7 +201,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state) {
     if (newstate == PRISM_TCP_SYN_SENT) {  // inside connect(): process context
         struct conn *reused = conns.lookup(&sk);
         if (reused) {  // connect() again on a socket whose connection closed: that one is over
-            finish(args, reused);
+            finish(reused);
         }
         u64 id = bpf_get_current_pid_tgid();
         if (!pid_wanted(id >> 32)) {
@@ -263,20 +281,20 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state) {
     }
     c->announced = 1;
     start_tracing(c);
-    emit(args, c, EVENT_ESTABLISHED);
+    emit(c, EVENT_ESTABLISHED);
     return 0;
 }
 
 TRACEPOINT_PROBE(sock, sock_send_length) {
     if (args->protocol == PRISM_IPPROTO_TCP) {
-        on_io(args, (u64)args->sk, args->ret, 0);
+        on_io((u64)args->sk, args->ret, 0);
     }
     return 0;
 }
 
 TRACEPOINT_PROBE(sock, sock_recv_length) {
     if (args->protocol == PRISM_IPPROTO_TCP) {
-        on_io(args, (u64)args->sk, (args->flags & PRISM_MSG_PEEK) ? 0 : args->ret, 1);
+        on_io((u64)args->sk, (args->flags & PRISM_MSG_PEEK) ? 0 : args->ret, 1);
     }
     return 0;
 }
@@ -327,7 +345,7 @@ TRACEPOINT_PROBE(tcp, tcp_destroy_sock) {
     u64 sk = (u64)args->skaddr;
     struct conn *c = conns.lookup(&sk);
     if (c) {
-        finish(args, c);
+        finish(c);
         conns.delete(&sk);
     }
     return 0;

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
@@ -9,12 +11,16 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from prismlb.agent._connections import Connection
 from prismlb.agent._join import ConnectionIndex, SpanJoiner, normalise_address
 
+from .conftest import wait_for
+
 MS = 1_000_000
 T0 = 1_700_000_000_000_000_000
 
 
 def kv(key: str, value: str | int) -> KeyValue:
-    return KeyValue(key=key, value=AnyValue(int_value=value) if isinstance(value, int) else AnyValue(string_value=value))
+    return KeyValue(
+        key=key, value=AnyValue(int_value=value) if isinstance(value, int) else AnyValue(string_value=value)
+    )
 
 
 def span(kind: int, start_ms: float, attrs: dict[str, str | int], end_ms: float | None = None) -> Span:
@@ -34,7 +40,9 @@ def enrich(joiner: SpanJoiner, spans: list[Span], pid: int | None = None) -> lis
     return list(req.resource_spans[0].scope_spans[0].spans)
 
 
-def conn(sock: int, role: str, local: tuple[str, int], remote: tuple[str, int], at_ms: float, **kw: object) -> Connection:
+def conn(
+    sock: int, role: str, local: tuple[str, int], remote: tuple[str, int], at_ms: float, **kw: object
+) -> Connection:
     return Connection(
         sock_id=sock,
         role=role,  # type: ignore[arg-type]
@@ -80,7 +88,9 @@ def test_port_reuse_picks_the_connection_alive_at_span_time() -> None:
     index = ConnectionIndex()
     old = conn(1, "server", ("127.0.0.1", 8000), ("127.0.0.1", 50000), 0)
     index.established(old)
-    index.closed(conn(1, "server", ("127.0.0.1", 8000), ("127.0.0.1", 50000), 0, closed_unix_ns=T0 + 10 * MS, bytes_sent=7))
+    index.closed(
+        conn(1, "server", ("127.0.0.1", 8000), ("127.0.0.1", 50000), 0, closed_unix_ns=T0 + 10 * MS, bytes_sent=7)
+    )
     index.established(conn(9, "server", ("127.0.0.1", 8000), ("127.0.0.1", 50000), 500))
     joiner = SpanJoiner(index, slack_s=0.001)
     early = span(2, 2, {"client.address": "127.0.0.1", "client.port": 50000, "server.port": 8000})
@@ -96,7 +106,9 @@ def test_client_span_joins_by_remote_pid_and_window() -> None:
     index = ConnectionIndex()
     index.established(conn(1, "client", ("10.0.0.1", 41000), ("10.0.0.2", 8000), 0, pid=7, handshake_us=850.0))
     index.established(conn(2, "client", ("10.0.0.1", 41001), ("10.0.0.2", 8000), 0.5, pid=8))
-    joiner = SpanJoiner(index, stats=lambda sock, lport, rport: (100, 200, 1) if (sock, lport, rport) == (1, 41000, 8000) else None)
+    joiner = SpanJoiner(
+        index, stats=lambda sock, lport, rport: (100, 200, 1) if (sock, lport, rport) == (1, 41000, 8000) else None
+    )
     s = span(3, 1, {"server.address": "10.0.0.2", "server.port": 8000})
     (s,) = enrich(joiner, [s], pid=7)
     a = attrs_of(s)
@@ -140,9 +152,50 @@ def test_index_is_bounded_and_forgets_old_closed_connections() -> None:
     assert len(index) == 1 and index.candidates("10.0.0.2", 80)[0].sock_id == 2
 
 
+def test_eviction_takes_the_oldest_of_each_remote_endpoint() -> None:
+    """Connections to two endpoints, interleaved, most to one: eviction (by count, then by age) removes the oldest
+    overall, which is also the oldest of its endpoint; what is left keeps its order."""
+    index = ConnectionIndex(retention_s=1.0, max_connections=300)
+    remotes = {i: ("10.0.0.3", 443) if i % 10 == 0 else ("10.0.0.2", 80) for i in range(1_000)}
+    for i, remote in remotes.items():
+        index.established(conn(i, "client", ("10.0.0.1", 2000 + i), remote, i * 0.1))
+    assert (len(index), index.evicted) == (300, 700)
+    assert [c.sock_id for c in index.candidates("10.0.0.2", 80)] == [i for i in range(700, 1_000) if i % 10]
+    assert [c.sock_id for c in index.candidates("10.0.0.3", 443)] == list(range(700, 1_000, 10))
+    for i in range(700, 1_000):  # each closed 1 ms after it opened
+        closed_ns = T0 + int((i * 0.1 + 1) * MS)
+        index.closed(conn(i, "client", ("10.0.0.1", 2000 + i), remotes[i], i * 0.1, closed_unix_ns=closed_ns))
+    index.established(conn(5_000, "client", ("10.0.0.1", 9000), ("10.0.0.2", 80), 1_099.95))  # 1 s later: 0..989 go
+    assert [c.sock_id for c in index.candidates("10.0.0.2", 80)] == [*range(991, 1_000), 5_000]
+    assert [c.sock_id for c in index.candidates("10.0.0.3", 443)] == [990]
+    index.established(conn(5_001, "client", ("10.0.0.1", 9001), ("10.0.0.2", 80), 3_000))
+    assert [c.sock_id for c in index.candidates("10.0.0.2", 80)] == [5_000, 5_001]
+    assert index.candidates("10.0.0.3", 443) == []
+    assert len(index) == 2
+
+
+def test_a_span_waiting_for_a_close_event_gets_it() -> None:
+    """A span whose connection the kernel already dropped waits for its close event: woken by it, or not at all."""
+    index = ConnectionIndex()
+    first = conn(1, "server", ("127.0.0.1", 8000), ("127.0.0.1", 50000), 0)
+    index.established(first)
+    index.established(conn(2, "server", ("127.0.0.1", 8000), ("127.0.0.1", 50001), 0))
+    woken: list[bool] = []
+    waiter = threading.Thread(target=lambda: woken.append(index.wait_closed(first, 30.0)))
+    waiter.start()
+    assert wait_for(lambda: index._waiting == 1, what="the waiter")
+    index.closed(conn(1, "server", ("127.0.0.1", 8000), ("127.0.0.1", 50000), 0, closed_unix_ns=T0 + MS, bytes_sent=9))
+    waiter.join(timeout=30)
+    assert woken == [True] and first.bytes_sent == 9
+    assert index.wait_closed(index.candidates("127.0.0.1", 50001)[0], 0.01) is False
+    assert index._waiting == 0
+
+
 def test_connection_first_seen_at_close_is_indexed() -> None:
     index = ConnectionIndex()
-    index.closed(conn(5, "server", ("::ffff:127.0.0.1", 9000), ("::ffff:127.0.0.1", 5555), 0, closed_unix_ns=T0 + 5 * MS))
+    index.closed(
+        conn(5, "server", ("::ffff:127.0.0.1", 9000), ("::ffff:127.0.0.1", 5555), 0, closed_unix_ns=T0 + 5 * MS)
+    )
     found = index.candidates("127.0.0.1", 5555)
     assert [c.sock_id for c in found] == [5] and found[0].local_addr == "127.0.0.1"
 
@@ -167,11 +220,17 @@ def test_pipeline_holds_joins_and_never_drops() -> None:
     attrs = {"client.address": "127.0.0.1", "client.port": 50000, "server.port": 8000}
     started = time.monotonic()
     for _ in range(6):
-        pipeline.put(ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=[span(2, 1, attrs)])])]))
+        pipeline.put(
+            ExportTraceServiceRequest(
+                resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=[span(2, 1, attrs)])])]
+            )
+        )
     assert pipeline.join_skipped == 2 and len(out) == 2, "overflow is handed on at once, unjoined"
     assert done.wait(3)
     assert time.monotonic() - started >= 0.2
-    joined = [r for r in out if any(a.key == "prism.net.join" for a in r.resource_spans[0].scope_spans[0].spans[0].attributes)]
+    joined = [
+        r for r in out if any(a.key == "prism.net.join" for a in r.resource_spans[0].scope_spans[0].spans[0].attributes)
+    ]
     assert len(joined) == 4
     pipeline.put(ExportTraceServiceRequest())
     pipeline.shutdown()
