@@ -7,6 +7,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -28,7 +29,7 @@ from prismlb.wire import (
 from ._bounds import InvalidValues
 from ._config import AgentConfig, brain_endpoints
 from ._ebpf import ConnectCounter, probe_ebpf
-from ._node import NodeSampler, NodeState
+from ._node import NodeSampler, NodeState, to_vector
 from ._signals import SpanSignals
 from ._sources import node_sources
 from ._tracing import TracePath
@@ -59,16 +60,21 @@ class Agent:
         self._dropping = False
 
     def run(self, stop: threading.Event) -> None:
-        """Report every `period_s` on a fixed monotonic schedule until `stop` is set."""
+        """Report every `period_s` on a fixed monotonic schedule until `stop` is set. Everything opened here is
+        closed on the way out, in reverse order, each close taken whatever the others do."""
         config = self.config
-        try:
-            metrics = serve_metrics(config.metrics_port, self.registry, config.metrics_addr)
-        except OSError as exc:
-            raise ConfigError(f"cannot serve /metrics on {config.metrics_addr}:{config.metrics_port}: {exc}") from None
-        counter = self._open_counter()
-        ctx = zmq.Context()
-        trace_path: TracePath | None = None
-        try:
+        with ExitStack() as stack:
+            try:
+                metrics = serve_metrics(config.metrics_port, self.registry, config.metrics_addr)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot serve /metrics on {config.metrics_addr}:{config.metrics_port}: {exc}"
+                ) from None
+            if metrics is not None:
+                stack.callback(metrics.close)
+            counter = self._open_counter(stack)
+            ctx = zmq.Context()
+            stack.callback(ctx.destroy, linger=0)
             signals = SpanSignals(invalid=self.invalid)
             trace_path = TracePath(
                 config,
@@ -77,29 +83,26 @@ class Agent:
                 self.registry,
                 counter.network if counter is not None else None,
             )
+            stack.callback(trace_path.close)
             trace_path.start()
             self.trace_path = trace_path
-            with node_sources(config, counter, signals, self.registry) as sources:
-                sender = _FanOut([VectorSender(ctx, b, curve=config.curve) for b in brain_endpoints(config.brain)])
-                sampler = NodeSampler(sources)
-                self.sampler = sampler
-                try:
-                    self._loop(stop, sender, sampler)
-                finally:
-                    _log.info("stopping: %d vectors sent, %d dropped", sender.sent, sender.dropped)
-                    sd_notify("STOPPING=1")
-                    sender.close()
-        finally:
-            if trace_path is not None:
-                trace_path.close()
-            ctx.destroy(linger=0)
-            if metrics is not None:
-                metrics.close()
-            if counter is not None:
-                counter.close()
-                self._ebpf_up.set(0)
+            sources = stack.enter_context(node_sources(config, counter, signals, self.registry))
+            sender = _FanOut(
+                [
+                    stack.enter_context(VectorSender(ctx, brain, curve=config.curve))
+                    for brain in brain_endpoints(config.brain)
+                ]
+            )
+            sampler = NodeSampler(sources)
+            self.sampler = sampler
+            try:
+                self._loop(stop, sender, sampler)
+            finally:
+                _log.info("stopping: %d vectors sent, %d dropped", sender.sent, sender.dropped)
+                sd_notify("STOPPING=1")
 
-    def _open_counter(self) -> ConnectCounter | None:
+    def _open_counter(self, stack: ExitStack) -> ConnectCounter | None:
+        """The eBPF counter, when on and it loads, closed with `stack` (`prism_agent_ebpf_up` back to 0)."""
         if not self.config.ebpf:
             _log.info("eBPF off: disabled by --no-ebpf; connection tracing, connect_calls_total and tcp_* stay off")
             return None
@@ -107,6 +110,8 @@ class Agent:
         if counter is None:
             _log.warning("eBPF off: %s; connection tracing, connect_calls_total and tcp_* stay off", detail)
         else:
+            stack.callback(self._ebpf_up.set, 0)
+            stack.callback(counter.close)
             _log.info("eBPF on: %s", detail)
             self._ebpf_up.set(1)
         return counter
@@ -139,21 +144,17 @@ class Agent:
         state = sampler.tick(time.monotonic())
         self.state = state
         config = self.config
-        vector = NodeVector(
+        vector = to_vector(
+            state,
             node_id=config.node_id,
             host=config.host,
             endpoint=config.endpoint,
             zone=config.zone,
-            labels=dict(config.labels),
+            labels=config.labels,
             seq=self._seq,
             sample_time_unix_s=time.time(),
             period_s=config.period_s,
-            metrics=state.metrics,
             started_unix_s=self.started_unix_s,
-            alarms=state.alarms,
-            latency=state.latency,
-            gpus=state.gpus,
-            kv=state.kv,
         )
         self._seq += 1
         if sender.send(vector):
@@ -186,10 +187,6 @@ class _FanOut:
     @property
     def dropped(self) -> int:
         return sum(sender.dropped for sender in self.senders)
-
-    def close(self) -> None:
-        for sender in self.senders:
-            sender.close()
 
 
 _GPU_FAMILIES: tuple[tuple[str, str, str], ...] = (

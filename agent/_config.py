@@ -1,33 +1,47 @@
-"""The agent's settings: command-line argument, then environment variable, then TOML file, then default;
-validated here, in one place."""
+"""The agent's settings: every flag, environment variable and TOML key in one table (`SETTINGS`), resolved by the
+settings resolver of `prismlb.wire` (flag, then variable, then the TOML file named by --config, then default);
+what one setting says about another is checked here."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import socket
-import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
 
-from prismlb.wire import ClientCurve, ConfigError, NodeVector
+from prismlb.wire import (
+    BRAIN_INGEST,
+    CURVE_SECRET,
+    ClientCurve,
+    ConfigError,
+    NodeVector,
+    ResolvedSettings,
+    Setting,
+    SettingParser,
+    SettingTable,
+    parse_key_file,
+    parse_listen_address,
+    parse_port,
+    parse_text,
+)
 
 from ._kv_events import rank_endpoint
+from ._otlp_receiver import (
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HOST,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_GRPC_RPCS,
+    DEFAULT_MAX_INFLIGHT_BYTES,
+    DEFAULT_READ_TIMEOUT_S,
+)
 
-DEFAULT_BRAIN = "tcp://127.0.0.1:5555"
 DEFAULT_ENDPOINT_PORT = 8000
-DEFAULT_PERIOD_S = 1.0
-DEFAULT_METRICS_ADDR = "0.0.0.0"
-"""Every interface, as the brain's: a cluster's Prometheus scrapes each host from outside it."""
-DEFAULT_OTLP_HOST = "127.0.0.1"
-DEFAULT_OTLP_GRPC_PORT = 4317
-DEFAULT_OTLP_HTTP_PORT = 4318
-DEFAULT_JOIN_DELAY_S = 0.25
 MAX_KV_DP_RANKS = 64
 """More DP ranks than one node has GPUs is a mistake, not a deployment; each rank costs the agent two sockets."""
 
@@ -45,22 +59,27 @@ class AgentConfig:
     node_id: str = field(default_factory=socket.gethostname)
     host: str = field(default_factory=socket.gethostname)
     endpoint: str = field(default_factory=_default_endpoint)
-    brain: str = DEFAULT_BRAIN
+    brain: str = BRAIN_INGEST.default
     """The brain's ingest endpoint; several, comma-separated, for brains run as a highly available group
     (every brain gets every vector, so any of them can lead)."""
     zone: str = ""
     labels: dict[str, str] = field(default_factory=dict)
-    period_s: float = DEFAULT_PERIOD_S
+    period_s: float = 1.0
     ebpf: bool = True
     curve: ClientCurve | None = None
     metrics_port: int = 0
-    metrics_addr: str = DEFAULT_METRICS_ADDR
-    otlp_host: str = DEFAULT_OTLP_HOST
-    otlp_grpc_port: int = DEFAULT_OTLP_GRPC_PORT
-    otlp_http_port: int = DEFAULT_OTLP_HTTP_PORT
+    metrics_addr: str = "0.0.0.0"
+    """Every interface, as the brain's: a cluster's Prometheus scrapes each host from outside it."""
+    otlp_host: str = DEFAULT_HOST
+    otlp_grpc_port: int = DEFAULT_GRPC_PORT
+    otlp_http_port: int = DEFAULT_HTTP_PORT
+    otlp_max_connections: int = DEFAULT_MAX_CONNECTIONS
+    otlp_read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    otlp_max_grpc_rpcs: int = DEFAULT_MAX_GRPC_RPCS
+    otlp_max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     trace_ports: frozenset[int] = frozenset()
     trace_pids: frozenset[int] = frozenset()
-    join_delay_s: float = DEFAULT_JOIN_DELAY_S
+    join_delay_s: float = 0.25
     engine_url: str | None = None
     kv_events: str | None = None
     kv_replay: str | None = None
@@ -71,163 +90,136 @@ class AgentConfig:
     """How often the KV stream sends the node's whole block set, which brings back a brain that lost the stream."""
 
 
-FILE_KEYS = frozenset(
-    {
-        "node_id",
-        "host",
-        "endpoint",
-        "brain",
-        "zone",
-        "labels",
-        "period",
-        "ebpf",
-        "curve_secret",
-        "brain_public",
-        "metrics_port",
-        "metrics_addr",
-        "otlp_host",
-        "otlp_grpc_port",
-        "otlp_http_port",
-        "trace_port",
-        "trace_pid",
-        "join_delay",
-        "engine_url",
-        "kv_events",
-        "kv_replay",
-        "kv_dp_ranks",
-        "kv_full_every",
-    }
-)
+def _vector_field(name: str, check: SettingParser = parse_text) -> SettingParser:
+    """`check`, then valid as NodeVector.`name` on the wire, so that a vector the agent builds is never refused."""
+
+    def parse(raw: object) -> Any:
+        value = check(raw)
+        try:
+            msgspec.convert(value, _VECTOR_FIELDS[name])
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid {name.replace('_', ' ')} {value!r}: {exc}") from None
+        return value
+
+    return parse
 
 
-class _Sources:
-    """Where settings come from, in order: command-line argument, environment variable, TOML file."""
-
-    def __init__(
-        self, args: argparse.Namespace, environ: Mapping[str, str], file: Mapping[str, Any], path: str
-    ) -> None:
-        unknown = sorted(set(file) - FILE_KEYS)
-        if unknown:
-            raise ConfigError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(FILE_KEYS))}")
-        self.args, self.environ, self.file, self.path = args, environ, file, path
-
-    def pick(self, attr: str, flag: str, env: str = "") -> tuple[Any, str]:
-        """(value, where it came from), or (None, "") when no source sets it."""
-        value = getattr(self.args, attr, None)
-        if value is not None:
-            return value, flag
-        if env and self.environ.get(env):
-            return self.environ[env], env
-        if attr in self.file:
-            return self.file[attr], f"{self.path}: {attr}"
-        return None, ""
-
-
-def _load_file(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[dict[str, Any], str]:
-    path = getattr(args, "config", None) or environ.get("PRISM_AGENT_CONFIG")
-    if not path:
-        return {}, ""
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f), str(path)
-    except OSError as exc:
-        raise ConfigError(f"cannot read agent config {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"agent config {path} is not valid TOML: {exc}") from None
-
-
-def _as_vector_field(name: str, value: object, source: str) -> None:
-    """Raise ConfigError unless `value` is valid as NodeVector.`name` on the wire."""
-    try:
-        msgspec.convert(value, _VECTOR_FIELDS[name])
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: invalid {name.replace('_', ' ')} {value!r}: {exc}") from None
-
-
-def _labels(items: list[str], source: str) -> dict[str, str]:
+def _labels(raw: object) -> dict[str, str]:
+    """KEY=VALUE items (repeated flags, or comma-separated in the variable), or a TOML table."""
+    if isinstance(raw, dict):
+        return {str(k): str(v) for k, v in raw.items()}
     labels: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.strip().partition("=")
+    for item in raw if isinstance(raw, list) else parse_text(raw).split(","):
+        key, sep, value = str(item).strip().partition("=")
         if not sep or not key:
-            raise ConfigError(f"{source}: malformed label {item!r}, expected KEY=VALUE")
+            raise ValueError(f"malformed label {item!r}, expected KEY=VALUE")
         if key in labels:
-            raise ConfigError(f"{source}: label {key!r} given twice")
+            raise ValueError(f"label {key!r} given twice")
         labels[key] = value
     return labels
 
 
-def _period(raw: str | float, source: str) -> float:
-    try:
-        period = float(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}: period {raw!r} is not a number of seconds") from None
-    if not math.isfinite(period) or period <= 0:
-        raise ConfigError(f"{source}: period must be a positive number of seconds, got {raw!r}")
-    return period
+def _seconds(what: str) -> SettingParser:
+    """A positive, finite number of seconds."""
 
-
-def _port(raw: str | int, source: str, what: str = "metrics port") -> int:
-    try:
-        port = int(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}: {what} {raw!r} is not an integer") from None
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{source}: {what} must be 0 (off) to 65535, got {port}")
-    return port
-
-
-def _id_set(raw: str | list[str], source: str, what: str, high: int) -> frozenset[int]:
-    """A comma-separated (or repeated) list of integers in 1..high."""
-    items = raw if isinstance(raw, list) else raw.split(",")
-    values: set[int] = set()
-    for item in (i.strip() for part in items for i in str(part).split(",")):
-        if not item:
-            continue
-        if not item.isdigit() or not 1 <= int(item) <= high:
-            raise ConfigError(f"{source}: {what} {item!r} is not an integer in 1..{high}")
-        values.add(int(item))
-    return frozenset(values)
-
-
-def _otlp(src: _Sources) -> dict[str, Any]:
-    host, _ = src.pick("otlp_host", "--otlp-host", "PRISM_OTLP_HOST")
-    if host is not None and not host:
-        raise ConfigError("--otlp-host: empty address")
-    ports = {}
-    for attr, flag, env, default in (
-        ("otlp_grpc_port", "--otlp-grpc-port", "PRISM_OTLP_GRPC_PORT", DEFAULT_OTLP_GRPC_PORT),
-        ("otlp_http_port", "--otlp-http-port", "PRISM_OTLP_HTTP_PORT", DEFAULT_OTLP_HTTP_PORT),
-    ):
-        raw, source = src.pick(attr, flag, env)
-        ports[attr] = _port(raw, source, "OTLP port") if raw is not None else default
-    trace_ports, ports_source = src.pick("trace_port", "--trace-port", "PRISM_TRACE_PORTS")
-    trace_pids, pids_source = src.pick("trace_pid", "--trace-pid", "PRISM_TRACE_PIDS")
-    raw_delay, delay_source = src.pick("join_delay", "--join-delay", "PRISM_JOIN_DELAY_S")
-    delay = DEFAULT_JOIN_DELAY_S
-    if raw_delay is not None:
+    def parse(raw: object) -> float:
         try:
-            delay = float(raw_delay)
+            if isinstance(raw, bool):
+                raise ValueError
+            seconds = float(str(raw))
         except ValueError:
-            raise ConfigError(f"{delay_source}: join delay {raw_delay!r} is not a number of seconds") from None
-        if not 0 <= delay <= 10:
-            raise ConfigError(f"{delay_source}: join delay must be 0 to 10 seconds, got {raw_delay!r}")
-    return {
-        "otlp_host": host if host is not None else DEFAULT_OTLP_HOST,
-        **ports,
-        "trace_ports": _id_set(trace_ports, ports_source, "port", 65535) if trace_ports is not None else frozenset(),
-        "trace_pids": _id_set(trace_pids, pids_source, "pid", 2**32 - 1) if trace_pids is not None else frozenset(),
-        "join_delay_s": delay,
-    }
+            raise ValueError(f"{what} {raw!r} is not a number of seconds") from None
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"{what} must be a positive number of seconds, got {raw!r}")
+        return seconds
+
+    return parse
 
 
-def _check_endpoint(endpoint: str, source: str) -> None:
+def _join_delay(raw: object) -> float:
     try:
-        parts = urlsplit(endpoint)
-        _ = parts.port  # raises ValueError when the port is not a number in range
-    except ValueError as exc:
-        raise ConfigError(f"{source}: inference endpoint {endpoint!r} is not a URL ({exc})") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{source}: inference endpoint {endpoint!r} must look like http://HOST:PORT")
+        if isinstance(raw, bool):
+            raise ValueError
+        delay = float(str(raw))
+    except ValueError:
+        raise ValueError(f"join delay {raw!r} is not a number of seconds") from None
+    if not 0 <= delay <= 10:
+        raise ValueError(f"join delay must be 0 to 10 seconds, got {raw!r}")
+    return delay
+
+
+def _switch(what: str) -> SettingParser:
+    def parse(raw: object) -> bool:
+        if not isinstance(raw, bool):
+            raise ValueError(f"{what} must be true or false, got {raw!r}")
+        return raw
+
+    return parse
+
+
+def _ids(what: str, high: int) -> SettingParser:
+    """A set of integers in 1..high: comma-separated, repeated, or a TOML list."""
+
+    def parse(raw: object) -> frozenset[int]:
+        items = raw if isinstance(raw, list) else [raw]
+        values: set[int] = set()
+        for item in (i.strip() for part in items for i in str(part).split(",")):
+            if not item:
+                continue
+            if not item.isdigit() or not 1 <= int(item) <= high:
+                raise ValueError(f"{what} {item!r} is not an integer in 1..{high}")
+            values.add(int(item))
+        return frozenset(values)
+
+    return parse
+
+
+def _positive(kind: type[int] | type[float]) -> SettingParser:
+    """A positive number of `kind`."""
+
+    def parse(raw: object) -> int | float:
+        try:
+            if isinstance(raw, bool):
+                raise ValueError
+            value = kind(str(raw))
+        except ValueError:
+            raise ValueError(f"{raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"must be positive, got {raw!r}")
+        return value
+
+    return parse
+
+
+def _url(what: str) -> SettingParser:
+    def parse(raw: object) -> str:
+        url = parse_text(raw)
+        try:
+            parts = urlsplit(url)
+            _ = parts.port  # raises ValueError when the port is not a number in range
+        except ValueError as exc:
+            raise ValueError(f"{what} {url!r} is not a URL ({exc})") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{what} {url!r} must look like http://HOST:PORT")
+        return url
+
+    return parse
+
+
+def _zmq(what: str) -> SettingParser:
+    """An endpoint the agent connects to: tcp://HOST:PORT or ipc://PATH."""
+
+    def parse(raw: object) -> str:
+        endpoint = parse_text(raw)
+        scheme, sep, rest = endpoint.partition("://")
+        host, colon, port_ = rest.rpartition(":")
+        tcp_ok = scheme == "tcp" and bool(host) and bool(colon) and port_.isdigit() and 0 < int(port_) < 65536
+        ipc_ok = scheme == "ipc" and bool(rest)
+        if not sep or not (tcp_ok or ipc_ok):
+            raise ValueError(f"{what} {endpoint!r} must be tcp://HOST:PORT or ipc://PATH")
+        return endpoint
+
+    return parse
 
 
 def brain_endpoints(brain: str) -> list[str]:
@@ -235,136 +227,333 @@ def brain_endpoints(brain: str) -> list[str]:
     return list(dict.fromkeys(part.strip() for part in brain.split(",") if part.strip())) or [brain]
 
 
-def _check_zmq(brain: str, source: str, what: str = "brain ingest endpoint") -> None:
-    scheme, sep, rest = brain.partition("://")
-    host, colon, port = rest.rpartition(":")
-    tcp_ok = scheme == "tcp" and bool(host) and bool(colon) and port.isdigit() and 0 < int(port) < 65536
-    ipc_ok = scheme == "ipc" and bool(rest)
-    if not sep or not (tcp_ok or ipc_ok):
-        raise ConfigError(f"{source}: {what} {brain!r} must be tcp://HOST:PORT or ipc://PATH")
+def _brains(raw: object) -> str:
+    brain = parse_text(raw)
+    for endpoint in brain_endpoints(brain):
+        _zmq("brain ingest endpoint")(endpoint)
+    return brain
 
 
-def _curve(src: _Sources) -> ClientCurve | None:
-    secret, secret_source = src.pick("curve_secret", "--curve-secret", "PRISM_CURVE_SECRET")
-    public, public_source = src.pick("brain_public", "--brain-public", "PRISM_BRAIN_PUBLIC")
-    if secret is None and public is None:
-        return None
-    if secret is None or public is None:
-        given = secret_source or public_source
-        raise ConfigError(
-            f"{given} given alone: CURVE needs both --curve-secret (PRISM_CURVE_SECRET) "
-            "and --brain-public (PRISM_BRAIN_PUBLIC)"
-        )
-    for path, source in ((secret, secret_source), (public, public_source)):
-        if not Path(path).is_file():
-            raise ConfigError(f"{source}: CURVE key file {path} does not exist")
-    return ClientCurve(secret_file=Path(secret), server_public_file=Path(public))
+def _dp_ranks(raw: object) -> int:
+    if isinstance(raw, bool) or not (isinstance(raw, int) or (isinstance(raw, str) and raw.strip().isdigit())):
+        raise ValueError(f"KV-event DP ranks {raw!r} is not a whole number")
+    ranks = int(raw)
+    if not 1 <= ranks <= MAX_KV_DP_RANKS:
+        raise ValueError(f"KV-event DP ranks must be 1 to {MAX_KV_DP_RANKS}, got {ranks}")
+    return ranks
+
+
+CONFIG = Setting(
+    "config",
+    "the TOML settings file; flags and environment variables override it",
+    flag="--config",
+    variable="PRISM_AGENT_CONFIG",
+    metavar="FILE",
+)
+
+SETTINGS = SettingTable(
+    "agent",
+    [
+        CONFIG,
+        Setting(
+            "node_id",
+            "the node's id in its vector and in the routing tables",
+            _vector_field("node_id"),
+            socket.gethostname,
+            flag="--node-id",
+            variable="PRISM_NODE_ID",
+            key="node_id",
+            shown="host name",
+        ),
+        Setting(
+            "host",
+            "the host name the vector reports",
+            _vector_field("host"),
+            socket.gethostname,
+            flag="--host",
+            key="host",
+            shown="host name",
+        ),
+        Setting(
+            "endpoint",
+            "the URL of the inference server this node serves",
+            _vector_field("endpoint", _url("inference endpoint")),
+            _default_endpoint,
+            flag="--endpoint",
+            variable="PRISM_ENDPOINT",
+            key="endpoint",
+            shown="http://HOSTNAME:8000",
+        ),
+        replace(
+            BRAIN_INGEST,
+            name="brain",
+            help="the brain's ingest endpoint; several, comma-separated, for a highly available group (every brain "
+            "gets every vector)",
+            parse=_brains,
+            flag="--brain",
+            key="brain",
+        ),
+        Setting("zone", "the node's zone", _vector_field("zone"), "", flag="--zone", variable="PRISM_ZONE", key="zone"),
+        Setting(
+            "labels",
+            "a label of the node, repeatable (the variable: k=v,k=v; the file: a table)",
+            _vector_field("labels", _labels),
+            {},
+            flag="--label",
+            variable="PRISM_LABELS",
+            key="labels",
+            action="append",
+            metavar="KEY=VALUE",
+        ),
+        Setting(
+            "period",
+            "seconds between vectors (at most 3600)",
+            _vector_field("period_s", _seconds("period")),
+            AgentConfig.period_s,
+            flag="--period",
+            variable="PRISM_PERIOD_S",
+            key="period",
+            metavar="SECONDS",
+        ),
+        Setting(
+            "ebpf",
+            "load the eBPF program (connection tracing, connect_calls_total, the tcp_* fields); the flag turns it off",
+            _switch("ebpf"),
+            AgentConfig.ebpf,
+            flag="--no-ebpf",
+            key="ebpf",
+            action="store_false",
+        ),
+        replace(CURVE_SECRET, help="the agent's CURVE secret key file; needs --brain-public", key="curve_secret"),
+        Setting(
+            "brain_public",
+            "the brain's CURVE public key file; needs --curve-secret",
+            parse_key_file,
+            flag="--brain-public",
+            variable="PRISM_BRAIN_PUBLIC",
+            key="brain_public",
+            metavar="FILE",
+            shown="off",
+        ),
+        Setting(
+            "metrics_port",
+            "port of the agent's Prometheus /metrics, 0 = off",
+            parse_port("metrics port"),
+            AgentConfig.metrics_port,
+            flag="--metrics-port",
+            variable="PRISM_AGENT_METRICS_PORT",
+            key="metrics_port",
+        ),
+        Setting(
+            "metrics_addr",
+            "address of /metrics (127.0.0.1 keeps it on the host)",
+            parse_listen_address,
+            AgentConfig.metrics_addr,
+            flag="--metrics-addr",
+            key="metrics_addr",
+        ),
+        Setting(
+            "otlp_host",
+            "address the OTLP receiver listens on",
+            parse_listen_address,
+            AgentConfig.otlp_host,
+            flag="--otlp-host",
+            variable="PRISM_OTLP_HOST",
+            key="otlp_host",
+        ),
+        Setting(
+            "otlp_grpc_port",
+            "OTLP/gRPC port, 0 = off",
+            parse_port("OTLP port"),
+            AgentConfig.otlp_grpc_port,
+            flag="--otlp-grpc-port",
+            variable="PRISM_OTLP_GRPC_PORT",
+            key="otlp_grpc_port",
+        ),
+        Setting(
+            "otlp_http_port",
+            "OTLP/HTTP port, 0 = off",
+            parse_port("OTLP port"),
+            AgentConfig.otlp_http_port,
+            flag="--otlp-http-port",
+            variable="PRISM_OTLP_HTTP_PORT",
+            key="otlp_http_port",
+        ),
+        Setting(
+            "otlp_max_connections",
+            "open OTLP/HTTP connections, one thread each; the next is answered 503 and closed",
+            _positive(int),
+            AgentConfig.otlp_max_connections,
+            variable="PRISM_OTLP_MAX_CONNECTIONS",
+        ),
+        Setting(
+            "otlp_read_timeout_s",
+            "seconds each OTLP/HTTP request may take to arrive, and a connection may idle between requests",
+            _positive(float),
+            AgentConfig.otlp_read_timeout_s,
+            variable="PRISM_OTLP_READ_TIMEOUT_S",
+        ),
+        Setting(
+            "otlp_max_grpc_rpcs",
+            "OTLP/gRPC exports at once; more are answered RESOURCE_EXHAUSTED",
+            _positive(int),
+            AgentConfig.otlp_max_grpc_rpcs,
+            variable="PRISM_OTLP_MAX_GRPC_RPCS",
+        ),
+        Setting(
+            "otlp_max_inflight_bytes",
+            "bytes of OTLP request bodies held at once, both protocols together (at least 16 MiB, the largest "
+            "message); one that does not fit is answered 503 or RESOURCE_EXHAUSTED",
+            _positive(int),
+            AgentConfig.otlp_max_inflight_bytes,
+            variable="PRISM_OTLP_MAX_INFLIGHT_BYTES",
+            shown="67108864 (64 MiB)",
+        ),
+        Setting(
+            "trace_port",
+            "trace only connections with one of these local or remote ports (also comma-separated; at most 1,024)",
+            _ids("port", 65535),
+            [],
+            flag="--trace-port",
+            variable="PRISM_TRACE_PORTS",
+            key="trace_port",
+            action="append",
+            shown="every port",
+        ),
+        Setting(
+            "trace_pid",
+            "trace only these processes' connections (also comma-separated; at most 1,024)",
+            _ids("pid", 2**32 - 1),
+            [],
+            flag="--trace-pid",
+            variable="PRISM_TRACE_PIDS",
+            key="trace_pid",
+            action="append",
+            shown="every process",
+        ),
+        Setting(
+            "join_delay",
+            "seconds spans wait for kernel events before the join (0 to 10)",
+            _join_delay,
+            AgentConfig.join_delay_s,
+            flag="--join-delay",
+            variable="PRISM_JOIN_DELAY_S",
+            key="join_delay",
+            metavar="SECONDS",
+        ),
+        Setting(
+            "engine_url",
+            "the inference engine's Prometheus /metrics URL (the engine source)",
+            _url("engine URL"),
+            flag="--engine-url",
+            variable="PRISM_ENGINE_URL",
+            key="engine_url",
+            shown="off",
+        ),
+        Setting(
+            "kv_events",
+            "the engine's KV-event ZeroMQ publisher, tcp://HOST:PORT (the kv_events source and the KV stream)",
+            _zmq("KV-event endpoint"),
+            flag="--kv-events",
+            variable="PRISM_KV_EVENTS",
+            key="kv_events",
+            shown="off",
+        ),
+        Setting(
+            "kv_replay",
+            "the engine's KV-event replay endpoint; needs --kv-events",
+            _zmq("KV-event endpoint"),
+            flag="--kv-replay",
+            variable="PRISM_KV_REPLAY",
+            key="kv_replay",
+            shown="off",
+        ),
+        Setting(
+            "kv_dp_ranks",
+            f"the engine's data-parallel ranks on this node (1 to {MAX_KV_DP_RANKS}): rank r publishes on the "
+            "--kv-events (and --kv-replay) port + r",
+            _dp_ranks,
+            AgentConfig.kv_dp_ranks,
+            flag="--kv-dp-ranks",
+            variable="PRISM_KV_DP_RANKS",
+            key="kv_dp_ranks",
+        ),
+        Setting(
+            "kv_full_every",
+            "seconds between sends of the node's whole KV block set to the brains",
+            _seconds("interval"),
+            AgentConfig.kv_full_every_s,
+            flag="--kv-full-every",
+            variable="PRISM_KV_FULL_EVERY_S",
+            key="kv_full_every",
+            metavar="SECONDS",
+        ),
+    ],
+    file=CONFIG,
+)
 
 
 def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentConfig:
-    """Settings from `args` (None = not given), then `environ` (PRISM_*), then the TOML file named by
-    --config / PRISM_AGENT_CONFIG, then defaults; ConfigError if invalid."""
-    src = _Sources(args, environ, *_load_file(args, environ))
-    node_id, node_source = src.pick("node_id", "--node-id", "PRISM_NODE_ID")
-    node_id = node_id if node_id is not None else socket.gethostname()
-    _as_vector_field("node_id", node_id, node_source or "hostname as node id")
-
-    host, host_source = src.pick("host", "--host")
-    host = host if host is not None else socket.gethostname()
-    _as_vector_field("host", host, host_source or "hostname")
-
-    endpoint, endpoint_source = src.pick("endpoint", "--endpoint", "PRISM_ENDPOINT")
-    endpoint = endpoint if endpoint is not None else _default_endpoint()
-    _check_endpoint(endpoint, endpoint_source or "default endpoint")
-    _as_vector_field("endpoint", endpoint, endpoint_source or "default endpoint")
-
-    brain, brain_source = src.pick("brain", "--brain", "PRISM_BRAIN_INGEST")
-    brain = brain if brain is not None else DEFAULT_BRAIN
-    for endpoint_ in brain_endpoints(brain):
-        _check_zmq(endpoint_, brain_source or "default brain")
-
-    zone, zone_source = src.pick("zone", "--zone", "PRISM_ZONE")
-    zone = zone if zone is not None else ""
-    _as_vector_field("zone", zone, zone_source or "default zone")
-
-    raw_labels, labels_source = src.pick("label", "--label", "PRISM_LABELS")
-    if raw_labels is None and "labels" in src.file:
-        raw_labels, labels_source = src.file["labels"], f"{src.path}: labels"
-    if isinstance(raw_labels, dict):
-        labels = {str(k): str(v) for k, v in raw_labels.items()}
-    elif raw_labels is not None:
-        labels = _labels(raw_labels if isinstance(raw_labels, list) else raw_labels.split(","), labels_source)
-    else:
-        labels = {}
-    _as_vector_field("labels", labels, labels_source or "labels")
-
-    raw_period, period_source = src.pick("period", "--period", "PRISM_PERIOD_S")
-    period = _period(raw_period, period_source) if raw_period is not None else DEFAULT_PERIOD_S
-    _as_vector_field("period_s", period, period_source or "default period")
-
-    raw_port, port_source = src.pick("metrics_port", "--metrics-port", "PRISM_AGENT_METRICS_PORT")
-    metrics_port = _port(raw_port, port_source) if raw_port is not None else 0
-
-    metrics_addr, addr_source = src.pick("metrics_addr", "--metrics-addr")
-    if metrics_addr is not None and not metrics_addr:
-        raise ConfigError(f"{addr_source}: empty address")
-
-    ebpf, ebpf_source = src.pick("ebpf", "--no-ebpf")
-    if ebpf is not None and not isinstance(ebpf, bool):
-        raise ConfigError(f"{ebpf_source}: ebpf must be true or false, got {ebpf!r}")
+    """`SETTINGS` from `args` (None = not given), then `environ`, then the TOML file named by --config, then
+    defaults; ConfigError if one is invalid or two contradict."""
+    s = SETTINGS.resolve(args, environ)
+    _check_engine(s)
     return AgentConfig(
-        node_id=node_id,
-        host=host,
-        endpoint=endpoint,
-        brain=brain,
-        zone=zone,
-        labels=labels,
-        period_s=period,
-        ebpf=ebpf if ebpf is not None else True,
-        curve=_curve(src),
-        metrics_port=metrics_port,
-        metrics_addr=metrics_addr if metrics_addr is not None else DEFAULT_METRICS_ADDR,
-        **_otlp(src),
-        **_engine(src),
+        node_id=s["node_id"],
+        host=s["host"],
+        endpoint=s["endpoint"],
+        brain=s["brain"],
+        zone=s["zone"],
+        labels=s["labels"],
+        period_s=s["period"],
+        ebpf=s["ebpf"],
+        curve=_curve(s),
+        metrics_port=s["metrics_port"],
+        metrics_addr=s["metrics_addr"],
+        otlp_host=s["otlp_host"],
+        otlp_grpc_port=s["otlp_grpc_port"],
+        otlp_http_port=s["otlp_http_port"],
+        otlp_max_connections=s["otlp_max_connections"],
+        otlp_read_timeout_s=s["otlp_read_timeout_s"],
+        otlp_max_grpc_rpcs=s["otlp_max_grpc_rpcs"],
+        otlp_max_inflight_bytes=s["otlp_max_inflight_bytes"],
+        trace_ports=s["trace_port"],
+        trace_pids=s["trace_pid"],
+        join_delay_s=s["join_delay"],
+        engine_url=s["engine_url"],
+        kv_events=s["kv_events"],
+        kv_replay=s["kv_replay"],
+        kv_dp_ranks=s["kv_dp_ranks"],
+        kv_full_every_s=s["kv_full_every"],
     )
 
 
-def _engine(src: _Sources) -> dict[str, Any]:
-    url, url_source = src.pick("engine_url", "--engine-url", "PRISM_ENGINE_URL")
-    if url is not None:
-        _check_endpoint(url, url_source)
-    kv_events, kv_source = src.pick("kv_events", "--kv-events", "PRISM_KV_EVENTS")
-    kv_replay, replay_source = src.pick("kv_replay", "--kv-replay", "PRISM_KV_REPLAY")
-    for value, source in ((kv_events, kv_source), (kv_replay, replay_source)):
-        if value is not None:
-            _check_zmq(value, source, "KV-event endpoint")
-    if kv_replay is not None and kv_events is None:
-        raise ConfigError(f"{replay_source} given without --kv-events (PRISM_KV_EVENTS)")
-    raw_ranks, ranks_source = src.pick("kv_dp_ranks", "--kv-dp-ranks", "PRISM_KV_DP_RANKS")
-    dp_ranks = _dp_ranks(raw_ranks, ranks_source) if raw_ranks is not None else AgentConfig.kv_dp_ranks
-    if dp_ranks > 1 and kv_events is None:
-        raise ConfigError(f"{ranks_source} given without --kv-events (PRISM_KV_EVENTS)")
-    for value, source in ((kv_events, kv_source), (kv_replay, replay_source)):
-        if value is not None:
+def _curve(s: ResolvedSettings) -> ClientCurve | None:
+    """CURVE with both key files, none without either; one alone is a mistake, not plaintext."""
+    secret, public = s["curve_secret"], s["brain_public"]
+    if secret is None and public is None:
+        return None
+    if secret is None or public is None:
+        given = s.source("curve_secret" if secret is not None else "brain_public")
+        raise ConfigError(
+            f"{given} given alone: CURVE needs both {SETTINGS['curve_secret'].label} and "
+            f"{SETTINGS['brain_public'].label}"
+        )
+    return ClientCurve(secret_file=secret, server_public_file=public)
+
+
+def _check_engine(s: ResolvedSettings) -> None:
+    """Refuse KV-event settings given without --kv-events, and DP ranks whose ports would run past 65535."""
+    ranks, needs = s["kv_dp_ranks"], SETTINGS["kv_events"].label
+    if s["kv_events"] is None and s["kv_replay"] is not None:
+        raise ConfigError(f"{s.source('kv_replay')} given without {needs}")
+    if s["kv_events"] is None and ranks > 1:
+        raise ConfigError(f"{s.source('kv_dp_ranks')} given without {needs}")
+    for name in ("kv_events", "kv_replay"):
+        if s[name] is not None:
             try:
-                rank_endpoint(value, dp_ranks - 1)
+                rank_endpoint(s[name], ranks - 1)
             except ValueError as exc:
-                raise ConfigError(f"{source} with {dp_ranks} DP ranks ({ranks_source}): {exc}") from None
-    raw_full, full_source = src.pick("kv_full_every", "--kv-full-every", "PRISM_KV_FULL_EVERY_S")
-    full_every = _period(raw_full, full_source) if raw_full is not None else AgentConfig.kv_full_every_s
-    return {
-        "engine_url": url,
-        "kv_events": kv_events,
-        "kv_replay": kv_replay,
-        "kv_dp_ranks": dp_ranks,
-        "kv_full_every_s": full_every,
-    }
-
-
-def _dp_ranks(raw: str | int, source: str) -> int:
-    if isinstance(raw, bool) or not (isinstance(raw, int) or (isinstance(raw, str) and raw.strip().isdigit())):
-        raise ConfigError(f"{source}: KV-event DP ranks {raw!r} is not a whole number")
-    ranks = int(raw)
-    if not 1 <= ranks <= MAX_KV_DP_RANKS:
-        raise ConfigError(f"{source}: KV-event DP ranks must be 1 to {MAX_KV_DP_RANKS}, got {ranks}")
-    return ranks
+                raise ConfigError(
+                    f"{s.source(name)} with {ranks} DP ranks ({s.source('kv_dp_ranks')}): {exc}"
+                ) from None

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Protocol
 
 import zmq
@@ -94,17 +95,16 @@ class KvStream:
         self.close()
 
     def _run(self) -> None:
-        senders: list[VectorSender] = []
         try:
-            for endpoint in self.endpoints:
-                senders.append(VectorSender(self._ctx, endpoint, curve=self.curve))
-            while not self._stop.wait(self.interval_s):
-                self.step(senders, time.monotonic())
+            with ExitStack() as stack:  # the sockets are closed on this thread, each whatever the others do
+                senders = [
+                    stack.enter_context(VectorSender(self._ctx, endpoint, curve=self.curve))
+                    for endpoint in self.endpoints
+                ]
+                while not self._stop.wait(self.interval_s):
+                    self.step(senders, time.monotonic())
         except Exception:  # the vectors go on without the KV stream; the routers keep their own placements
             _log.exception("the KV stream to the brain stopped")
-        finally:
-            for sender in senders:
-                sender.close()
 
     def step(self, senders: Sequence[VectorSender], now: float) -> int:
         """Take the changes since the last step (a reset when one is due) and send them; messages made."""

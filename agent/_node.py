@@ -1,16 +1,20 @@
 """The node vector's contents: each source read at its own period, its latest reading kept until
-it goes stale, and the health score and alarms computed over whatever is present."""
+it goes stale, the health score and alarms computed over whatever is present, and the vector made of them.
+
+A source is the seam between the agent and what it reads: `prism agent` plugs psutil, NVML, eBPF, the engine's
+`/metrics` and its request spans; the cluster replay (`prismlb.sim`) plugs readers of its simulated engines into
+the same sampler, so its brain sees what an agent would send."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from prismlb.wire import GpuState, KvSummary, ModalityLatency, NodeMetrics, health
+from prismlb.wire import GpuState, KvSummary, ModalityLatency, NodeMetrics, NodeVector, health
 
 _log = logging.getLogger("prism.agent")
 
@@ -77,9 +81,8 @@ class NodeSampler:
     def _run(self, source: Source, now: float) -> None:
         try:
             reading = source.read()
-            unknown = set(reading.metrics) - _METRIC_FIELDS
-            if unknown:
-                raise ValueError(f"unknown metrics {sorted(unknown)}")
+            if not _METRIC_FIELDS.issuperset(reading.metrics):
+                raise ValueError(f"unknown metrics {sorted(set(reading.metrics) - _METRIC_FIELDS)}")
         except Exception as exc:  # a collector bug or a device error must not stop the agent
             self.failures_total[source.name] += 1
             kind = type(exc).__name__
@@ -115,3 +118,36 @@ class NodeSampler:
         if h.dimensions:
             metrics = msgspec.structs.replace(metrics, health_score=h.score)
         return NodeState(metrics=metrics, alarms=list(h.alarms), gpus=gpus, kv=kv, latency=latency)
+
+
+def to_vector(
+    state: NodeState,
+    *,
+    node_id: str,
+    host: str,
+    endpoint: str,
+    zone: str = "",
+    labels: Mapping[str, str],
+    seq: int,
+    sample_time_unix_s: float,
+    period_s: float,
+    started_unix_s: float | None,
+) -> NodeVector:
+    """The node vector of `state` for the node named by `node_id`, `host`, `endpoint`, `zone` and `labels`: what
+    the agent sends every `period_s`, numbered `seq` since it started at `started_unix_s`."""
+    return NodeVector(
+        node_id=node_id,
+        host=host,
+        endpoint=endpoint,
+        zone=zone,
+        labels=dict(labels),
+        seq=seq,
+        sample_time_unix_s=sample_time_unix_s,
+        period_s=period_s,
+        metrics=state.metrics,
+        started_unix_s=started_unix_s,
+        alarms=state.alarms,
+        latency=state.latency,
+        gpus=state.gpus,
+        kv=state.kv,
+    )

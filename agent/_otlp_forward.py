@@ -21,12 +21,10 @@ import ipaddress
 import logging
 import os
 import socket
-import threading
-from abc import ABC, abstractmethod
-from collections import deque
+from abc import abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Literal, TypeVar
 from urllib.parse import urlsplit
 
 import psutil
@@ -65,7 +63,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from opentelemetry.util import types
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from prismlb.wire import ConfigError
+from prismlb.wire import BoundedWorker, ConfigError, QueueEntry
 
 from ._otlp_receiver import DEFAULT_MAX_MESSAGE_BYTES, count_log_records, count_metric_points, count_spans
 
@@ -244,46 +242,20 @@ _PASSED_NAMES: dict[Passed, _Names] = {
 }
 
 
-@dataclass(frozen=True)
-class _Entry(Generic[_E]):
-    """One thing queued: what is exported, the room it takes in the queue, and the items it counts for."""
-
-    value: _E
-    size: int
-    items: int
-
-
-class _Forwarder(ABC, Generic[_E]):
-    """Exports what is submitted in batches from a bounded queue on its own thread; submitting never blocks.
-
-    The queue holds at most `max_queue` of room and a batch at most `max_batch` (an entry larger than that goes
-    alone). What does not fit when submitted is dropped and its items counted (`dropped`); a failed export counts
-    in `export_failures` (batches) and its items are lost. Subclasses set their fields before this `__init__`,
-    which starts the thread.
-    """
+class _Forwarder(BoundedWorker[_E]):
+    """Exports what is submitted in batches from a bounded queue on its own thread (`BoundedWorker`); submitting
+    never blocks. What does not fit is dropped and its items counted (`dropped`); a failed export counts in
+    `export_failures` (batches) and its items are lost. Each count is also on /metrics, under `names`.
+    Subclasses set their fields before this `__init__`, which starts the thread."""
 
     def __init__(
         self, names: _Names, max_queue: int, max_batch: int, interval_s: float, registry: CollectorRegistry | None
     ) -> None:
-        if max_queue < 1 or not 1 <= max_batch <= max_queue or not interval_s > 0:
-            raise ConfigError(
-                f"{names.thread} forwarder: need 1 <= max_batch ({max_batch}) <= max_queue ({max_queue}) and "
-                "interval_s > 0"
-            )
         self._names = names
-        self._max_queue = max_queue
-        self._max_batch = max_batch
-        self._interval_s = interval_s
-        self._queue: deque[_Entry[_E]] = deque()
-        self._queued = 0  # the room the queue's entries take
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._flushes: list[threading.Event] = []
-        self._stopping = False
         self._failing = False
         self.exported = 0
-        self.dropped = 0
         self.export_failures = 0
+        super().__init__(f"{names.thread}-forward", max_queue, max_batch, interval_s)
         registry = registry if registry is not None else CollectorRegistry()
         items = names.items
         self._exported_metric = Counter(
@@ -300,10 +272,8 @@ class _Forwarder(ABC, Generic[_E]):
             registry=registry,
         )
         Gauge(names.queue, f"{names.queued} waiting to be forwarded.", registry=registry).set_function(
-            lambda: self._queued
+            lambda: self.queued
         )
-        self._thread = threading.Thread(target=self._run, name=f"prism-{names.thread}-forward", daemon=True)
-        self._thread.start()
 
     @abstractmethod
     def _send(self, batch: list[_E], items: int) -> bool:
@@ -313,110 +283,33 @@ class _Forwarder(ABC, Generic[_E]):
     def _close(self) -> None:
         """Shut the exporter down."""
 
-    def _offer(self, entries: Iterable[_Entry[_E]], items: int) -> None:
-        """Queue `entries` in order while they fit; the rest of the `items` submitted are dropped and counted.
-        `entries` may be lazy: what does not fit is never made."""
-        room = 0 if self._stopping else self._max_queue - self._queued  # a hint; rechecked under the lock
-        fitting: list[_Entry[_E]] = []
-        for entry in entries:
-            if entry.size > room:
-                break
-            room -= entry.size
-            fitting.append(entry)
-        accepted = 0
-        with self._lock:
-            room = 0 if self._stopping else self._max_queue - self._queued
-            for entry in fitting:
-                if entry.size > room:
-                    break
-                room -= entry.size
-                self._queue.append(entry)
-                self._queued += entry.size
-                accepted += entry.items
-            dropped = items - accepted
-            self.dropped += dropped
-            batch_ready = self._queued >= self._max_batch
-            first_drop = dropped > 0 and self.dropped == dropped
-        if dropped:
-            self._dropped_metric.inc(dropped)
-            if first_drop:
-                _log.warning(
-                    "%s forwarder dropped %d %s: its queue of %d %s is full (upstream slow or down) or it is "
-                    "shut down; further drops are only counted",
-                    self._names.thread,
-                    dropped,
-                    self._names.items,
-                    self._max_queue,
-                    self._names.unit,
-                )
-        if batch_ready:
-            self._wake.set()
+    def _on_drop(self, dropped: int, first: bool) -> None:
+        self._dropped_metric.inc(dropped)
+        if first:
+            _log.warning(
+                "%s forwarder dropped %d %s: its queue of %d %s is full (upstream slow or down) or it is "
+                "shut down; further drops are only counted",
+                self._names.thread,
+                dropped,
+                self._names.items,
+                self._max_queue,
+                self._names.unit,
+            )
 
-    def force_flush(self, timeout_s: float = 30.0) -> bool:
-        """Export everything submitted so far; False if that did not finish within `timeout_s`."""
-        done = threading.Event()
-        with self._lock:
-            if self._stopping:
-                return not self._queue
-            self._flushes.append(done)
-        self._wake.set()
-        return done.wait(timeout_s)
-
-    def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Export what is queued (for up to `timeout_s`), then shut the exporter down."""
-        with self._lock:
-            if self._stopping:
-                return
-            self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            with self._lock:
-                left = sum(entry.items for entry in self._queue)
+    def _on_shutdown(self, finished: bool, timeout_s: float) -> None:
+        """After the queue was exported (or `timeout_s` passed), shut the exporter down."""
+        if not finished:
             _log.warning(
                 "upstream export still running after %.3g s; %d queued %s not forwarded",
                 timeout_s,
-                left,
+                self.queued_items,
                 self._names.items,
             )
         self._close()
 
-    def _run(self) -> None:
-        while True:
-            self._wake.wait(self._interval_s)
-            self._wake.clear()
-            with self._lock:
-                flushes, self._flushes = self._flushes, []
-                stopping = self._stopping
-            self._drain()
-            for done in flushes:
-                done.set()
-            if stopping:
-                return
-
-    def _drain(self) -> None:
-        """Export, in batches, the entries queued now (not those that arrive meanwhile)."""
-        left = len(self._queue)
-        while left > 0:
-            batch: list[_Entry[_E]] = []
-            size = 0
-            with self._lock:
-                while (
-                    self._queue and len(batch) < left and (not batch or size + self._queue[0].size <= self._max_batch)
-                ):
-                    entry = self._queue.popleft()
-                    batch.append(entry)
-                    size += entry.size
-                self._queued -= size
-            if not batch:
-                return
-            left -= len(batch)
-            self._export(batch)
-
-    def _export(self, batch: list[_Entry[_E]]) -> None:
-        items = sum(entry.items for entry in batch)
+    def _process(self, batch: list[_E], items: int) -> None:
         try:
-            ok = self._send([entry.value for entry in batch], items)
+            ok = self._send(batch, items)
             error = "" if ok else "the exporter reported failure"
         except Exception as exc:  # an exporter bug must not end the forwarding thread
             ok, error = False, repr(exc)
@@ -456,7 +349,7 @@ class SpanForwarder(_Forwarder[ReadableSpan]):
 
     def submit(self, request: ExportTraceServiceRequest) -> None:
         """Queue the request's spans for export; the spans that do not fit are dropped and counted."""
-        self._offer((_Entry(span, 1, 1) for span in readable_spans(request)), count_spans(request))
+        self._offer((QueueEntry(span, 1, 1) for span in readable_spans(request)), count_spans(request))
 
     def _send(self, batch: list[ReadableSpan], items: int) -> bool:
         return self._exporter.export(batch) is SpanExportResult.SUCCESS
@@ -551,7 +444,7 @@ class RequestForwarder(_Forwarder[bytes]):
         body = request.SerializeToString()
         if body:
             items = self._count(request)  # type: ignore[arg-type]
-            self._offer([_Entry(body, len(body), items)], items)
+            self._offer([QueueEntry(body, len(body), items)], items)
 
     def _send(self, batch: list[bytes], items: int) -> bool:
         return self.exporter.export(b"".join(batch), items)

@@ -1,8 +1,9 @@
 """The agent's OTLP receiver: traces, metrics and logs over gRPC and HTTP (protobuf or JSON), as a collector
 takes them, so that an application changes nothing but its endpoint to send them through the agent.
 
-Settings: argument, then variable, then default. `PRISM_OTLP_HOST` (127.0.0.1), `PRISM_OTLP_GRPC_PORT` (4317)
-and `PRISM_OTLP_HTTP_PORT` (4318); port 0 turns that protocol off, the argument `EPHEMERAL_PORT` picks a free one.
+It takes its settings as arguments (the agent's come from its settings table, `agent/_config.py`): the host
+(127.0.0.1), the gRPC port (4317) and the HTTP port (4318); port 0 turns that protocol off, `EPHEMERAL_PORT` picks
+a free one.
 Bad input is answered (gRPC INVALID_ARGUMENT; HTTP 400, 404, 405, 411, 413 or 415 with a `google.rpc.Status`
 body), counted by kind in `prism_rejected_messages_total{receiver="otlp_grpc"|"otlp_http"}`, logged once per
 kind, and never stops the server. Spans and log records with trace or span ids of the wrong length are removed
@@ -10,16 +11,16 @@ and reported back as a partial success (`invalid_id`): passed on, they would mak
 the whole batch they travel in.
 
 What many clients at once can take is bounded, so that a flood costs the agent refusals, not its memory:
-- `PRISM_OTLP_MAX_CONNECTIONS` (64) open HTTP connections, one thread each; the next is answered 503 and
+- `max_connections` (64) open HTTP connections, one thread each; the next is answered 503 and
   closed at once (`too_many_connections`).
-- `PRISM_OTLP_READ_TIMEOUT_S` (10): each HTTP request, from its first byte to its last, must arrive within it,
+- `read_timeout_s` (10): each HTTP request, from its first byte to its last, must arrive within it,
   however slowly it trickles, or the connection is closed (`read_timeout`); a connection idle that long
   between requests is closed too (uncounted: clients expect that of keep-alive).
-- `PRISM_OTLP_MAX_GRPC_RPCS` (8) gRPC exports at once, each on its own thread; more are answered
+- `max_grpc_rpcs` (8) gRPC exports at once, each on its own thread; more are answered
   RESOURCE_EXHAUSTED (`too_many_rpcs`) by spare threads, so without waiting for an export to end.
-- `PRISM_OTLP_MAX_INFLIGHT_BYTES` (64 MiB) of request bodies held at once, both protocols together: an HTTP
+- `max_inflight_bytes` (64 MiB) of request bodies held at once, both protocols together: an HTTP
   body is reserved from its Content-Length before it is read (and grown by what it inflates to), a gRPC one
-  once gRPC has read it (one per thread: at most `MAX_GRPC_RPCS` + 2 at once); one that does not
+  once gRPC has read it (one per thread: at most `max_grpc_rpcs` + 2 at once); one that does not
   fit is answered 503 or RESOURCE_EXHAUSTED (`over_budget`). It must be at least the message limit.
 Clients retry these answers with backoff. Open connections and bytes held are on /metrics.
 """
@@ -31,13 +32,12 @@ import contextlib
 import json
 import logging
 import math
-import os
 import socket
 import socketserver
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -263,33 +263,18 @@ def _status(status: HTTPStatus, message: str) -> Status:
     return Status(code=_RPC_CODE[status].value[0], message=message)
 
 
-def _port(value: int | None, env: str, default: int, environ: Mapping[str, str]) -> int:
-    """The port from the argument, else from `env`, else `default`; ConfigError when out of range."""
-    source = "argument" if value is not None else env
-    raw = value if value is not None else environ.get(env) or default
-    try:
-        port = int(raw)
-    except ValueError:
-        raise ConfigError(f"{source}: OTLP port {raw!r} is not an integer") from None
-    lowest = EPHEMERAL_PORT if value is not None else 0
-    if not lowest <= port <= 65535:
-        raise ConfigError(f"{source}: OTLP port must be 0 (off) to 65535, got {port}")
-    return port
+def _port(value: int, protocol: str) -> int:
+    """ConfigError unless `value` is a port, 0 (off) or `EPHEMERAL_PORT`."""
+    if not EPHEMERAL_PORT <= value <= 65535:
+        raise ConfigError(f"OTLP receiver: {protocol} port must be 0 (off) to 65535 or EPHEMERAL_PORT, got {value}")
+    return value
 
 
-def _positive(value: _Number | None, env: str, default: _Number, environ: Mapping[str, str]) -> _Number:
-    """The limit from the argument, else from `env`, else `default`, of `default`'s type; ConfigError unless
-    a positive number."""
-    source = "argument" if value is not None else env
-    raw = value if value is not None else environ.get(env) or default
-    try:
-        limit = type(default)(raw)
-    except ValueError:
-        expected = "an integer" if isinstance(default, int) else "a number"
-        raise ConfigError(f"{source}: {raw!r} is not {expected}") from None
-    if not (math.isfinite(limit) and limit > 0):
-        raise ConfigError(f"{source}: must be positive, got {raw!r}")
-    return limit
+def _positive(value: _Number, name: str) -> _Number:
+    """ConfigError unless `value` is a positive number."""
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"OTLP receiver: {name} must be positive, got {value!r}")
+    return value
 
 
 class _Budget:
@@ -588,28 +573,24 @@ class OtlpReceiver:
         on_metrics: MetricsCallback,
         *,
         on_logs: LogsCallback | None = None,
-        host: str | None = None,
-        grpc_port: int | None = None,
-        http_port: int | None = None,
+        host: str = DEFAULT_HOST,
+        grpc_port: int = DEFAULT_GRPC_PORT,
+        http_port: int = DEFAULT_HTTP_PORT,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        max_connections: int | None = None,
-        max_inflight_bytes: int | None = None,
-        read_timeout_s: float | None = None,
-        max_grpc_rpcs: int | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        max_grpc_rpcs: int = DEFAULT_MAX_GRPC_RPCS,
         registry: CollectorRegistry | None = None,
-        environ: Mapping[str, str] | None = None,
     ) -> None:
-        env = os.environ if environ is None else environ
-        self.host = host if host is not None else env.get("PRISM_OTLP_HOST") or DEFAULT_HOST
-        grpc_wanted = _port(grpc_port, "PRISM_OTLP_GRPC_PORT", DEFAULT_GRPC_PORT, env)
-        http_wanted = _port(http_port, "PRISM_OTLP_HTTP_PORT", DEFAULT_HTTP_PORT, env)
-        if max_message_bytes <= 0:
-            raise ConfigError("OTLP receiver: max_message_bytes must be positive")
-        self.max_message_bytes = max_message_bytes
-        self.max_connections = _positive(max_connections, "PRISM_OTLP_MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS, env)
-        self.read_timeout_s = _positive(read_timeout_s, "PRISM_OTLP_READ_TIMEOUT_S", DEFAULT_READ_TIMEOUT_S, env)
-        self.max_grpc_rpcs = _positive(max_grpc_rpcs, "PRISM_OTLP_MAX_GRPC_RPCS", DEFAULT_MAX_GRPC_RPCS, env)
-        inflight = _positive(max_inflight_bytes, "PRISM_OTLP_MAX_INFLIGHT_BYTES", DEFAULT_MAX_INFLIGHT_BYTES, env)
+        self.host = host
+        grpc_wanted = _port(grpc_port, "gRPC")
+        http_wanted = _port(http_port, "HTTP")
+        self.max_message_bytes = _positive(max_message_bytes, "max_message_bytes")
+        self.max_connections = _positive(max_connections, "max_connections")
+        self.read_timeout_s = _positive(read_timeout_s, "read_timeout_s")
+        self.max_grpc_rpcs = _positive(max_grpc_rpcs, "max_grpc_rpcs")
+        inflight = _positive(max_inflight_bytes, "max_inflight_bytes")
         if inflight < max_message_bytes:
             raise ConfigError(
                 f"OTLP receiver: max_inflight_bytes ({inflight}) must be at least max_message_bytes"

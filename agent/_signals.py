@@ -44,9 +44,7 @@ from prismlb.otel._conventions import (
 from prismlb.wire import DEFAULT_SLICE, ModalityLatency, Slice
 
 from ._bounds import LATENCY_MS, RATIO, InvalidValues
-from ._windows import Window
-
-QUANTILES = (0.5, 0.95, 0.99)
+from ._windows import LOAD_WINDOW_S, SliceWindows, Window
 
 _SPAN_KEYS = frozenset({ATTR_SPAN, ATTR_SLICE, ATTR_STAGE, ATTR_GEN_AI_TTFT_S, ATTR_GEN_AI_E2E_S, LEGACY_ATTR_TTFT_MS})
 """The span attributes the signals read; the rest are skipped unread."""
@@ -99,27 +97,17 @@ class SpanSignals:
 
     def __init__(
         self,
-        load_window_s: float = 10.0,
+        load_window_s: float = LOAD_WINDOW_S,
         preprocessing_window_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         invalid: InvalidValues | None = None,
     ) -> None:
         self._clock = clock
         self.invalid = invalid if invalid is not None else InvalidValues()
-        self._load_window_s = load_window_s
-        self._ttft: dict[str, Window] = {}
-        self._e2e: dict[str, Window] = {}
-        self._errors: dict[str, Window] = {}
+        self._requests = SliceWindows(load_window_s)
         self._preprocessing = Window(preprocessing_window_s)
         self._fragmentation: dict[int, tuple[float, float]] = {}
         self._lock = threading.Lock()
-
-    def _windows(self, table: dict[str, Window], key: str) -> Window:
-        with self._lock:
-            window = table.get(key)
-            if window is None:
-                window = table[key] = Window(self._load_window_s)
-            return window
 
     def on_traces(self, request: ExportTraceServiceRequest) -> None:
         now = self._clock()
@@ -137,19 +125,14 @@ class SpanSignals:
 
     def _request(self, span: Span, attrs: dict[str, object], now: float) -> None:
         """Add one request span's e2e, error and TTFT to its slice's windows."""
-        key = _slice(attrs)
         e2e_ms = self._latency_ms(attrs, ATTR_GEN_AI_E2E_S, _MS_PER_S)
         if e2e_ms is None:
             e2e_ms = self._duration_ms(span, "prism.request.duration_ms")
-        if e2e_ms is not None:
-            self._windows(self._e2e, key).add(e2e_ms, now)
-        if span.status.code == Status.STATUS_CODE_ERROR:
-            self._windows(self._errors, key).add(1.0, now)
         ttft_ms = self._latency_ms(attrs, ATTR_GEN_AI_TTFT_S, _MS_PER_S)
         if ttft_ms is None:
             ttft_ms = self._latency_ms(attrs, LEGACY_ATTR_TTFT_MS, 1.0)
-        if ttft_ms is not None:
-            self._windows(self._ttft, key).add(ttft_ms, now)
+        error = span.status.code == Status.STATUS_CODE_ERROR
+        self._requests.add(_slice(attrs), now, ttft_ms=ttft_ms, e2e_ms=e2e_ms, error=error)
 
     def _latency_ms(self, attrs: dict[str, object], field: str, to_ms: float) -> float | None:
         """Attribute `field` times `to_ms`, in milliseconds; None when absent, and (counted under `field`) when
@@ -198,32 +181,8 @@ class SpanSignals:
 
     def latency(self) -> dict[str, ModalityLatency]:
         """Per slice: requests, TTFT and end-to-end P50/P95/P99 over the load window."""
-        now = self._clock()
-        with self._lock:
-            keys = set(self._e2e) | set(self._ttft)
-        out: dict[str, ModalityLatency] = {}
-        for key in sorted(keys):
-            e2e = self._windows(self._e2e, key)
-            count = len(e2e.values(now))
-            ttft_q = self._windows(self._ttft, key).quantiles(now, QUANTILES)
-            e2e_q = e2e.quantiles(now, QUANTILES)
-            if not count and ttft_q is None:
-                continue
-            out[key] = ModalityLatency(
-                requests=count,
-                errors=min(count, len(self._windows(self._errors, key).values(now))),
-                ttft_p50_ms=ttft_q[0] if ttft_q else None,
-                ttft_p95_ms=ttft_q[1] if ttft_q else None,
-                ttft_p99_ms=ttft_q[2] if ttft_q else None,
-                e2e_p50_ms=e2e_q[0] if e2e_q else None,
-                e2e_p95_ms=e2e_q[1] if e2e_q else None,
-                e2e_p99_ms=e2e_q[2] if e2e_q else None,
-            )
-        return out
+        return self._requests.latency(self._clock())
 
     def requests_per_s(self) -> float | None:
         """Completed requests per second over the load window, all slices; None before any request."""
-        now = self._clock()
-        with self._lock:
-            windows = list(self._e2e.values())
-        return sum(w.rate(now) for w in windows) if windows else None
+        return self._requests.requests_per_s(self._clock())

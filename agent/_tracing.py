@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
@@ -51,20 +52,28 @@ class TracePath:
         self.forwarder: SpanForwarder | None = None
         self.passthrough: dict[Passed, RequestForwarder] = {}
         self.pipeline = SpanPipeline(self.joiner, self._forward, join_delay_s=config.join_delay_s)
-        if config.otlp_grpc_port or config.otlp_http_port:
-            self.receiver = OtlpReceiver(
-                self._on_traces,
-                self._on_metrics,
-                on_logs=self._on_logs,
-                host=config.otlp_host,
-                grpc_port=config.otlp_grpc_port,
-                http_port=config.otlp_http_port,
-                registry=registry,
-            )
-            exporter = upstream_exporter(self.receiver.addresses)
-            if exporter is not None:
-                self.forwarder = SpanForwarder(exporter, registry=registry)
-            self.passthrough = passthrough_forwarders(self.receiver.addresses, registry)
+        try:
+            if config.otlp_grpc_port or config.otlp_http_port:
+                self.receiver = OtlpReceiver(
+                    self._on_traces,
+                    self._on_metrics,
+                    on_logs=self._on_logs,
+                    host=config.otlp_host,
+                    grpc_port=config.otlp_grpc_port,
+                    http_port=config.otlp_http_port,
+                    max_connections=config.otlp_max_connections,
+                    max_inflight_bytes=config.otlp_max_inflight_bytes,
+                    read_timeout_s=config.otlp_read_timeout_s,
+                    max_grpc_rpcs=config.otlp_max_grpc_rpcs,
+                    registry=registry,
+                )
+                exporter = upstream_exporter(self.receiver.addresses)
+                if exporter is not None:
+                    self.forwarder = SpanForwarder(exporter, registry=registry)
+                self.passthrough = passthrough_forwarders(self.receiver.addresses, registry)
+        except BaseException:  # e.g. an upstream that is the receiver itself: free its ports, end the threads
+            self.close()
+            raise
         registry.register(_TraceCollector(self))
 
     def start(self) -> None:
@@ -110,14 +119,20 @@ class TracePath:
             self.forwarder.submit(request)
 
     def close(self) -> None:
-        """Stop receiving, join and forward what is held, then stop reading kernel events."""
-        if self.receiver is not None:
-            self.receiver.shutdown()
-        self.pipeline.shutdown()
-        if self.forwarder is not None:
-            self.forwarder.shutdown(timeout_s=5.0)
-        for forwarder in self.passthrough.values():
-            forwarder.shutdown(timeout_s=5.0)
+        """Stop receiving, join and forward what is held, then stop reading kernel events: in that order (what
+        is still flowing reaches the upstream), each step taken whatever the others do. Closes a path whose
+        making failed part way too."""
+        with ExitStack() as stack:  # it runs the last registered first: the steps go in from last to first
+            stack.callback(self._stop_kernel)
+            for forwarder in reversed(self.passthrough.values()):
+                stack.callback(forwarder.shutdown, timeout_s=5.0)
+            if self.forwarder is not None:
+                stack.callback(self.forwarder.shutdown, timeout_s=5.0)
+            stack.callback(self.pipeline.shutdown)
+            if self.receiver is not None:
+                stack.callback(self.receiver.shutdown)
+
+    def _stop_kernel(self) -> None:
         self._stop.set()
         if self._kernel.is_alive():
             self._kernel.join(timeout=5)
@@ -131,11 +146,19 @@ class _TraceCollector(Collector):
         counts = self._path.joiner.counts
         for name, help_text, value in (
             ("prism_agent_join_server_spans", "Server spans received", counts.server_spans),
-            ("prism_agent_join_server_spans_with_peer", "Server spans naming a TCP peer", counts.server_spans_with_peer),
+            (
+                "prism_agent_join_server_spans_with_peer",
+                "Server spans naming a TCP peer",
+                counts.server_spans_with_peer,
+            ),
             ("prism_agent_join_server_spans_joined", "Server spans joined to a connection", counts.server_spans_joined),
             ("prism_agent_join_client_spans", "Client spans received", counts.client_spans),
             ("prism_agent_join_client_spans_joined", "Client spans joined to a connection", counts.client_spans_joined),
-            ("prism_agent_join_skipped", "Span requests forwarded unjoined (join queue full)", self._path.pipeline.join_skipped),
+            (
+                "prism_agent_join_skipped",
+                "Span requests forwarded unjoined (join queue full)",
+                self._path.pipeline.join_skipped,
+            ),
         ):
             yield CounterMetricFamily(name, help_text, value=value)
         if counts.coverage is not None:
@@ -144,8 +167,14 @@ class _TraceCollector(Collector):
                 "Joined server spans / server spans that had a TCP connection",
                 value=counts.coverage,
             )
-        yield GaugeMetricFamily("prism_agent_connections_indexed", "Connections kept for the join", value=len(self._path.index))
+        yield GaugeMetricFamily(
+            "prism_agent_connections_indexed", "Connections kept for the join", value=len(self._path.index)
+        )
         tracer = self._path.tracer
         if tracer is not None:
-            yield CounterMetricFamily("prism_agent_ebpf_events", "Connection events read from the kernel", value=tracer.events_total)
-            yield CounterMetricFamily("prism_agent_ebpf_lost_events", "Connection events the perf buffer lost", value=tracer.lost_events)
+            yield CounterMetricFamily(
+                "prism_agent_ebpf_events", "Connection events read from the kernel", value=tracer.events_total
+            )
+            yield CounterMetricFamily(
+                "prism_agent_ebpf_lost_events", "Connection events the ring buffer lost (it was full)", value=tracer.lost_events
+            )

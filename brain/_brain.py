@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import zmq
@@ -154,12 +155,18 @@ class Brain:
                 _log.warning("predictor checkpoint %s unusable (%s); training from scratch", path, exc)
 
     def run(self, stop: threading.Event) -> None:
+        """Serve until `stop` is set; a failure of the loop sets it too (it ends the trainer). Everything opened
+        here is closed on the way out, in reverse order, each close taken whatever the others do, and so is the
+        brain (`close`)."""
         cfg = self.config
-        ctx = zmq.Context()
-        auth, identity = start_curve(ctx, cfg, self.metrics)  # CURVE off: warns of a plaintext bind beyond this host
-        metrics = admin = None
-        trainer = threading.Thread(target=self._train, args=(stop,), name="prism-predictor-train", daemon=True)
-        try:
+        with ExitStack() as stack:
+            stack.callback(lambda: _log.info("brain stopped at table version %d", self.tables.version))
+            stack.callback(self.close)
+            ctx = zmq.Context()
+            stack.callback(ctx.destroy, linger=0)
+            auth, identity = start_curve(ctx, cfg, self.metrics)  # CURVE off: warns of a plaintext public bind
+            if auth is not None:
+                stack.callback(auth.stop)
             tune_gc_for_ingest()
             receiver: VectorReceiver | ShardedReceiver
             if cfg.ingest_workers:
@@ -167,21 +174,20 @@ class Brain:
             else:
                 receiver = VectorReceiver(ctx, cfg.ingest, self.rejects, curve=cfg.curve, identity=identity)
             self._receiver = receiver
-            publisher = TablePublisher(
-                ctx,
-                cfg.updates,
-                cfg.snapshot,
-                self.rejects,
-                curve=cfg.curve_routers,
-            )
+            stack.callback(self._close_receiver)
+            publisher = TablePublisher(ctx, cfg.updates, cfg.snapshot, self.rejects, curve=cfg.curve_routers)
+            stack.callback(publisher.close)
             publisher.kv_snapshot = self.kv.snapshot
             publisher.on_router_load = lambda report: self.loads.accept(report, time.monotonic())
             metrics = serve_metrics(cfg.metrics_port, self.metrics, cfg.metrics_addr)
+            if metrics is not None:
+                stack.callback(metrics.close)
             if cfg.admin_port:
                 admin = AdminServer(
                     Backend(self), self.admin_queue, cfg.admin_access, cfg.admin_addr, cfg.admin_port, self.metrics
                 )
-                admin.start()
+                admin.start()  # closing waits for its serving loop: registered once that runs
+                stack.callback(admin.close)
             _log.info(
                 "brain epoch %d up: ingest %s, tables %s, snapshots %s, CURVE %s",
                 self.tables.epoch,
@@ -191,28 +197,28 @@ class Brain:
                 "on (node ids bound to keys)" if cfg.curve else "off",
             )
             if cfg.train_budget_s > 0:
+                trainer = threading.Thread(target=self._train, args=(stop,), name="prism-predictor-train", daemon=True)
                 trainer.start()
+                stack.callback(trainer.join, timeout=10)
+            stack.callback(stop.set)  # ends the trainer's wait, and tells whoever else waits on `stop`
+            stack.callback(sd_notify, "STOPPING=1")
             sd_notify("READY=1")
             self._loop(stop, receiver, publisher)
-        finally:
-            sd_notify("STOPPING=1")
-            stop.set()
-            if trainer.is_alive():
-                trainer.join(timeout=10)
-            if admin is not None:
-                admin.close()
-            if auth is not None:
-                auth.stop()
-            if metrics is not None:
-                metrics.close()
-            self.control.guardian.close()
-            self.history.close()
-            self._save_checkpoint()
-            if self._receiver is not None:
-                self._receiver.close()
-                self._receiver = None
-            ctx.destroy(linger=0)
-            _log.info("brain stopped at table version %d", self.tables.version)
+
+    def _close_receiver(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+
+    def close(self) -> None:
+        """Release what the brain holds beyond `run`'s sockets: the guardian's hook thread, the history's unsaved
+        rows and the predictor's checkpoint (both written to the state folder, when there is one). `run` calls
+        it on the way out; a brain driven without `run` (a replay) calls it when done. Each step is taken
+        whatever the others do."""
+        with ExitStack() as stack:  # it runs the last registered first: the hook thread, history, checkpoint
+            stack.callback(self._save_checkpoint)
+            stack.callback(self.history.close)
+            stack.callback(self.control.close)
 
     def _save_checkpoint(self) -> None:
         path = self._checkpoint_path()

@@ -1,43 +1,41 @@
-"""Brain settings: argument > documented environment variable > default, validated here only."""
+"""The brain's settings: every flag and environment variable in one table (`SETTINGS`), resolved by the settings
+resolver of `prismlb.wire` (flag, then variable, then default); what one setting says about another is checked
+here."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from prismlb.wire import AGENTS_DOMAIN, ROUTERS_DOMAIN, ConfigError, ServerCurve
+from prismlb.wire import (
+    AGENTS_DOMAIN,
+    BRAIN_INGEST,
+    BRAIN_SNAPSHOT,
+    BRAIN_UPDATES,
+    CURVE_SECRET,
+    ROUTERS_DOMAIN,
+    ConfigError,
+    ServerCurve,
+    Setting,
+    SettingParser,
+    SettingTable,
+    parse_listen_address,
+    parse_port,
+    parse_text,
+)
 
 from ._admin import AdminAccess, admin_access
-
-ENV = {
-    "ingest": "PRISM_BRAIN_INGEST",
-    "updates": "PRISM_BRAIN_UPDATES",
-    "snapshot": "PRISM_BRAIN_SNAPSHOT",
-    "state_dir": "PRISM_BRAIN_STATE_DIR",
-    "metrics_port": "PRISM_BRAIN_METRICS_PORT",
-    "metrics_addr": "PRISM_BRAIN_METRICS_ADDR",
-    "curve_secret": "PRISM_CURVE_SECRET",
-    "curve_clients": "PRISM_CURVE_CLIENTS",
-    "curve_routers": "PRISM_CURVE_ROUTERS",
-    "allow_plaintext": "PRISM_BRAIN_ALLOW_PLAINTEXT",
-    "admin_port": "PRISM_BRAIN_ADMIN_PORT",
-    "admin_addr": "PRISM_BRAIN_ADMIN_ADDR",
-    "admin_token_file": "PRISM_BRAIN_ADMIN_TOKEN_FILE",
-    "admin_allowed_hosts": "PRISM_BRAIN_ADMIN_ALLOWED_HOSTS",
-    "scale_hook": "PRISM_SCALE_HOOK",
-    "brain_id": "PRISM_BRAIN_ID",
-    "priority": "PRISM_BRAIN_PRIORITY",
-    "holddown_s": "PRISM_BRAIN_HOLDDOWN_S",
-}
 
 
 @dataclass(frozen=True)
 class BrainConfig:
-    ingest: str = "tcp://127.0.0.1:5555"
-    updates: str = "tcp://127.0.0.1:5556"
-    snapshot: str = "tcp://127.0.0.1:5557"
+    """How the brain runs: what `resolve_config` makes from its settings, or what a test or replay sets."""
+
+    ingest: str = BRAIN_INGEST.default
+    updates: str = BRAIN_UPDATES.default
+    snapshot: str = BRAIN_SNAPSHOT.default
     stale_periods: float = 3.0
     heartbeat_s: float = 1.0
     cycle_s: float = 0.2
@@ -72,109 +70,275 @@ class BrainConfig:
     fleets beyond what one interpreter decodes in time. Not with CURVE (see `_shards`)."""
 
 
-def _pick(args: argparse.Namespace, environ: Mapping[str, str], name: str) -> str | None:
-    value = getattr(args, name, None)
-    if value is None and name in ENV:
-        value = environ.get(ENV[name])
-    return None if value is None else str(value)
+def _number(what: str, raw: object) -> float:
+    try:
+        if isinstance(raw, bool):
+            raise ValueError
+        return float(str(raw))
+    except ValueError:
+        raise ValueError(f"{what} must be a number, got {raw!r}") from None
 
 
-def _endpoint(name: str, value: str) -> str:
-    if not value.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ConfigError(f"{name} must be a ZeroMQ endpoint (tcp://host:port or ipc://path), got {value!r}")
+def _at_least(what: str, minimum: float) -> SettingParser:
+    def parse(raw: object) -> float:
+        number = _number(what, raw)
+        if not number >= minimum:
+            raise ValueError(f"{what} must be >= {minimum}, got {raw!r}")
+        return number
+
+    return parse
+
+
+def _whole(what: str, low: int, high: int) -> SettingParser:
+    def parse(raw: object) -> int:
+        number = _number(what, raw)
+        if not (low <= number <= high and number == int(number)):
+            raise ValueError(f"{what} must be a whole number from {low} to {high}, got {raw!r}")
+        return int(number)
+
+    return parse
+
+
+def _yes_no(what: str) -> SettingParser:
+    """A switch: given on the command line (True), or 1/true/yes or 0/false/no in the variable."""
+
+    def parse(raw: object) -> bool:
+        if isinstance(raw, bool):
+            return raw
+        if parse_text(raw).lower() in ("0", "false", "no"):
+            return False
+        if str(raw).lower() in ("1", "true", "yes"):
+            return True
+        raise ValueError(f"{what} must be 1 or 0, got {raw!r}")
+
+    return parse
+
+
+def _folder(raw: object) -> Path:
+    if not parse_text(raw):
+        raise ValueError("empty path")
+    return Path(str(raw))
+
+
+def _brain_id(raw: object) -> str:
+    value = parse_text(raw)
+    if not 0 < len(value) <= 256:
+        raise ValueError(f"brain id must be 1 to 256 characters, got {value!r}")
     return value
 
 
-def _number(name: str, value: str, *, minimum: float) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise ConfigError(f"{name} must be a number, got {value!r}") from None
-    if not number >= minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
-    return number
+_DEFAULT = BrainConfig()
+
+SETTINGS = SettingTable(
+    "brain",
+    [
+        BRAIN_INGEST,
+        BRAIN_UPDATES,
+        BRAIN_SNAPSHOT,
+        Setting(
+            "stale_periods",
+            "missed periods before a node is dropped",
+            _at_least("stale periods", 1),
+            _DEFAULT.stale_periods,
+            flag="--stale-periods",
+        ),
+        Setting(
+            "heartbeat_s",
+            "seconds between heartbeats",
+            _at_least("heartbeat", 0.05),
+            _DEFAULT.heartbeat_s,
+            flag="--heartbeat-s",
+        ),
+        Setting(
+            "state_dir",
+            "folder the brain keeps its state in: epoch, known nodes, experiments, history, predictor",
+            _folder,
+            flag="--state-dir",
+            variable="PRISM_BRAIN_STATE_DIR",
+            shown="none (nothing persisted)",
+        ),
+        replace(
+            CURVE_SECRET,
+            help="the brain's CURVE secret key file; CURVE needs --curve-clients and --curve-routers too",
+        ),
+        Setting(
+            "curve_clients",
+            "folder of the authorised agents' public keys",
+            _folder,
+            flag="--curve-clients",
+            variable="PRISM_CURVE_CLIENTS",
+            metavar="DIR",
+            shown="off",
+        ),
+        Setting(
+            "curve_routers",
+            "folder of the authorised routers' public keys, needed with CURVE",
+            _folder,
+            flag="--curve-routers",
+            variable="PRISM_CURVE_ROUTERS",
+            metavar="DIR",
+            shown="off",
+        ),
+        Setting(
+            "allow_plaintext",
+            "CURVE off on a bind beyond this host without the start-up warning (the variable: 1 or 0)",
+            _yes_no("allow plaintext"),
+            _DEFAULT.allow_plaintext,
+            flag="--allow-plaintext",
+            variable="PRISM_BRAIN_ALLOW_PLAINTEXT",
+            action="store_true",
+        ),
+        Setting(
+            "metrics_port",
+            "port of the brain's Prometheus /metrics, 0 = off",
+            parse_port("metrics port"),
+            _DEFAULT.metrics_port,
+            flag="--metrics-port",
+            variable="PRISM_BRAIN_METRICS_PORT",
+        ),
+        Setting(
+            "metrics_addr",
+            "address of /metrics",
+            parse_listen_address,
+            _DEFAULT.metrics_addr,
+            flag="--metrics-addr",
+            variable="PRISM_BRAIN_METRICS_ADDR",
+        ),
+        Setting(
+            "admin_port",
+            "port of the admin API for prism ctl and prism top, 0 = off",
+            parse_port("admin port"),
+            _DEFAULT.admin_port,
+            flag="--admin-port",
+            variable="PRISM_BRAIN_ADMIN_PORT",
+        ),
+        Setting(
+            "admin_addr",
+            "address of the admin API; anything but loopback needs a token file",
+            parse_listen_address,
+            _DEFAULT.admin_addr,
+            flag="--admin-addr",
+            variable="PRISM_BRAIN_ADMIN_ADDR",
+        ),
+        Setting(
+            "admin_token_file",
+            "file (mode 600) with the bearer token every admin request then needs",
+            flag="--admin-token-file",
+            variable="PRISM_BRAIN_ADMIN_TOKEN_FILE",
+            metavar="FILE",
+        ),
+        Setting(
+            "admin_public_reads",
+            "with a token file: GET requests need no token",
+            _yes_no("admin public reads"),
+            False,
+            flag="--admin-public-reads",
+            action="store_true",
+        ),
+        Setting(
+            "admin_insecure",
+            "without a token file: allow drain and experiment changes on loopback",
+            _yes_no("admin insecure"),
+            False,
+            flag="--admin-insecure",
+            action="store_true",
+        ),
+        Setting(
+            "admin_allowed_hosts",
+            "extra Host names the admin API answers, comma-separated",
+            flag="--admin-allowed-hosts",
+            variable="PRISM_BRAIN_ADMIN_ALLOWED_HOSTS",
+        ),
+        Setting(
+            "scale_hook",
+            "command or http(s):// webhook run on scale-up",
+            flag="--scale-hook",
+            variable="PRISM_SCALE_HOOK",
+        ),
+        Setting(
+            "train_budget_s",
+            f"CPU seconds of predictor training per {_DEFAULT.train_interval_s:g} s; 0 = no training",
+            _at_least("train budget", 0),
+            _DEFAULT.train_budget_s,
+            flag="--train-budget-s",
+        ),
+        Setting(
+            "ingest_workers",
+            "processes decoding node vectors for the brain, for large fleets (not with CURVE)",
+            _whole("ingest workers", 0, 64),
+            _DEFAULT.ingest_workers,
+            flag="--ingest-workers",
+        ),
+        Setting(
+            "brain_id",
+            "this brain's name in its tables and heartbeats, 1 to 256 characters",
+            _brain_id,
+            flag="--brain-id",
+            variable="PRISM_BRAIN_ID",
+            shown="host name/updates endpoint",
+        ),
+        Setting(
+            "priority",
+            "routers follow the live brain of highest priority, -1000 to 1000",
+            _whole("priority", -1000, 1000),
+            _DEFAULT.priority,
+            flag="--priority",
+            variable="PRISM_BRAIN_PRIORITY",
+        ),
+        Setting(
+            "holddown_s",
+            "longest wait for the nodes the last run knew before the first table",
+            _at_least("hold-down", 0),
+            _DEFAULT.holddown_s,
+            flag="--holddown-s",
+            variable="PRISM_BRAIN_HOLDDOWN_S",
+        ),
+    ],
+)
+
+ENV = {s.name: s.variable for s in SETTINGS if s.variable}
+"""Each setting's environment variable, by setting name, for messages that point at one."""
 
 
 def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> BrainConfig:
-    defaults = BrainConfig()
-    secret = _pick(args, environ, "curve_secret")
-    clients = _pick(args, environ, "curve_clients")
-    routers = _pick(args, environ, "curve_routers")
+    """`SETTINGS` from `args` (None = not given), then `environ`, then defaults; ConfigError if one is invalid or
+    two contradict."""
+    s = SETTINGS.resolve(args, environ)
+    secret, clients, routers = s["curve_secret"], s["curve_clients"], s["curve_routers"]
     if len({secret is None, clients is None, routers is None}) != 1:
         raise ConfigError(
             "CURVE needs all of --curve-secret, --curve-clients (agents' keys) and --curve-routers (routers' keys), "
             "or none of them"
         )
-    if clients and routers and Path(clients).resolve() == Path(routers).resolve():
+    if clients is not None and routers is not None and clients.resolve() == routers.resolve():
         raise ConfigError(f"--curve-clients and --curve-routers must be different folders, both are {clients}")
-    state_dir = _pick(args, environ, "state_dir")
-    metrics_port = _pick(args, environ, "metrics_port")
-    port = int(_number("metrics port", metrics_port, minimum=0)) if metrics_port is not None else 0
-    if port > 65535:
-        raise ConfigError(f"metrics port must be <= 65535, got {port}")
-    raw_admin = _pick(args, environ, "admin_port")
-    admin_port = int(_number("admin port", raw_admin, minimum=0)) if raw_admin is not None else defaults.admin_port
-    if admin_port > 65535:
-        raise ConfigError(f"admin port must be <= 65535, got {admin_port}")
-    return BrainConfig(
-        ingest=_endpoint("ingest", _pick(args, environ, "ingest") or defaults.ingest),
-        updates=_endpoint("updates", _pick(args, environ, "updates") or defaults.updates),
-        snapshot=_endpoint("snapshot", _pick(args, environ, "snapshot") or defaults.snapshot),
-        stale_periods=_number("stale periods", _pick(args, environ, "stale_periods") or "3", minimum=1),
-        heartbeat_s=_number("heartbeat", _pick(args, environ, "heartbeat_s") or "1", minimum=0.05),
-        state_dir=Path(state_dir) if state_dir else None,
-        curve=ServerCurve(Path(secret), Path(clients), AGENTS_DOMAIN) if secret and clients else None,
-        curve_routers=ServerCurve(Path(secret), Path(routers), ROUTERS_DOMAIN) if secret and routers else None,
-        allow_plaintext=_flag("allow plaintext", _pick(args, environ, "allow_plaintext")),
-        metrics_port=port,
-        metrics_addr=_pick(args, environ, "metrics_addr") or defaults.metrics_addr,
-        admin_port=admin_port,
-        admin_addr=(admin_addr := _pick(args, environ, "admin_addr") or defaults.admin_addr),
-        admin_access=admin_access(
-            admin_addr,
-            _pick(args, environ, "admin_token_file"),
-            bool(getattr(args, "admin_public_reads", False)),
-            bool(getattr(args, "admin_insecure", False)),
-            _pick(args, environ, "admin_allowed_hosts"),
-        ),
-        scale_hook=_pick(args, environ, "scale_hook"),
-        train_budget_s=_number("train budget", _pick(args, environ, "train_budget_s") or "0.5", minimum=0),
-        brain_id=_brain_id(_pick(args, environ, "brain_id")),
-        priority=_priority(_pick(args, environ, "priority")),
-        holddown_s=_number("hold-down", _pick(args, environ, "holddown_s") or str(defaults.holddown_s), minimum=0),
-        ingest_workers=_ingest_workers(_pick(args, environ, "ingest_workers"), curve=secret is not None),
-    )
-
-
-def _ingest_workers(value: str | None, *, curve: bool) -> int:
-    if value is None:
-        return 0
-    workers = _number("ingest workers", value, minimum=0)
-    if workers != int(workers) or workers > 64:
-        raise ConfigError(f"ingest workers must be a whole number from 0 to 64, got {value!r}")
-    if workers and curve:
+    if s["ingest_workers"] and secret is not None:
         raise ConfigError("--ingest-workers cannot be used with CURVE: the workers could not check node identities")
-    return int(workers)
-
-
-def _brain_id(value: str | None) -> str:
-    if value is not None and not 0 < len(value) <= 256:
-        raise ConfigError(f"brain id must be 1 to 256 characters, got {value!r}")
-    return value or ""
-
-
-def _priority(value: str | None) -> int:
-    if value is None:
-        return 0
-    number = _number("priority", value, minimum=-1000)
-    if number > 1000 or number != int(number):
-        raise ConfigError(f"priority must be a whole number from -1000 to 1000, got {value!r}")
-    return int(number)
-
-
-def _flag(name: str, value: str | None) -> bool:
-    if value is None or value.lower() in ("", "0", "false", "no"):
-        return False
-    if value.lower() in ("1", "true", "yes"):
-        return True
-    raise ConfigError(f"{name} must be 1 or 0, got {value!r}")
+    return BrainConfig(
+        ingest=s["ingest"],
+        updates=s["updates"],
+        snapshot=s["snapshot"],
+        stale_periods=s["stale_periods"],
+        heartbeat_s=s["heartbeat_s"],
+        state_dir=s["state_dir"],
+        curve=ServerCurve(secret, clients, AGENTS_DOMAIN) if secret is not None else None,
+        curve_routers=ServerCurve(secret, routers, ROUTERS_DOMAIN) if secret is not None else None,
+        allow_plaintext=s["allow_plaintext"],
+        metrics_port=s["metrics_port"],
+        metrics_addr=s["metrics_addr"],
+        admin_port=s["admin_port"],
+        admin_addr=s["admin_addr"],
+        admin_access=admin_access(
+            s["admin_addr"],
+            s["admin_token_file"],
+            s["admin_public_reads"],
+            s["admin_insecure"],
+            s["admin_allowed_hosts"],
+        ),
+        scale_hook=s["scale_hook"],
+        train_budget_s=s["train_budget_s"],
+        brain_id=s["brain_id"] or "",
+        priority=s["priority"],
+        holddown_s=s["holddown_s"],
+        ingest_workers=s["ingest_workers"],
+    )

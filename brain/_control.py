@@ -51,6 +51,10 @@ class Control:
         p99_ms = weighted / requests if requests else None
         self.guardian.check(now_s, p99_ms, errors / requests if requests else None, qps if seen_qps else None)
 
+    def close(self) -> None:
+        """Release what the control step runs in the background: the guardian's scale-out hook thread."""
+        self.guardian.close()
+
     @staticmethod
     def _log_drift(event: DriftEvent) -> None:
         causes = ", ".join(f"{c.kind} {c.name} ({c.score:.1f})" for c in event.causes[:3]) or "no attributed cause"

@@ -4,6 +4,7 @@ brain's admin API."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -13,9 +14,27 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from prismlb.wire import ConfigError, Setting, SettingTable
+
+from ._config import SETTINGS as BRAIN_SETTINGS
+
 DEFAULT_ADMIN = "http://127.0.0.1:9470"
-TOKEN_ENV = "PRISM_BRAIN_ADMIN_TOKEN_FILE"  # the brain's variable too, so one setting serves both
 SLICES = ("llm", "vlm", "av", "rag")
+_TOKEN = dataclasses.replace(
+    BRAIN_SETTINGS["admin_token_file"],
+    name="token_file",
+    help="file with the brain's admin token (the brain's own setting, so one variable serves both)",
+    flag="--token-file",
+)
+CTL_SETTINGS = SettingTable(
+    "prism ctl",
+    [
+        Setting("admin", "the brain's admin URL", default=DEFAULT_ADMIN, flag="--admin", variable="PRISM_BRAIN_ADMIN"),
+        _TOKEN,
+    ],
+)
+"""The admin client's settings: the brain's URL and its token file (the brain's `admin_token_file` setting)."""
+TOKEN_ENV = _TOKEN.variable
 
 
 class CtlError(Exception):
@@ -51,8 +70,7 @@ def call(
 
 
 def _admin_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--admin", help=f"the brain's admin URL (env PRISM_BRAIN_ADMIN; {DEFAULT_ADMIN})")
-    p.add_argument("--token-file", help=f"file with the brain's admin token (env {TOKEN_ENV}; none)")
+    CTL_SETTINGS.add_arguments(p)
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -92,14 +110,21 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     top.set_defaults(func=_top)
 
 
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        return dict(CTL_SETTINGS.resolve(args, os.environ).values)
+    except ConfigError as exc:
+        raise CtlError(str(exc)) from None
+
+
 def _admin(args: argparse.Namespace) -> str:
-    return str(args.admin or os.environ.get("PRISM_BRAIN_ADMIN") or DEFAULT_ADMIN)
+    return str(_settings(args)["admin"])
 
 
 def _token(args: argparse.Namespace) -> str | None:
     """The token from --token-file or the brain's own variable; the brain checks the file's mode, not us, since
     an operator reading a copy they own is fine."""
-    path = args.token_file or os.environ.get(TOKEN_ENV)
+    path = _settings(args)["token_file"]
     if not path:
         return None
     try:
@@ -126,9 +151,8 @@ def _arms(items: list[str]) -> dict[str, float]:
 
 
 def _ctl(args: argparse.Namespace) -> int:
-    admin = _admin(args)
     try:
-        token = _token(args)
+        admin, token = _admin(args), _token(args)
         command = args.ctl_command
         if command in ("status", "table", "events", "experiments"):
             result = call(admin, "GET", f"/v1/{command}", token=token)
@@ -180,9 +204,8 @@ def render(status: dict[str, Any]) -> str:
 def _top(args: argparse.Namespace) -> int:
     if not args.interval > 0:
         raise argparse.ArgumentError(None, f"--interval must be positive, got {args.interval:g}")
-    admin = _admin(args)
     try:
-        token = _token(args)
+        admin, token = _admin(args), _token(args)
     except CtlError as exc:
         print(f"prism top: {exc}", file=sys.stderr)
         return 1

@@ -11,11 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import shlex
 import signal
 import subprocess
-import threading
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +21,7 @@ from dataclasses import dataclass
 import msgspec
 from prometheus_client import Counter
 
-from prismlb.wire import ConfigError, PrismError
+from prismlb.wire import BoundedWorker, ConfigError, PrismError, QueueEntry
 
 _log = logging.getLogger("prism.brain")
 
@@ -114,32 +112,27 @@ def parse_hook(spec: str, timeout_s: float = 10.0) -> ScaleHook:
     return CommandHook(argv, timeout_s)
 
 
-class HookRunner:
-    """Runs a hook on its own thread, one call at a time with at most one waiting; the rest are skipped."""
+class HookRunner(BoundedWorker[ScaleEvent]):
+    """Runs a hook on its own thread (`BoundedWorker`), one call at a time with at most one waiting; the rest are
+    skipped, and counted."""
 
     def __init__(self, hook: ScaleHook, results: Counter) -> None:
         self._hook = hook
         self._results = results
-        self._queue: queue.Queue[ScaleEvent | None] = queue.Queue(maxsize=1)
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="prism-scale-hook", daemon=True)
-        self._thread.start()
+        super().__init__("scale-hook", max_queue=1)
 
     def submit(self, event: ScaleEvent) -> None:
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
+        if not self._offer([QueueEntry(event)], 1):
             self._results.labels("skipped").inc()
             _log.warning("scale-out hook still busy; request skipped (%s)", event.reason)
 
     def close(self, timeout_s: float = 1.0) -> None:
-        self._closed.set()
-        with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(None)
-        self._thread.join(timeout_s)
+        """Stop the thread: a call waiting is not made (the brain is stopping), one running is not waited for
+        beyond `timeout_s`."""
+        self.shutdown(timeout_s, drain=False)
 
-    def _run(self) -> None:
-        while (event := self._queue.get()) is not None and not self._closed.is_set():
+    def _process(self, batch: list[ScaleEvent], items: int) -> None:
+        for event in batch:
             try:
                 self._hook(event)
             except Exception as exc:

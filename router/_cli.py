@@ -8,10 +8,22 @@ import os
 import sys
 from pathlib import Path
 
-from prismlb.wire import BrainAddress, ClientCurve, ConfigError, NoRouteError, RoutingTable
+from prismlb.wire import (
+    BRAIN_SNAPSHOT,
+    BRAIN_UPDATES,
+    BrainAddress,
+    ClientCurve,
+    ConfigError,
+    NoRouteError,
+    RoutingTable,
+    SettingTable,
+)
 
 from ._nginx import DEFAULT_HASH, check_nginx_settings, nginx_choices, render_nginx
 from ._router import Router
+
+_SETTINGS = SettingTable("route", [BRAIN_UPDATES, BRAIN_SNAPSHOT])
+"""The brain's endpoints, under the brain's own flags and variables."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -23,16 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "`hash ... consistent` picks for each in those blocks (its ring is not the router's: the two choose "
         "differently).",
     )
-    parser.add_argument(
-        "--updates",
-        default=os.environ.get("PRISM_BRAIN_UPDATES", "tcp://127.0.0.1:5556"),
-        help="the brain's table PUB endpoint (env PRISM_BRAIN_UPDATES; default: %(default)s)",
-    )
-    parser.add_argument(
-        "--snapshot",
-        default=os.environ.get("PRISM_BRAIN_SNAPSHOT", "tcp://127.0.0.1:5557"),
-        help="the brain's snapshot endpoint (env PRISM_BRAIN_SNAPSHOT; default: %(default)s)",
-    )
+    _SETTINGS.add_arguments(parser)
     parser.add_argument(
         "--slice", help="slice to route in or render (default: the text slice, else 'default'; --nginx: every slice)"
     )
@@ -88,7 +91,8 @@ def _run(args: argparse.Namespace) -> int:
         return _fail(str(exc), 2)
     curve = None if args.curve_secret is None else ClientCurve(args.curve_secret, args.brain_public)
     try:
-        router = Router.connect(BrainAddress(args.updates, args.snapshot), curve=curve)
+        brain = _SETTINGS.resolve(args, os.environ)
+        router = Router.connect(BrainAddress(brain["updates"], brain["snapshot"]), curve=curve)
     except ConfigError as exc:
         return _fail(str(exc), 2)
     with router:
@@ -96,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
     # Closed: the router stops following the brain and keeps this table, so every key uses the same one.
     table = router.table
     if table is None:
-        return _fail(f"no routing table from {args.updates} / {args.snapshot} within {args.timeout:g} s", 1)
+        return _fail(f"no routing table from {brain['updates']} / {brain['snapshot']} within {args.timeout:g} s", 1)
     names = sorted(s.name for s in table.slices)
     if args.slice is not None and args.slice not in names:
         return _fail(

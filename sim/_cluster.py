@@ -3,10 +3,9 @@
 Per request of a workload, at its arrival: the policy chooses a node; a dead node refuses the connection (the
 attempt fails at once and the caller tries again with that node excluded, up to `MAX_ATTEMPTS`); a live one
 queues it. Each node's engine model runs in simulated time; its first tokens and ends go back to the policy.
-Each live node's agent sends a node vector every `vector_period_s` (what `prism agent` would: engine gauges,
-arrival rate, and over the last `LATENCY_WINDOW_S` (the agent's engine period) the prefix-cache miss ratio and
-the TTFT quantiles per slice); the policy's `tick`
-runs every `tick_s`. A node killed mid-run loses its requests in flight (each tried again elsewhere) and stops
+Each live node's agent sends a node vector every `vector_period_s`: `prism agent`'s own sampler, with sources
+that read the simulated engine where the agent reads the hardware (`_Node`); the policy's `tick` runs every
+`tick_s`. A node killed mid-run loses its requests in flight (each tried again elsewhere) and stops
 answering and reporting. A degraded node (`Degrade`, a gray failure) keeps answering, slower: its GPU at a
 fraction of its speed, or its network losing segments, which stall requests on retransmission timeouts and show
 in its agent's kernel counters (`tcp_retransmits_per_conn`), or shared with callers that do not go through the
@@ -15,6 +14,7 @@ policy (foreign requests its engine serves beside the policy's, which only its a
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -25,14 +25,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import cast
 
+from prismlb.agent._engine import _VLLM, EngineCollector, EngineSample, _read
+from prismlb.agent._network import NetworkWindow, TcpCounts
+from prismlb.agent._node import NodeSampler, Reading, Source, to_vector
+from prismlb.agent._sources import KV_MISS_PERIOD_S, NVLINK_PERIOD_S
+from prismlb.agent._sources import _engine as engine_reading
+from prismlb.agent._windows import SliceWindows
 from prismlb.brain import TAU0_MS
-from prismlb.wire import ENGINE_LATENCY_KEY, ModalityLatency, NodeMetrics, NodeVector, Slice, parse_signature, quantile
+from prismlb.wire import NodeVector, Slice, parse_signature, quantile
 
+from ._engine import _E2E_BUCKETS, _TTFT_BUCKETS
 from ._model import PROFILES, EngineModel, Event, GpuClass, Job
 from ._types import EngineStats, KvEvent, Outcome, Policy, RunResult, SimNode, SimRequest, SliceStats, Workload
 
 MAX_ATTEMPTS = 4
-LATENCY_WINDOW_S = 5.0
 TIMELINE_WINDOW_S = 10.0
 RECOVERY_WINDOW_S = 1.0
 CONNECT_REFUSED_S = 0.001
@@ -48,6 +54,9 @@ SEGMENT_BYTES = 1448
 """TCP payload per segment on a 1,500-byte MTU."""
 BYTES_PER_TOKEN = 4
 """Prompt bytes per token on the wire (JSON text of English prose, roughly)."""
+HOST_CPU_UTIL_RATIO = 0.05
+"""Each node's host CPU utilisation, a constant: the replay models no host CPU (tokenising and HTTP are outside
+its engine model), and an inference server's host idles at a few percent while its GPU does the work."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +109,52 @@ def recovery_s(killed_at: float, refused: Sequence[float]) -> float:
     return (max(busy) + 1) * RECOVERY_WINDOW_S if busy else 0.0
 
 
-class _Node:
-    """One engine, its agent's window and what the replay measures on it."""
+class _ModelScrape(EngineCollector):
+    """The agent's collector of the node's engine, its scrape of `/metrics` replaced by the engine model's
+    counters and histograms under vLLM's names, as `EmulatedEngine` publishes them and the collector parses
+    them: the agent's own deltas between scrapes (prefix-cache miss ratio, prefill speed, the engine's latency
+    quantiles) without the HTTP round trip and the text format in between."""
 
-    def __init__(self, spec: NodeSpec, block_tokens: int, index: int) -> None:
+    def __init__(self, node: _Node) -> None:
+        super().__init__(f"{node.info.address}/metrics")
+        self._node = node
+
+    def sample(self) -> EngineSample:
+        samples = self._node.exposition()
+        previous, self._previous = self._previous, samples
+        return _read(_VLLM, samples, previous, self.invalid)
+
+
+def _le(bounds: Sequence[float]) -> tuple[frozenset[tuple[str, str]], ...]:
+    """Each bucket's label set, +Inf last, as a histogram's `_bucket` samples carry them."""
+    return (*(frozenset({("le", str(float(b)))}) for b in bounds), frozenset({("le", "+Inf")}))
+
+
+_NO_LABELS: frozenset[tuple[str, str]] = frozenset()
+_TTFT_LE = _le(_TTFT_BUCKETS)
+_E2E_LE = _le(_E2E_BUCKETS)
+
+
+class _Node:
+    """One engine, its agent and what the replay measures on it.
+
+    The agent is `prism agent`'s own sampler (`NodeSampler`, `to_vector`) with its sources at their periods,
+    each reading the simulated node where the agent reads the real one:
+    - engine (`KV_MISS_PERIOD_S`): the agent's engine collector over the model's counters (`_ModelScrape`);
+    - load (every vector period): the requests the node served, every caller's, in the agent's per-slice
+      windows (`SliceWindows`), each reported at its end with its TTFT and latency from its arrival at the node,
+      as its request span is;
+    - ebpf (every vector period): the agent's TCP window (`NetworkWindow`) over the node's connections, one a
+      request, and the segments lost on the way to it (`Degrade.loss`); the replay has no resets, no refused
+      connects to a live node and no handshake times;
+    - gpu (`NVLINK_PERIOD_S`): utilisation 1 while the engine runs a request, else 0 (simulated: NVML's is the
+      share of its last sample period, under a second, a kernel ran, and a running engine launches them back to
+      back);
+    - host: `HOST_CPU_UTIL_RATIO` (simulated).
+    What the replay has no counterpart for is absent, as on a node whose agent cannot read it: host and GPU
+    memory, NVLink and PCIe, fragmentation, CPU preprocessing, connect() calls, the KV-event summary."""
+
+    def __init__(self, spec: NodeSpec, block_tokens: int, index: int, period_s: float) -> None:
         self.spec = spec
         self.info = SimNode(
             spec.name, f"http://10.0.{index // 250}.{index % 250 + 1}:8000", spec.gpu_class, spec.numa_node
@@ -111,21 +162,44 @@ class _Node:
         self.model = EngineModel(PROFILES[spec.gpu_class], block_tokens)
         self.alive = True
         self.wake_at = math.inf
+        self.labels = {"gpu": spec.gpu_class, **(spec.labels or {})}
         self.seq = 0
-        self.arrivals = 0
-        # (time, prefix queries, hits, prefill seconds): the engine's counters at each vector, over the window
-        self.counters: deque[tuple[float, int, int, float]] = deque([(0.0, 0, 0, 0.0)])
-        self.miss_ratio: float | None = None
-        self.prefill_rate: float | None = None
-        self.first_tokens: deque[tuple[float, str, float]] = deque()  # (time, slice, ttft s) for the agent
+        self.now = 0.0  # the agent's clock: the simulated time of its current vector
         self.busy_area = 0.0  # ∫ requests in flight dt, for load max/mean
         self.inflight = 0
         self.last_change = 0.0
         self.jobs: set[Job] = set()
         self.loss = 0.0  # share of segments lost on the way to it (`Degrade`)
-        self.connections = 0  # requests sent to it since the last vector
-        self.retransmits = 0  # segments of those resent
         self.foreign_per_s = 0.0  # arrival rate of requests from outside the policy (`Degrade.foreign`)
+        # what the engine's /metrics and the kernel's TCP counters hold, cumulative
+        self.ttft_buckets = [0] * len(_TTFT_LE)
+        self.e2e_buckets = [0] * len(_E2E_LE)
+        self.opened = self.ended = self.retransmits = 0
+        self.requests = SliceWindows()
+        self.network = NetworkWindow(
+            lambda: TcpCounts(self.opened, self.ended, self.retransmits, 0, 0), clock=lambda: self.now
+        )
+        engine = _ModelScrape(self)
+        self.sampler = NodeSampler(
+            [
+                Source("host", period_s, lambda: Reading(metrics={"cpu_util_ratio": HOST_CPU_UTIL_RATIO})),
+                Source(
+                    "load",
+                    period_s,
+                    lambda: Reading(
+                        metrics={"requests_per_s": self.requests.requests_per_s(self.now)},
+                        latency=self.requests.latency(self.now),
+                    ),
+                ),
+                Source("ebpf", period_s, lambda: Reading(metrics={**self.network.read()})),
+                Source(
+                    "gpu",
+                    NVLINK_PERIOD_S,
+                    lambda: Reading(metrics={"gpu_util_ratio": 1.0 if self.model.running else 0.0}),
+                ),
+                Source("engine", KV_MISS_PERIOD_S, lambda: engine_reading(engine)),
+            ]
+        )
 
     def account(self, now: float, delta: int) -> None:
         self.busy_area += self.inflight * (now - self.last_change)
@@ -136,68 +210,61 @@ class _Node:
         m = self.model
         return EngineStats(m.running, len(m.waiting), m.kv_usage, m.prefix_queries_tokens, m.prefix_hits_tokens)
 
-    def vector(self, now: float, period_s: float) -> NodeVector:
-        """What this node's agent would send now."""
-        while self.first_tokens and self.first_tokens[0][0] < now - LATENCY_WINDOW_S:
-            self.first_tokens.popleft()
-        by_slice: dict[str, list[float]] = {}
-        for _, slice_name, ttft in self.first_tokens:
-            by_slice.setdefault(slice_name, []).append(ttft * 1000)
-            by_slice.setdefault(ENGINE_LATENCY_KEY, []).append(ttft * 1000)
-        latency = {
-            key: ModalityLatency(
-                requests=len(v),
-                ttft_p50_ms=quantile(v, 0.5),
-                ttft_p95_ms=quantile(v, 0.95),
-                ttft_p99_ms=quantile(v, 0.99),
-            )
-            for key, v in by_slice.items()
-        }
+    def first_token(self, job: Job, t: float) -> None:
+        """The engine's first token of `job` (any caller's), in its TTFT histogram."""
+        self.ttft_buckets[bisect.bisect_left(_TTFT_BUCKETS, t - job.arrival_s)] += 1
+
+    def finished(self, job: Job, slice_name: str, t: float) -> None:
+        """The end of `job` (any caller's): its connection closes, the engine observes its latency and its
+        request span reaches the agent."""
+        assert job.first_token_s is not None
+        e2e_s = t - job.arrival_s
+        self.e2e_buckets[bisect.bisect_left(_E2E_BUCKETS, e2e_s)] += 1
+        self.ended += 1
+        self.requests.add(slice_name, t, ttft_ms=(job.first_token_s - job.arrival_s) * 1000, e2e_ms=e2e_s * 1000)
+
+    def exposition(self) -> dict[str, dict[frozenset[tuple[str, str]], float]]:
+        """The engine's `/metrics` now, as the agent's collector parses a vLLM page: sample name → value by label
+        set (one engine, no labels but the buckets' `le`)."""
         m = self.model
-        self.counters.append((now, m.prefix_queries_tokens, m.prefix_hits_tokens, m.prefill_seconds))
-        while len(self.counters) > 2 and self.counters[1][0] <= now - LATENCY_WINDOW_S:
-            self.counters.popleft()
-        _, queries_before, hits_before, seconds_before = self.counters[0]
-        queries = m.prefix_queries_tokens - queries_before
-        hits = m.prefix_hits_tokens - hits_before
-        if queries:  # as the agent's engine source: counter deltas over its period, the last value kept between
-            self.miss_ratio = 1.0 - hits / queries
-        seconds = m.prefill_seconds - seconds_before
-        if seconds > 0:
-            self.prefill_rate = (queries - hits) / seconds
-        metrics = NodeMetrics(
-            cpu_util_ratio=0.05,
-            gpu_util_ratio=1.0 if m.running else 0.0,
-            kv_cache_usage_ratio=min(1.0, m.kv_usage),
-            kv_cache_miss_ratio=self.miss_ratio,
-            requests_running=m.running,
-            requests_waiting=len(m.waiting),
-            requests_per_s=self.arrivals / period_s,
-            prefill_tokens_per_s=self.prefill_rate,
-            tcp_retransmits_per_conn=self.retransmits / self.connections if self.connections else 0.0,
-        )
-        self.arrivals = self.connections = self.retransmits = 0
+        queries, hits = _VLLM.cache_counters[0]
+        return {
+            _VLLM.running: {_NO_LABELS: m.running},
+            _VLLM.waiting: {_NO_LABELS: len(m.waiting)},
+            _VLLM.kv_usage[0]: {_NO_LABELS: min(1.0, m.kv_usage)},  # vLLM's usage is of its pool: never over 1
+            queries: {_NO_LABELS: m.prefix_queries_tokens},
+            hits: {_NO_LABELS: m.prefix_hits_tokens},
+            f"{_VLLM.prefill_time}_sum": {_NO_LABELS: m.prefill_seconds},
+            f"{_VLLM.ttft}_bucket": dict(zip(_TTFT_LE, itertools.accumulate(self.ttft_buckets), strict=True)),
+            f"{_VLLM.e2e}_bucket": dict(zip(_E2E_LE, itertools.accumulate(self.e2e_buckets), strict=True)),
+        }
+
+    def vector(self, now: float, period_s: float) -> NodeVector:
+        """What this node's agent sends now."""
+        self.now = now
         self.seq += 1
-        labels = {"gpu": self.spec.gpu_class, **(self.spec.labels or {})}
-        return NodeVector(
+        return to_vector(
+            self.sampler.tick(now),
             node_id=self.spec.name,
             host=self.spec.name,
             endpoint=self.info.address,
-            labels=labels,
+            labels=self.labels,
             seq=self.seq,
             sample_time_unix_s=now,
             period_s=period_s,
-            metrics=metrics,
-            latency=latency,
+            started_unix_s=0.0,
         )
 
 
 class _View:
     """The `ClusterView` policies read."""
 
-    def __init__(self, nodes: Mapping[str, _Node]) -> None:
+    def __init__(self, nodes: Mapping[str, _Node], vector_period_s: float) -> None:
         self._nodes = nodes
         self.nodes = [n.info for n in nodes.values()]
+        self.vector_period_s = vector_period_s
+        self.reporting = False
+        """Whether the nodes' agents send vectors: from the policy's first `vectors` call."""
         self.pending: list[NodeVector] = []
         self.now = 0.0
         """The simulated time of the policy's current `start` or `tick`."""
@@ -209,6 +276,12 @@ class _View:
         return node.stats() if node is not None and node.alive else None
 
     def vectors(self) -> list[NodeVector]:
+        """Vectors sent since the last call. The first call starts the agents, each live node's with a vector now
+        (in `start`, or a tick at 0: the agents are up before the first request), so that policies that never read
+        vectors (all but Prism's) spare the replay its costliest bookkeeping."""
+        if not self.reporting:
+            self.reporting = True
+            self.pending = [n.vector(self.now, self.vector_period_s) for n in self._nodes.values() if n.alive]
         out, self.pending = self.pending, []
         return out
 
@@ -235,7 +308,6 @@ class _Foreign:
     """A job's tag for a request from outside the policy: only the node's agent sees it."""
 
     slice_name: str
-    arrival_s: float
 
 
 class Simulation:
@@ -268,7 +340,7 @@ class Simulation:
         self.kill = kill
         self.vector_period_s = vector_period_s
         self.gateways_numa = tuple(gateways_numa)
-        self.nodes = {spec.name: _Node(spec, workload.block_tokens, i) for i, spec in enumerate(nodes)}
+        self.nodes = {spec.name: _Node(spec, workload.block_tokens, i, vector_period_s) for i, spec in enumerate(nodes)}
         if kill is not None and kill.node not in self.nodes:
             raise ValueError(f"cannot kill {kill.node!r}: not a node of the cluster")
         for fault in degrade:
@@ -277,7 +349,7 @@ class Simulation:
         self.degrade = tuple(degrade)
         self._rng = random.Random(seed)  # lost segments
         self._foreign_rng = random.Random(seed + 1)  # foreign arrivals, their sizes and block ids
-        self.view = _View(self.nodes)
+        self.view = _View(self.nodes, vector_period_s)
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self.ttft: list[tuple[str, float, float, bool]] = []  # (slice, first token time, ttft s, within its SLO)
@@ -297,7 +369,7 @@ class Simulation:
         started = time.perf_counter()
         requests = self.workload.requests
         span = requests[-1].arrival_s
-        self._vectors(0.0, None)  # the agents are up before the first request
+        self._vectors(0.0, None)  # the vector schedule; the agents report from the policy's first `vectors` call
         self.policy.start(self.view, 0.0)
         for request in requests:
             self._push(request.arrival_s, "arrive", (request, frozenset(), 0))
@@ -325,6 +397,14 @@ class Simulation:
                 raise RuntimeError(f"{remaining} requests unaccounted for with every node idle (a replay bug)")
         for node in self.nodes.values():
             node.account(now, 0)
+        failed = [
+            f"{n.spec.name}/{source}"
+            for n in self.nodes.values()
+            for source, c in n.sampler.failures_total.items()
+            if c
+        ]
+        if failed:  # an agent keeps going without a failing source; a replay must not
+            raise RuntimeError(f"agent sources failed: {', '.join(failed)} (a replay bug)")
         self.policy.close()
         return self._result(now, time.perf_counter() - started)
 
@@ -361,8 +441,7 @@ class Simulation:
         job.tag = _Attempt(request, name, parse_signature(request.signature)[0].value)
         if not node.model.fits(job):
             job.output_tokens = 1  # an engine truncates what cannot fit; the prompt itself always fits here
-        node.arrivals += 1
-        node.connections += 1
+        node.opened += 1
         node.account(now, +1)
         node.jobs.add(job)
         if node.loss:
@@ -407,9 +486,12 @@ class Simulation:
         done = 0
         for kind, job, t in events:
             attempt = job.tag
+            if kind == "first_token":
+                node.first_token(job, t)
+            elif kind == "finished":
+                assert isinstance(attempt, _Attempt | _Foreign)
+                node.finished(job, attempt.slice_name, t)
             if isinstance(attempt, _Foreign):
-                if kind == "first_token":
-                    node.first_tokens.append((t, attempt.slice_name, t - attempt.arrival_s))
                 continue
             assert isinstance(attempt, _Attempt)
             if kind == "first_token":
@@ -417,7 +499,6 @@ class Simulation:
                 ttft = t - attempt.request.arrival_s
                 slo = TAU0_MS[Slice(attempt.slice_name)] / 1000 if self.slo_s is None else self.slo_s(attempt.request)
                 self.ttft.append((attempt.slice_name, t, ttft, ttft <= slo))
-                node.first_tokens.append((t, attempt.slice_name, ttft))
                 self.policy.first_token(node.spec.name, attempt.request, t)
             elif kind == "finished":
                 node.jobs.discard(job)
@@ -457,7 +538,8 @@ class Simulation:
         for node in self.nodes.values():
             if node.alive:
                 done += self._apply(node, now, node.model.advance(now))
-                self.view.pending.append(node.vector(now, self.vector_period_s))
+                if self.view.reporting:
+                    self.view.pending.append(node.vector(now, self.vector_period_s))
         self._push(now + self.vector_period_s, "vectors")
         return done
 
@@ -492,10 +574,10 @@ class Simulation:
         profile = node.model.profile
         job = Job(blocks, like.input_tokens, max(1, like.output_tokens), profile.media_s(like.media), now)
         job.media_tokens = like.media_tokens
-        job.tag = _Foreign(parse_signature(like.signature)[0].value, now)
+        job.tag = _Foreign(parse_signature(like.signature)[0].value)
         if not node.model.fits(job):
             job.output_tokens = 1
-        node.arrivals += 1
+        node.opened += 1
         self._push(now + rng.expovariate(node.foreign_per_s), "foreign", node.spec.name)
         return self._apply(node, now, node.model.advance(now) + node.model.submit(job, now))
 

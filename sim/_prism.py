@@ -14,6 +14,7 @@ of it runs on the simulation's clock.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 import torch
@@ -155,7 +156,8 @@ class PrismPolicy(Policy):
         lease.end()
 
     def close(self) -> None:
-        for router in self.routers:
-            router.close()
-        self.brain.control.guardian.close()
-        self.brain.history.close()
+        """Close the routers, then the brain, each whatever the others do."""
+        with ExitStack() as stack:
+            stack.callback(self.brain.close)
+            for router in reversed(self.routers):
+                stack.callback(router.close)

@@ -64,3 +64,28 @@ def test_kv_full_every_from_file_env_and_flag(tmp_path: Path) -> None:
     assert resolve_config(argparse.Namespace(config=str(path)), env).kv_full_every_s == 15.0
     flag = argparse.Namespace(config=str(path), kv_full_every="5")
     assert resolve_config(flag, env).kv_full_every_s == 5.0
+
+
+def test_otlp_ports_and_trace_filters_from_file_env_and_flag(tmp_path: Path) -> None:
+    path = write(tmp_path, "otlp_grpc_port = 0\notlp_http_port = 14318\ntrace_port = [80, 443]\n")
+    config = resolve_config(argparse.Namespace(config=str(path)), {"PRISM_TRACE_PIDS": "7,9"})
+    assert (config.otlp_grpc_port, config.otlp_http_port) == (0, 14318)
+    assert (config.trace_ports, config.trace_pids) == (frozenset({80, 443}), frozenset({7, 9}))
+    flags = argparse.Namespace(config=str(path), otlp_http_port="0", trace_port=["8000,8001", "9000"])
+    config = resolve_config(flags, {"PRISM_OTLP_HTTP_PORT": "4000"})
+    assert (config.otlp_http_port, config.trace_ports) == (0, frozenset({8000, 8001, 9000}))
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"PRISM_OTLP_HTTP_PORT": "x"}, "PRISM_OTLP_HTTP_PORT: OTLP port 'x' is not an integer"),
+        ({"PRISM_OTLP_GRPC_PORT": "-1"}, "PRISM_OTLP_GRPC_PORT: OTLP port must be 0 (off) to 65535, got -1"),
+        ({"PRISM_TRACE_PORTS": "80,http"}, "PRISM_TRACE_PORTS: port 'http' is not an integer in 1..65535"),
+        ({"PRISM_JOIN_DELAY_S": "11"}, "PRISM_JOIN_DELAY_S: join delay must be 0 to 10 seconds, got '11'"),
+    ],
+)
+def test_bad_variables_name_themselves(environ: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        resolve_config(argparse.Namespace(), environ)
+    assert str(refused.value) == message

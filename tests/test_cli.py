@@ -18,8 +18,8 @@ USAGE_ERRORS: dict[str, tuple[list[str], str]] = {
     "no command": ([], "prism: the following arguments are required: COMMAND"),
     "unknown command": (["nosuch"], "prism: argument COMMAND: invalid choice: 'nosuch'"),
     "agent setting": (["agent", "--period", "0"], "prism agent: --period: period must be a positive number"),
-    "agent flag type": (["agent", "--metrics-port", "x"], "prism agent: argument --metrics-port: invalid int value"),
-    "brain setting": (["brain", "--priority", "5000"], "prism brain: priority must be a whole number from -1000"),
+    "agent flag type": (["agent", "--metrics-port", "x"], "prism agent: --metrics-port: metrics port 'x' is not an"),
+    "brain setting": (["brain", "--priority", "5000"], "prism brain: --priority: priority must be a whole number"),
     "ctl experiment": (["ctl", "experiment", "set", "canary"], "prism ctl: experiment set needs --slice"),
     "ctl arm": (
         ["ctl", "experiment", "set", "canary", "--slice", "llm", "--arm", "v1"],

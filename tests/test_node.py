@@ -1,4 +1,5 @@
-"""Each source at its own period, stale readings expiring, failures contained, health and alarms."""
+"""Each source at its own period, stale readings expiring, failures contained, health and alarms, the per-slice
+request windows, and the vector made of them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import logging
 
 import pytest
 
-from prismlb.agent._node import NodeSampler, Reading, Source
+from prismlb.agent._node import NodeSampler, Reading, Source, to_vector
+from prismlb.agent._windows import SliceWindows
+from prismlb.wire import MAX_VECTOR_BYTES, ModalityLatency, NodeVector, decode, encode
 
 
 class Counting:
@@ -31,7 +34,9 @@ def test_sources_run_at_their_own_periods() -> None:
 
 def test_stale_readings_expire_and_absent_stays_absent() -> None:
     values = {"kv_cache_miss_ratio": 0.1}
-    sampler = NodeSampler([Source("kv", 5, lambda: Reading(metrics=dict(values))), Source("host", 1, lambda: Reading())])
+    sampler = NodeSampler(
+        [Source("kv", 5, lambda: Reading(metrics=dict(values))), Source("host", 1, lambda: Reading())]
+    )
     assert sampler.tick(0.0).metrics.kv_cache_miss_ratio == 0.1
     values["kv_cache_miss_ratio"] = None  # type: ignore[assignment]
     state = sampler.tick(5.0)
@@ -92,3 +97,61 @@ def test_jittery_ticks_do_not_skip_a_period() -> None:
     for tick in range(20):
         sampler.tick(tick * 1.0 + (0.003 if tick % 2 else -0.003))
     assert source.calls == 20
+
+
+def test_the_vector_carries_the_state_and_the_nodes_identity() -> None:
+    latency = {"llm": ModalityLatency(requests=3, ttft_p99_ms=120.0)}
+    sampler = NodeSampler(
+        [
+            Source("kv", 1, lambda: Reading(metrics={"kv_cache_miss_ratio": 0.3})),
+            Source("load", 1, lambda: Reading(metrics={"requests_per_s": 2.5}, latency=latency)),
+        ]
+    )
+    state = sampler.tick(0.0)
+    labels = {"gpu": "a100"}
+    vector = to_vector(
+        state,
+        node_id="n1",
+        host="h1",
+        endpoint="http://10.0.0.1:8000",
+        zone="z",
+        labels=labels,
+        seq=7,
+        sample_time_unix_s=1_700_000_000.0,
+        period_s=1.0,
+        started_unix_s=1_699_999_000.0,
+    )
+    labels["gpu"] = "h100"
+    assert vector.labels == {"gpu": "a100"}, "the vector keeps its own copy of the labels"
+    assert (vector.node_id, vector.host, vector.zone, vector.seq, vector.started_unix_s) == (
+        "n1",
+        "h1",
+        "z",
+        7,
+        1_699_999_000.0,
+    )
+    assert vector.metrics.requests_per_s == 2.5 and vector.metrics.health_score == state.metrics.health_score
+    assert vector.alarms == ["kv_cache_miss_ratio"] and vector.latency == latency
+    assert decode(encode(vector), (NodeVector,), MAX_VECTOR_BYTES) == vector, "a valid wire message"
+
+
+def test_slice_windows_give_each_slices_latency_over_the_window_of_their_reports() -> None:
+    windows = SliceWindows(10.0)
+    assert windows.requests_per_s(0.0) is None and windows.latency(0.0) == {}
+    for i in range(100):
+        windows.add("vlm", 100.0 + i * 0.05, ttft_ms=float(i), e2e_ms=1000.0 + i, error=i % 10 == 0)
+    windows.add("llm", 104.0, e2e_ms=50.0)  # a request whose span had no TTFT
+    latency = windows.latency(105.0)
+    assert set(latency) == {"vlm", "llm"}
+    assert (latency["vlm"].requests, latency["vlm"].errors) == (100, 10)
+    assert latency["vlm"].ttft_p50_ms == pytest.approx(49.5) and latency["vlm"].ttft_p99_ms == pytest.approx(98.01)
+    assert latency["vlm"].e2e_p95_ms == pytest.approx(1094.05)
+    assert latency["llm"].ttft_p99_ms is None and latency["llm"].e2e_p50_ms == 50.0
+    assert windows.requests_per_s(105.0) == pytest.approx(10.1)
+    later = windows.latency(114.025)  # llm's report and vlm's first 81 are over 10 s old
+    assert set(later) == {"vlm"} and (later["vlm"].requests, later["vlm"].errors) == (19, 1)
+    assert later["vlm"].ttft_p50_ms == pytest.approx(90.0)
+    assert windows.requests_per_s(114.025) == pytest.approx(1.9)
+    assert windows.latency(200.0) == {} and windows.requests_per_s(200.0) == 0.0
+    with pytest.raises(ValueError):
+        SliceWindows(0.0)

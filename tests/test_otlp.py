@@ -116,9 +116,7 @@ def serve() -> Iterator[Callable[..., OtlpReceiver]]:
     def _serve(sink: Sink, **kwargs: Any) -> OtlpReceiver:
         kwargs.setdefault("grpc_port", EPHEMERAL_PORT)
         kwargs.setdefault("http_port", EPHEMERAL_PORT)
-        receiver = OtlpReceiver(
-            sink.on_traces, sink.on_metrics, on_logs=sink.on_logs, host="127.0.0.1", environ={}, **kwargs
-        )
+        receiver = OtlpReceiver(sink.on_traces, sink.on_metrics, on_logs=sink.on_logs, host="127.0.0.1", **kwargs)
         receiver.start()
         started.append(receiver)
         return receiver
@@ -272,9 +270,7 @@ def test_forwarded_spans_reach_upstream_unchanged_but_for_the_join(
         received.append(request)
         forwarder.submit(request)
 
-    agent = OtlpReceiver(
-        join_then_forward, lambda _r: None, host="127.0.0.1", grpc_port=EPHEMERAL_PORT, http_port=0, environ={}
-    )
+    agent = OtlpReceiver(join_then_forward, lambda _r: None, host="127.0.0.1", grpc_port=EPHEMERAL_PORT, http_port=0)
     agent.start()
     try:
         emit_spans(span_exporter("grpc", agent), batch=True).shutdown()
@@ -592,23 +588,19 @@ def test_bad_grpc_input_is_answered_counted_and_survived(serve: Callable[..., Ot
     assert receiver.spans_received == 1
 
 
-def test_ports_off_ephemeral_and_from_the_environment(serve: Callable[..., OtlpReceiver]) -> None:
+def test_ports_off_and_ephemeral(serve: Callable[..., OtlpReceiver]) -> None:
     sink = Sink()
     only_http = serve(sink, grpc_port=0)
     assert only_http.grpc_port is None and only_http.http_port
     assert only_http.addresses == [("127.0.0.1", only_http.http_port)]
-    off = OtlpReceiver(
-        sink.on_traces, sink.on_metrics, environ={"PRISM_OTLP_GRPC_PORT": "0", "PRISM_OTLP_HTTP_PORT": "0"}
-    )
+    off = OtlpReceiver(sink.on_traces, sink.on_metrics, grpc_port=0, http_port=0)
     off.start()
     assert off.addresses == []
     off.shutdown()
-    with pytest.raises(ConfigError, match="PRISM_OTLP_HTTP_PORT"):
-        OtlpReceiver(
-            sink.on_traces, sink.on_metrics, environ={"PRISM_OTLP_GRPC_PORT": "0", "PRISM_OTLP_HTTP_PORT": "x"}
-        )
-    with pytest.raises(ConfigError, match="PRISM_OTLP_GRPC_PORT"):
-        OtlpReceiver(sink.on_traces, sink.on_metrics, environ={"PRISM_OTLP_GRPC_PORT": "-1"})
+    with pytest.raises(ConfigError, match="HTTP port must be 0"):
+        OtlpReceiver(sink.on_traces, sink.on_metrics, grpc_port=0, http_port=65536)
+    with pytest.raises(ConfigError, match="gRPC port must be 0"):
+        OtlpReceiver(sink.on_traces, sink.on_metrics, grpc_port=-2, http_port=0)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

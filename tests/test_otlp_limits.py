@@ -3,11 +3,13 @@ bounded (connections, threads, bytes in flight, gRPC calls), and what it refuses
 
 from __future__ import annotations
 
+import argparse
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -16,7 +18,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceS
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 from prometheus_client import CollectorRegistry
 
-from prismlb.agent._otlp_receiver import OtlpReceiver
+from prismlb.agent import resolve_config
+from prismlb.agent._otlp_receiver import EPHEMERAL_PORT, OtlpReceiver
+from prismlb.agent._signals import SpanSignals
+from prismlb.agent._tracing import TracePath
 from prismlb.wire import ConfigError
 
 from .conftest import wait_for
@@ -184,28 +189,50 @@ def test_grpc_exports_beyond_the_limit_are_refused_and_counted(
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "environ", "message"),
+    ("kwargs", "message"),
     [
-        ({}, {"PRISM_OTLP_MAX_CONNECTIONS": "many"}, "PRISM_OTLP_MAX_CONNECTIONS: 'many' is not an integer"),
-        ({}, {"PRISM_OTLP_READ_TIMEOUT_S": "-1"}, "PRISM_OTLP_READ_TIMEOUT_S: must be positive"),
-        ({"max_grpc_rpcs": 0}, {}, "argument: must be positive"),
-        ({"max_inflight_bytes": 1024}, {}, "must be at least max_message_bytes"),
+        ({"max_connections": 0}, "max_connections must be positive, got 0"),
+        ({"read_timeout_s": float("nan")}, "read_timeout_s must be positive, got nan"),
+        ({"max_grpc_rpcs": -1}, "max_grpc_rpcs must be positive, got -1"),
+        ({"max_inflight_bytes": 1024}, "must be at least max_message_bytes"),
     ],
 )
-def test_bad_limits_are_config_errors(kwargs: dict[str, int], environ: dict[str, str], message: str) -> None:
+def test_bad_limits_are_config_errors(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        OtlpReceiver(lambda _t: None, lambda _m: None, grpc_port=0, http_port=0, environ=environ, **kwargs)
+        OtlpReceiver(lambda _t: None, lambda _m: None, grpc_port=0, http_port=0, **kwargs)
 
 
-def test_limits_come_from_the_environment() -> None:
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"PRISM_OTLP_MAX_CONNECTIONS": "many"}, "^PRISM_OTLP_MAX_CONNECTIONS: 'many' is not an integer"),
+        ({"PRISM_OTLP_READ_TIMEOUT_S": "-1"}, "^PRISM_OTLP_READ_TIMEOUT_S: must be positive"),
+        ({"PRISM_OTLP_MAX_GRPC_RPCS": "1.5"}, "^PRISM_OTLP_MAX_GRPC_RPCS: '1.5' is not an integer"),
+        ({"PRISM_OTLP_MAX_INFLIGHT_BYTES": "0"}, "^PRISM_OTLP_MAX_INFLIGHT_BYTES: must be positive"),
+    ],
+)
+def test_bad_limits_in_the_agents_settings_name_their_variable(environ: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(argparse.Namespace(), environ)
+
+
+def test_the_agents_receiver_takes_its_limits_from_the_agents_settings() -> None:
     environ = {
         "PRISM_OTLP_MAX_CONNECTIONS": "5",
         "PRISM_OTLP_MAX_INFLIGHT_BYTES": str(32 * MIB),
         "PRISM_OTLP_READ_TIMEOUT_S": "2.5",
         "PRISM_OTLP_MAX_GRPC_RPCS": "3",
+        "PRISM_OTLP_GRPC_PORT": "0",
     }
-    receiver = OtlpReceiver(lambda _t: None, lambda _m: None, grpc_port=0, http_port=0, environ=environ)
-    assert (receiver.max_connections, receiver.budget.limit) == (5, 32 * MIB)
-    assert (receiver.read_timeout_s, receiver.max_grpc_rpcs) == (2.5, 3)
-    default = OtlpReceiver(lambda _t: None, lambda _m: None, grpc_port=0, http_port=0, environ={}, max_connections=7)
-    assert (default.max_connections, default.budget.limit, default.read_timeout_s) == (7, 64 * MIB, 10.0)
+    config = replace(resolve_config(argparse.Namespace(), environ), ebpf=False, otlp_http_port=EPHEMERAL_PORT)
+    path = TracePath(config, None, SpanSignals(), CollectorRegistry())
+    try:
+        receiver = path.receiver
+        assert receiver is not None and receiver.grpc_port is None and receiver.http_port
+        assert (receiver.max_connections, receiver.budget.limit) == (5, 32 * MIB)
+        assert (receiver.read_timeout_s, receiver.max_grpc_rpcs) == (2.5, 3)
+    finally:
+        path.close()
+    default = resolve_config(argparse.Namespace(), {})
+    assert (default.otlp_max_connections, default.otlp_max_inflight_bytes) == (64, 64 * MIB)
+    assert (default.otlp_read_timeout_s, default.otlp_max_grpc_rpcs) == (10.0, 8)

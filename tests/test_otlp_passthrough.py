@@ -340,7 +340,6 @@ def test_logs_share_the_grpc_export_limit() -> None:
         grpc_port=EPHEMERAL_PORT,
         http_port=0,
         max_grpc_rpcs=1,
-        environ={},
     )
     receiver.start()
     try:
@@ -485,7 +484,7 @@ def test_a_full_queue_drops_whole_requests_and_counts_their_items(
         release.wait(WAIT_S)
         sink.on_metrics(request)
 
-    collector = OtlpReceiver(lambda _t: None, slow, host="127.0.0.1", grpc_port=EPHEMERAL_PORT, http_port=0, environ={})
+    collector = OtlpReceiver(lambda _t: None, slow, host="127.0.0.1", grpc_port=EPHEMERAL_PORT, http_port=0)
     collector.start()
     set_upstream(monkeypatch, collector, "grpc")
     registry = CollectorRegistry()
@@ -541,7 +540,6 @@ def test_refused_batches_are_counted_and_forwarding_goes_on(
         host="127.0.0.1",
         grpc_port=EPHEMERAL_PORT,
         http_port=EPHEMERAL_PORT,
-        environ={},
     )
     collector.start()
     set_upstream(monkeypatch, collector, upstream)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import httpx
 import pytest
 
-from prismlb.sim import Outcome, Policy, SimRequest, Workload
-from prismlb.sim._cluster import RTO_S, Degrade, Kill, NodeSpec, Simulation, recovery_s
+from prismlb.agent._engine import _parse
+from prismlb.agent._sources import KV_MISS_PERIOD_S, NVLINK_PERIOD_S
+from prismlb.agent._windows import LOAD_WINDOW_S
+from prismlb.sim import EmulatedEngine, Outcome, Policy, SimRequest, Workload
+from prismlb.sim._cluster import HOST_CPU_UTIL_RATIO, RTO_S, Degrade, Kill, NodeSpec, Simulation, _Node, recovery_s
 from prismlb.sim._prism import PrismPolicy, affinity_key
 from prismlb.sim._types import ClusterView
+from prismlb.wire import NodeVector, quantile
 
 NODES = tuple(NodeSpec(f"n{i}", "a100", i % 2) for i in range(4))
 
@@ -154,7 +159,8 @@ def test_a_degraded_node_keeps_answering_slower_and_its_agent_shows_it() -> None
     assert min(rates(slowed, "n0")) > 0.9 * min(rates(healthy, "n0"))
     lossy = [r for _, name, _, r in slowed.vectors if name == "n3" and r]
     assert lossy and min(lossy) > 0.5, "half the segments lost: retransmits per connection in its vectors"
-    assert all(r == 0.0 for _, name, _, r in slowed.vectors if name != "n3"), "sound nodes retransmit nothing"
+    sound = {r for _, name, _, r in slowed.vectors if name != "n3"}
+    assert sound == {None, 0.0}, "sound nodes retransmit nothing; without a connection nothing is measured"
     stalled = [slowed.ttft[i][1] - healthy.ttft[i][1] for i in slowed.ttft if slowed.ttft[i][0] == "n3"]
     assert sum(s >= RTO_S - 1e-9 for s in stalled) > 0.6 * len(stalled), "most lost a segment: an RTO or more"
 
@@ -168,16 +174,17 @@ def test_prism_sends_less_to_a_slowed_node() -> None:
 
 
 class Seen(Watch):
-    """Watch that also keeps each vector's requests per second and engine TTFT P99."""
+    """Watch that also keeps each vector's time, requests per second and engine TTFT P99."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen: list[tuple[str, float, float]] = []
+        self.seen: list[tuple[float, str, float | None, float]] = []
 
     def tick(self, view: ClusterView, now: float) -> None:
         for v in view.vectors():
             engine = v.latency.get("engine")
-            self.seen.append((v.node_id, v.metrics.requests_per_s, engine.ttft_p99_ms if engine else 0.0))
+            p99 = engine.ttft_p99_ms if engine is not None and engine.ttft_p99_ms is not None else 0.0
+            self.seen.append((v.sample_time_unix_s, v.node_id, v.metrics.requests_per_s, p99))
 
 
 def test_foreign_requests_load_a_node_that_only_its_agent_sees() -> None:
@@ -191,14 +198,18 @@ def test_foreign_requests_load_a_node_that_only_its_agent_sees() -> None:
     assert result.completed == 400 and result.failed_attempts == 0
     assert len(shared.ttft) == 400 and {i for _, _, i in shared.log} == set(range(400)), "the policy saw only its own"
 
-    def arrivals(policy: Seen, node: str) -> float:
-        return sum(rate for name, rate, _ in policy.seen if name == node)
+    def served(policy: Seen, node: str) -> float:
+        """The node's requests its agent counted: a request is 1/window of the rate of each vector (one a second)
+        in the window after its end (less those ending within a window of the replay's end)."""
+        return sum(rate or 0.0 for _, name, rate, _ in policy.seen if name == node)
 
     expected = simulation.nodes["n2"].foreign_per_s * workload().requests[-1].arrival_s
     assert expected > 10
-    foreign = arrivals(shared, "n2") - arrivals(alone, "n2")
+    foreign = served(shared, "n2") - served(alone, "n2")
     assert foreign == pytest.approx(expected, rel=0.4), "its agent counts the foreign requests"
-    assert arrivals(shared, "n1") == pytest.approx(arrivals(alone, "n1"), rel=0.05)
+    end = max(t for t, _, _, _ in alone.seen)
+    n1 = [(t, rate, p99) for t, name, rate, p99 in shared.seen if name == "n1" and t <= end]
+    assert n1 == [(t, rate, p99) for t, name, rate, p99 in alone.seen if name == "n1"], "n1 sees none of it"
     on_n2 = [shared.ttft[i][1] for i in shared.ttft if shared.ttft[i][0] == "n2"]
     before = [alone.ttft[i][1] for i in alone.ttft if alone.ttft[i][0] == "n2"]
     assert sum(on_n2) > 1.2 * sum(before), "the policy's requests queue behind the foreign ones"
@@ -210,3 +221,120 @@ def test_recovery_ignores_lone_probes() -> None:
     assert recovery_s(100.0, []) == 0.0
     assert recovery_s(100.0, [100.0, 100.2, 101.5, 110.0, 120.0]) == 1.0
     assert recovery_s(100.0, [100.0, 103.1, 103.9]) == 4.0
+
+
+class Agents(Spread):
+    """Round robin that keeps the agents' vectors, each request's end and TTFT, and each engine's prefix-cache
+    counters at every tick (which comes right after the vectors of its instant)."""
+
+    tick_s = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vectors: list[NodeVector] = []
+        self.first: dict[int, float] = {}
+        self.ends: list[tuple[str, float, float]] = []  # (node, end, TTFT s)
+        self.counters: dict[tuple[str, float], tuple[int, int]] = {}  # (node, time) -> (queried, hit) tokens
+
+    def first_token(self, node: str, request: SimRequest, now: float) -> None:
+        self.first[request.id] = now
+
+    def finished(self, node: str, request: SimRequest, now: float, outcome: Outcome) -> None:
+        super().finished(node, request, now, outcome)
+        self.ends.append((node, now, self.first[request.id] - request.arrival_s))
+
+    def tick(self, view: ClusterView, now: float) -> None:
+        self.vectors += view.vectors()
+        for node in view.nodes:
+            stats = view.stats(node.name)
+            assert stats is not None
+            self.counters[(node.name, now)] = (stats.prefix_queries_tokens, stats.prefix_hits_tokens)
+
+
+def test_each_vector_is_what_the_nodes_agent_makes_of_its_engine() -> None:
+    """The agent's sources at their periods: requests and TTFT per slice over the window of their ends, the
+    engine's finished requests and prefix-cache misses between two scrapes (held until the next), GPU busy every
+    GPU period, the simulated host, and the health score over what is present."""
+    policy = Agents()
+    Simulation(workload(), policy, NODES, utilisation=0.5, seed=0).run()
+    assert {v.node_id for v in policy.vectors} == {n.name for n in NODES}
+    checked_miss = 0
+    for node in NODES:
+        vectors = [v for v in policy.vectors if v.node_id == node.name]
+        assert [v.seq for v in vectors] == list(range(1, len(vectors) + 1))
+        for before, v in zip(vectors, vectors[1:], strict=False):
+            t, m = v.sample_time_unix_s, v.metrics
+            ends = [
+                (end, ttft) for name, end, ttft in policy.ends if name == node.name and t - LOAD_WINDOW_S < end <= t
+            ]
+            assert m.requests_per_s == pytest.approx(len(ends) / LOAD_WINDOW_S)
+            if ends:
+                assert v.latency["llm"].requests == len(ends)
+                ttft_ms = [ttft * 1000 for _, ttft in ends]
+                assert v.latency["llm"].ttft_p99_ms == pytest.approx(quantile(ttft_ms, 0.99))
+            assert m.cpu_util_ratio == HOST_CPU_UTIL_RATIO and m.health_score is not None and m.mem_used_bytes is None
+            if m.gpu_util_ratio != before.metrics.gpu_util_ratio:
+                assert t % NVLINK_PERIOD_S == 0, "GPU busy is read every GPU period"
+            if t % KV_MISS_PERIOD_S:
+                assert m.kv_cache_miss_ratio == before.metrics.kv_cache_miss_ratio, "held between engine scrapes"
+                assert v.latency.get("engine") == before.latency.get("engine")
+                continue
+            scraped = [end for name, end, _ in policy.ends if name == node.name and t - KV_MISS_PERIOD_S < end <= t]
+            engine = v.latency.get("engine")
+            assert (engine.requests if engine is not None else 0) == len(scraped)
+            queried, hit = (a - b for a, b in zip(policy.counters[(node.name, t)], policy.counters[(node.name, t - 5)]))
+            if queried:
+                assert m.kv_cache_miss_ratio == pytest.approx(1 - hit / queried)
+                checked_miss += 1
+    assert checked_miss >= 4 * len(NODES)
+
+
+def test_the_replays_engine_page_is_the_emulated_engines() -> None:
+    """What the replay's agent reads of its engine is what `prism agent` parses from the emulated engine's
+    `/metrics` (the same model behind a real HTTP server): the same series, the same buckets, and on the same
+    model the same gauges and counters."""
+    with EmulatedEngine("a100", time_scale=0.01) as engine:
+        for text in ("a first prompt " * 40, "a second one " * 60):
+            answer = httpx.post(
+                engine.url + "/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 3},
+                timeout=10,
+            )
+            assert answer.status_code == 200
+        page = _parse(httpx.get(engine.url + "/metrics", timeout=10).text)
+        node = _Node(NodeSpec("n0", "a100"), engine.model.block_tokens, 0, 1.0)
+        node.model = engine.model
+        exposition = node.exposition()
+    assert engine.model.prefix_queries_tokens > 0 and engine.model.running == 0
+    for name, series in exposition.items():
+        published = {
+            frozenset(item for item in labels if item[0] not in ("model_name", "engine")): value
+            for labels, value in page[name].items()
+        }
+        if name.endswith("_bucket"):
+            assert set(published) == set(series), name
+        else:
+            assert published == pytest.approx(series), name
+
+
+def test_a_failing_agent_source_fails_the_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent reports without a source that fails; a replay whose simulated source fails has a bug to show (its
+    agents run for a policy that reads their vectors)."""
+
+    def broken(self: _Node) -> dict[str, dict[frozenset[tuple[str, str]], float]]:
+        raise KeyError("vllm:num_requests_running")
+
+    monkeypatch.setattr(_Node, "exposition", broken)
+    with pytest.raises(RuntimeError, match=r"agent sources failed: n0/engine, n1/engine, n2/engine, n3/engine"):
+        Simulation(workload(), Watch(), NODES, utilisation=0.5, seed=0).run()
+
+
+def test_agents_report_from_the_policys_first_read_of_their_vectors() -> None:
+    """Only Prism's path reads vectors: a policy that never does costs the replay no agent; one that does gets a
+    vector from each node at 0 (the agents are up before the first request), then one every period."""
+    quiet = Simulation(workload(), Spread(), NODES, utilisation=0.5, seed=0)
+    quiet.run()
+    assert all(node.seq == 0 for node in quiet.nodes.values())
+    policy = Watch()
+    Simulation(workload(), policy, NODES, utilisation=0.5, seed=0).run()
+    assert [t for t, name, _, _ in policy.vectors if name == "n0"][:3] == [0.0, 1.0, 2.0]
