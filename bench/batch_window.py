@@ -21,6 +21,7 @@ starting point), the adaptive window with its default settings, and no window at
 on arrival). The engine model prefills one request at a time at a rate that does not depend on how many came
 together, so in this model a window buys no throughput and costs only its wait: the no-window server is the
 floor any window can reach, and what is measured is each window's cost and how the adaptive one bounds it.
+`bench/batch_window_live.py` sends the same arrivals to emulated engine processes that embed the windows.
 """
 
 from __future__ import annotations

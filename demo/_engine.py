@@ -1,5 +1,6 @@
 """One emulated engine per process: `python -m prismlb.demo._engine --gpu ...` serves one `EmulatedEngine`
-until SIGTERM or SIGINT. The demo's cluster starts one per node, so that a node can be killed as a machine is."""
+until SIGTERM or SIGINT. The demo's cluster starts one per node, so that a node can be killed as a machine is;
+`bench/batch_window_live.py` starts one per batching window (`--batch-window`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from prismlb.otel import BatchWindowSettings
 from prismlb.sim import PROFILES, EmulatedEngine
+from prismlb.wire import ConfigError
+
+_WINDOW_DEFAULTS = BatchWindowSettings()
 
 
 def main(argv: Sequence[str]) -> int:
@@ -19,15 +24,49 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--kv-events")
     parser.add_argument("--otlp")
     parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument(
+        "--batch-window",
+        choices=("off", "fixed", "adaptive"),
+        default="off",
+        help="admit requests as they arrive (off, the default), after a fixed window, or through the adaptive window",
+    )
+    parser.add_argument(
+        "--batch-window-max",
+        type=float,
+        default=_WINDOW_DEFAULTS.max_window_s,
+        help="the fixed window, or the adaptive window's maximum and start, in model seconds "
+        f"(default {_WINDOW_DEFAULTS.max_window_s:g})",
+    )
+    parser.add_argument(
+        "--batch-window-target",
+        type=float,
+        default=_WINDOW_DEFAULTS.p99_target_s,
+        help="the adaptive window's P99 target for each request's wait before its prefill, in model seconds "
+        f"(default {_WINDOW_DEFAULTS.p99_target_s:g})",
+    )
     args = parser.parse_args(argv)
+    window: BatchWindowSettings | float | None = None
+    try:
+        if args.batch_window == "adaptive":
+            window = BatchWindowSettings(p99_target_s=args.batch_window_target, max_window_s=args.batch_window_max)
+        elif args.batch_window == "fixed":
+            window = args.batch_window_max
+        engine = EmulatedEngine(
+            args.gpu,
+            port=args.port,
+            kv_events_endpoint=args.kv_events,
+            time_scale=args.time_scale,
+            otlp_endpoint=args.otlp,
+            batch_window=window,
+        )
+    except (ConfigError, ValueError) as exc:
+        parser.error(str(exc))
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopped.set())
-    engine = EmulatedEngine(
-        args.gpu, port=args.port, kv_events_endpoint=args.kv_events, time_scale=args.time_scale, otlp_endpoint=args.otlp
-    )
     engine.start()
-    print(f"emulated {args.gpu} engine on {engine.url} (time_scale {args.time_scale:g})", flush=True)
+    scale, window_name = f"{args.time_scale:g}", args.batch_window
+    print(f"emulated {args.gpu} engine on {engine.url} (time_scale {scale}, batch window {window_name})", flush=True)
     stopped.wait()
     engine.close()
     print("emulated engine stopped", flush=True)

@@ -7,6 +7,9 @@ worker, in vLLM's shapes, so they can be run against it (`bench/live_routers.py`
 gateway registers no worker without it), `POST /tokenize` and `POST /v1/chat/completions/render` (the vLLM
 router's cache-aware policies tokenize each request on the workers), and `max_completion_tokens` beside
 `max_tokens`. The model is described in `docs/sim.md`.
+
+Optionally it admits requests through a batching window, as a server embedding `prismlb.otel.AdaptiveBatchWindow`
+would (docs/batch-window.md): requests gather until the window has passed, then go to the model together.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -27,8 +30,11 @@ from typing import Any
 import msgspec
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
+from prismlb.otel import AdaptiveBatchWindow, BatchWindowSettings, BreakerState
 from prismlb.wire import parse_signature
 
 from ._model import KV_BLOCK_TOKENS, PROFILES, EngineModel, Event, GpuClass, Job, Modality
@@ -75,6 +81,15 @@ class _BlockRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockRemo
 
 
 @dataclass(eq=False)
+class _Batch:
+    """Requests handed to the model together: when (model seconds), and how many first tokens are still due;
+    the last one ends the batch's run time, which the adaptive window's breaker judges."""
+
+    handed_s: float
+    pending: int
+
+
+@dataclass(eq=False)
 class _Stream:
     """One request between the HTTP handler and the model: the model's job and its token ids; `out` gets
     the job at its first token and again when it is finished."""
@@ -82,6 +97,7 @@ class _Stream:
     job: Job
     tokens: list[int]
     out: queue.Queue[Job] = field(default_factory=queue.Queue)
+    batch: _Batch | None = None
 
 
 def prompt_tokens(text: str) -> list[int]:
@@ -143,11 +159,70 @@ class _Metrics:
             metric.labels(*self.values)  # published from the start, at zero
 
 
+class _Server(ThreadingHTTPServer):
+    """The engine's HTTP server, with a listen backlog of a production server's order: socketserver's default of
+    5 resets connections that arrive in a burst while the accepting thread waits for a busy core."""
+
+    daemon_threads = True
+    request_queue_size = 1024
+
+
+class _WindowMetrics(Collector):
+    """The batching window's metrics, read from the engine and its window at each scrape (Prism's names, in
+    Prometheus conventions: seconds, `_total` counters, the breaker's state as one 0/1 series per state)."""
+
+    def __init__(self, engine: EmulatedEngine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        engine, window = self._engine, self._engine.window
+        yield GaugeMetricFamily(
+            "prism_engine_batch_window_seconds",
+            "Model seconds the engine gathers requests before handing them to the model (0: each on arrival).",
+            value=engine.batch_window_s(),
+        )
+        yield CounterMetricFamily("prism_engine_batches", "Batches handed to the model.", value=engine.batches)
+        if window is None:
+            return
+        yield CounterMetricFamily(
+            "prism_engine_batch_overruns",
+            "Batches whose run time reached the overrun threshold.",
+            value=window.overruns,
+        )
+        current = window.state
+        state = GaugeMetricFamily(
+            "prism_engine_batch_breaker_state",
+            "1 for the batch breaker's current state, 0 for the others.",
+            labels=["state"],
+        )
+        for s in BreakerState:
+            state.add_metric([s.value], float(s is current))
+        yield state
+        counts = window.transition_counts()
+        transitions = CounterMetricFamily(
+            "prism_engine_batch_breaker_transitions",
+            "Batch breaker transitions by state left and entered.",
+            labels=["from", "to"],
+        )
+        for source in BreakerState:
+            for target in BreakerState:
+                if source is not target:
+                    transitions.add_metric([source.value, target.value], counts.get(f"{source}->{target}", 0))
+        yield transitions
+
+
 class EmulatedEngine:
     """An emulated vLLM-like engine on `url`; `start()` serves, `close()` stops.
 
     Its timing is `EngineModel` (the cluster replay's model too) run against the wall clock: model seconds
-    are wall seconds divided by `time_scale`.
+    are wall seconds divided by `time_scale`. `clock` is that wall clock (monotonic seconds); a test passes its
+    own and calls `step()` where `start()` would run it against the clock.
+
+    `batch_window`: None hands each request to the model as it arrives; a number of model seconds is a fixed
+    window; `BatchWindowSettings` make an `AdaptiveBatchWindow` on the engine's model clock (`window`). A
+    window opens with the first request that finds none gathering and, once passed, hands every request
+    gathered to the model at once. The adaptive window observes each request's wait (arrival to admission)
+    and each batch's run time (hand-over to its last first token); while its breaker is open the window is 0.
     """
 
     def __init__(
@@ -158,6 +233,8 @@ class EmulatedEngine:
         kv_events_endpoint: str | None = None,
         time_scale: float = 1.0,
         otlp_endpoint: str | None = None,
+        batch_window: BatchWindowSettings | float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if gpu_class not in PROFILES:
             raise ValueError(f"gpu_class must be one of {sorted(PROFILES)}, not {gpu_class!r}")
@@ -166,8 +243,25 @@ class EmulatedEngine:
         self.gpu_class = gpu_class
         self.profile = PROFILES[gpu_class]
         self.time_scale = time_scale
+        self._clock = clock
         self.metrics = _Metrics()
         self.model = EngineModel(self.profile)
+        self.window: AdaptiveBatchWindow | None = None
+        """The adaptive window when `batch_window` gave its settings."""
+        self._fixed_window_s = 0.0
+        if isinstance(batch_window, BatchWindowSettings):
+            self.window = AdaptiveBatchWindow(batch_window, clock=self.now_s)
+        elif batch_window is not None:
+            if not (math.isfinite(batch_window) and batch_window >= 0):
+                raise ValueError(f"a fixed batch window must be a finite number of seconds >= 0, not {batch_window}")
+            self._fixed_window_s = float(batch_window)
+        self._gathering: list[_Stream] = []
+        self._deadline = math.inf
+        """When the gathering batch is handed to the model (model seconds; inf: none gathering)."""
+        self.batches = 0
+        """Batches handed to the model."""
+        if batch_window is not None:
+            self.metrics.registry.register(_WindowMetrics(self))
         self._cond = threading.Condition()
         self._stopping = False
         self._kv_seq = 0
@@ -182,8 +276,7 @@ class EmulatedEngine:
             self._pub = zmq.Context.instance().socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.bind(kv_events_endpoint)
-        self._server = ThreadingHTTPServer((host, port), _handler(self))
-        self._server.daemon_threads = True
+        self._server = _Server((host, port), _handler(self))
         self._threads = [
             threading.Thread(target=self._server.serve_forever, name="emulated-engine-http", daemon=True),
             threading.Thread(target=self._drive, name="emulated-engine-model", daemon=True),
@@ -206,10 +299,12 @@ class EmulatedEngine:
             thread.start()
 
     def close(self) -> None:
+        """Stop serving and driving; also for an engine never started (driven by `step()`)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._server.shutdown()
+        if self._threads[0].ident is not None:  # shutdown() waits for serve_forever, so only once it ran
+            self._server.shutdown()
         self._server.server_close()
         for thread in self._threads:
             if thread.is_alive():
@@ -220,35 +315,70 @@ class EmulatedEngine:
             self.spans.close()
 
     def now_s(self) -> float:
-        """Emulated time: wall time divided by `time_scale`."""
-        return time.monotonic() / self.time_scale
+        """Emulated time: the clock's (wall) time divided by `time_scale`."""
+        return self._clock() / self.time_scale
+
+    def batch_window_s(self, now: float | None = None) -> float:
+        """Model seconds a batch opened now would gather: the adaptive window's, the fixed one, or 0."""
+        return self.window.window_s(now) if self.window is not None else self._fixed_window_s
 
     def submit(self, text: str, parts: Mapping[str, int], max_tokens: int) -> _Stream:
-        """Queue a request; raises ValueError when its prompt can never fit the KV cache."""
+        """Queue a request (gathered into the open batch when the engine has a window); raises ValueError when
+        its prompt can never fit the KV cache."""
         tokens = prompt_tokens(text)
         job = Job(tuple(block_hashes(tokens)), len(tokens), max_tokens, self.profile.media_s(parts), 0.0)
+        if not self.model.fits(job):
+            raise ValueError(f"prompt and output exceed the KV cache ({self.model.capacity_blocks} blocks)")
         stream = _Stream(job, tokens)
         job.tag = stream
         with self._cond:
             now = self.now_s()
             job.arrival_s = now
-            self._handle(self.model.advance(now))
-            self._handle(self.model.submit(job, now))
+            self._due(now)
+            self._gathering.append(stream)
+            if len(self._gathering) == 1:
+                self._deadline = now + self.batch_window_s(now)
+            if self._deadline <= now:
+                self._hand_over(now)
+            else:
+                self._gauges()
             self._cond.notify()
         return stream
 
+    def step(self) -> float:
+        """Process what is due at the clock's time: the model's events, then the gathered batch if its window
+        has passed. The model time of the next thing due (inf: nothing)."""
+        with self._cond:
+            self._due(self.now_s())
+            self._publish()
+            return min(self.model.next_event_s(), self._deadline)
+
     def _drive(self) -> None:
-        """Run the model against the wall clock: wake at its next due event or a new submission."""
+        """Run the model against the wall clock: wake at its next due event, the end of the gathering window or
+        a new submission."""
         with self._cond:
             while not self._stopping:
-                now = self.now_s()
-                self._handle(self.model.advance(now))
-                self._publish()
-                due = self.model.next_event_s()
-                self._cond.wait(None if due == math.inf else max(0.0, (due - now) * self.time_scale))
+                due = self.step()
+                self._cond.wait(None if due == math.inf else max(0.0, (due - self.now_s()) * self.time_scale))
+
+    def _due(self, now: float) -> None:
+        """The model's events due by `now`, then the gathered batch if its window has passed (lock held)."""
+        self._handle(self.model.advance(now))
+        if self._deadline <= now:
+            self._hand_over(now)
+
+    def _hand_over(self, now: float) -> None:
+        """Every gathered request to the model, as one batch (lock held); `submit` checked that each fits."""
+        gathered, self._gathering = self._gathering, []
+        self._deadline = math.inf
+        batch = _Batch(now, len(gathered))
+        self.batches += 1
+        for stream in gathered:
+            stream.batch = batch
+            self._handle(self.model.submit(stream.job, now))
 
     def _handle(self, events: list[Event]) -> None:
-        """Metrics and stream notifications for the model's events (lock held)."""
+        """Metrics, the window's reports and stream notifications for the model's events (lock held)."""
         metrics, values = self.metrics, self.metrics.values
         for kind, job, t in events:
             stream = job.tag
@@ -256,19 +386,31 @@ class EmulatedEngine:
             if kind == "admitted":
                 metrics.queries.labels(*values).inc(job.prompt_tokens)
                 metrics.hits.labels(*values).inc(job.cached_tokens)
+                if self.window is not None:
+                    self.window.observe(t - job.arrival_s, t)
             elif kind == "first_token":
                 metrics.ttft.labels(*values).observe(t - job.arrival_s)
                 assert job.admitted_s is not None
                 metrics.prefill.labels(*values).observe(t - job.admitted_s)
                 stream.out.put(job)
+                batch = stream.batch
+                assert batch is not None
+                batch.pending -= 1
+                if not batch.pending and self.window is not None:
+                    self.window.record_batch(t - batch.handed_s, t)
             else:
                 metrics.e2e.labels(*values).observe(t - job.arrival_s)
                 stream.out.put(job)
-        metrics.running.labels(*values).set(self.model.running)
-        metrics.waiting.labels(*values).set(len(self.model.waiting))
-        metrics.kv_usage.labels(*values).set(self.model.kv_usage)
+        self._gauges()
         if events:
             self._cond.notify()
+
+    def _gauges(self) -> None:
+        """The scheduler gauges; waiting counts the requests gathering for a batch too (lock held)."""
+        metrics, values = self.metrics, self.metrics.values
+        metrics.running.labels(*values).set(self.model.running)
+        metrics.waiting.labels(*values).set(len(self.model.waiting) + len(self._gathering))
+        metrics.kv_usage.labels(*values).set(self.model.kv_usage)
 
     def _publish(self) -> None:
         """Send the model's cache changes as one KV event batch in vLLM's frames (driver thread, lock held)."""
