@@ -109,20 +109,50 @@ def recovery_s(killed_at: float, refused: Sequence[float]) -> float:
     return (max(busy) + 1) * RECOVERY_WINDOW_S if busy else 0.0
 
 
-class _ModelScrape(EngineCollector):
-    """The agent's collector of the node's engine, its scrape of `/metrics` replaced by the engine model's
-    counters and histograms under vLLM's names, as `EmulatedEngine` publishes them and the collector parses
-    them: the agent's own deltas between scrapes (prefix-cache miss ratio, prefill speed, the engine's latency
-    quantiles) without the HTTP round trip and the text format in between."""
+Exposition = dict[str, dict[frozenset[tuple[str, str]], float]]
+"""An engine's `/metrics` as the agent's collector parses a page: sample name → value by label set."""
 
-    def __init__(self, node: _Node) -> None:
-        super().__init__(f"{node.info.address}/metrics")
-        self._node = node
+
+class _ModelScrape(EngineCollector):
+    """The agent's collector of an engine, its scrape of `/metrics` at `address` replaced by `exposition`: the
+    engine model's counters and histograms under vLLM's names, as `EmulatedEngine` publishes them and the
+    collector parses them: the agent's own deltas between scrapes (prefix-cache miss ratio, prefill speed, the
+    engine's latency quantiles) without the HTTP round trip and the text format in between."""
+
+    def __init__(self, address: str, exposition: Callable[[], Exposition]) -> None:
+        super().__init__(f"{address}/metrics")
+        self._exposition = exposition
 
     def sample(self) -> EngineSample:
-        samples = self._node.exposition()
+        samples = self._exposition()
         previous, self._previous = self._previous, samples
         return _read(_VLLM, samples, previous, self.invalid)
+
+
+def _agent_sources(
+    period_s: float,
+    clock: Callable[[], float],
+    requests: SliceWindows,
+    network: NetworkWindow,
+    gpu: Callable[[], Reading],
+    engine: EngineCollector,
+) -> list[Source]:
+    """The sources of a simulated agent at their periods, each reading the simulation where the agent reads the
+    hardware: a constant host (`HOST_CPU_UTIL_RATIO`), the requests its node served (`requests`, at `clock`'s
+    time), its TCP window (`network`), its GPUs (`gpu`) and its engine (`engine`)."""
+    return [
+        Source("host", period_s, lambda: Reading(metrics={"cpu_util_ratio": HOST_CPU_UTIL_RATIO})),
+        Source(
+            "load",
+            period_s,
+            lambda: Reading(
+                metrics={"requests_per_s": requests.requests_per_s(clock())}, latency=requests.latency(clock())
+            ),
+        ),
+        Source("ebpf", period_s, lambda: Reading(metrics={**network.read()})),
+        Source("gpu", NVLINK_PERIOD_S, gpu),
+        Source("engine", KV_MISS_PERIOD_S, lambda: engine_reading(engine)),
+    ]
 
 
 def _le(bounds: Sequence[float]) -> tuple[frozenset[tuple[str, str]], ...]:
@@ -179,26 +209,15 @@ class _Node:
         self.network = NetworkWindow(
             lambda: TcpCounts(self.opened, self.ended, self.retransmits, 0, 0), clock=lambda: self.now
         )
-        engine = _ModelScrape(self)
         self.sampler = NodeSampler(
-            [
-                Source("host", period_s, lambda: Reading(metrics={"cpu_util_ratio": HOST_CPU_UTIL_RATIO})),
-                Source(
-                    "load",
-                    period_s,
-                    lambda: Reading(
-                        metrics={"requests_per_s": self.requests.requests_per_s(self.now)},
-                        latency=self.requests.latency(self.now),
-                    ),
-                ),
-                Source("ebpf", period_s, lambda: Reading(metrics={**self.network.read()})),
-                Source(
-                    "gpu",
-                    NVLINK_PERIOD_S,
-                    lambda: Reading(metrics={"gpu_util_ratio": 1.0 if self.model.running else 0.0}),
-                ),
-                Source("engine", KV_MISS_PERIOD_S, lambda: engine_reading(engine)),
-            ]
+            _agent_sources(
+                period_s,
+                lambda: self.now,
+                self.requests,
+                self.network,
+                lambda: Reading(metrics={"gpu_util_ratio": 1.0 if self.model.running else 0.0}),
+                _ModelScrape(self.info.address, self.exposition),
+            )
         )
 
     def account(self, now: float, delta: int) -> None:
@@ -223,7 +242,7 @@ class _Node:
         self.ended += 1
         self.requests.add(slice_name, t, ttft_ms=(job.first_token_s - job.arrival_s) * 1000, e2e_ms=e2e_s * 1000)
 
-    def exposition(self) -> dict[str, dict[frozenset[tuple[str, str]], float]]:
+    def exposition(self) -> Exposition:
         """The engine's `/metrics` now, as the agent's collector parses a vLLM page: sample name → value by label
         set (one engine, no labels but the buckets' `le`)."""
         m = self.model
@@ -259,8 +278,11 @@ class _Node:
 class _View:
     """The `ClusterView` policies read."""
 
-    def __init__(self, nodes: Mapping[str, _Node], vector_period_s: float) -> None:
+    def __init__(
+        self, nodes: Mapping[str, _Node], vector_period_s: float, agents: Callable[[float], list[NodeVector]]
+    ) -> None:
         self._nodes = nodes
+        self._agents = agents
         self.nodes = [n.info for n in nodes.values()]
         self.vector_period_s = vector_period_s
         self.reporting = False
@@ -276,12 +298,12 @@ class _View:
         return node.stats() if node is not None and node.alive else None
 
     def vectors(self) -> list[NodeVector]:
-        """Vectors sent since the last call. The first call starts the agents, each live node's with a vector now
-        (in `start`, or a tick at 0: the agents are up before the first request), so that policies that never read
-        vectors (all but Prism's) spare the replay its costliest bookkeeping."""
+        """Vectors sent since the last call. The first call starts the agents, each with a vector now (in `start`,
+        or a tick at 0: the agents are up before the first request), so that policies that never read vectors (all
+        but Prism's) spare the replay its costliest bookkeeping."""
         if not self.reporting:
             self.reporting = True
-            self.pending = [n.vector(self.now, self.vector_period_s) for n in self._nodes.values() if n.alive]
+            self.pending = self._agents(self.now)
         out, self.pending = self.pending, []
         return out
 
@@ -349,7 +371,7 @@ class Simulation:
         self.degrade = tuple(degrade)
         self._rng = random.Random(seed)  # lost segments
         self._foreign_rng = random.Random(seed + 1)  # foreign arrivals, their sizes and block ids
-        self.view = _View(self.nodes, vector_period_s)
+        self.view = _View(self.nodes, vector_period_s, self.agent_vectors)
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self.ttft: list[tuple[str, float, float, bool]] = []  # (slice, first token time, ttft s, within its SLO)
@@ -427,7 +449,7 @@ class Simulation:
             self.policy.finished(name, request, now, Outcome.CONNECT_ERROR)
             return self._retry(now + CONNECT_REFUSED_S, request, exclude | {name}, attempts + 1)
         self.dispatched += 1
-        if node.info.numa_node != self._gateway_numa(request):
+        if node.info.numa_node != self.gateway_numa(request):
             self.cross_numa += 1
         profile = node.model.profile
         job = Job(
@@ -462,8 +484,9 @@ class Simulation:
             return 0
         return self._apply(node, now, node.model.advance(now) + node.model.submit(job, now))
 
-    def _gateway_numa(self, request: SimRequest) -> int:
-        """The NUMA node of the gateway process the request came through (requests spread over them by id)."""
+    def gateway_numa(self, request: SimRequest) -> int:
+        """The NUMA node of the gateway process the request came through (requests spread over them by a hash of
+        their id; `_topology` spreads them as Prism's policy spreads them over its routers)."""
         spread = (request.id * 0x9E37_79B1 & 0xFFFF_FFFF) >> 16
         return self.gateways_numa[spread % len(self.gateways_numa)]
 
@@ -533,13 +556,18 @@ class Simulation:
         self._push(now + self.policy.tick_s, "tick")
         return 0
 
+    def agent_vectors(self, now: float) -> list[NodeVector]:
+        """What the agents send at `now`: one vector per live node, from its own agent. The seam for a cluster
+        whose agents each see several engines (`_topology`: one agent per host of GPUs)."""
+        return [node.vector(now, self.vector_period_s) for node in self.nodes.values() if node.alive]
+
     def _vectors(self, now: float, _: object) -> int:
         done = 0
         for node in self.nodes.values():
             if node.alive:
                 done += self._apply(node, now, node.model.advance(now))
-                if self.view.reporting:
-                    self.view.pending.append(node.vector(now, self.vector_period_s))
+        if self.view.reporting:
+            self.view.pending.extend(self.agent_vectors(now))
         self._push(now + self.vector_period_s, "vectors")
         return done
 
