@@ -37,7 +37,7 @@ import socketserver
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -130,14 +130,24 @@ class _Signal(Generic[_Req]):
     screen: Callable[[_Req, Any], int]
 
 
+def _span_lists(request: ExportTraceServiceRequest) -> Iterator[Any]:
+    """Each scope's repeated field of spans."""
+    return (ss.spans for rs in request.resource_spans for ss in rs.scope_spans)
+
+
+def _log_record_lists(request: ExportLogsServiceRequest) -> Iterator[Any]:
+    """Each scope's repeated field of log records."""
+    return (sl.log_records for rl in request.resource_logs for sl in rl.scope_logs)
+
+
 def count_spans(request: ExportTraceServiceRequest) -> int:
     """How many spans the request carries."""
-    return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+    return sum(len(spans) for spans in _span_lists(request))
 
 
 def count_log_records(request: ExportLogsServiceRequest) -> int:
     """How many log records the request carries."""
-    return sum(len(sl.log_records) for rl in request.resource_logs for sl in rl.scope_logs)
+    return sum(len(records) for records in _log_record_lists(request))
 
 
 def count_metric_points(request: ExportMetricsServiceRequest) -> int:
@@ -179,22 +189,25 @@ def _remove(lists: Iterable[Any], ok: Callable[[Any], bool]) -> int:
     return removed
 
 
-def _screen_spans(request: ExportTraceServiceRequest, response: ExportTraceServiceResponse) -> int:
-    """Remove spans with malformed ids, report them in `response.partial_success`; how many were removed."""
-    rejected = _remove((ss.spans for rs in request.resource_spans for ss in rs.scope_spans), _ids_ok)
-    if rejected:
-        response.partial_success.rejected_spans = rejected
-        response.partial_success.error_message = _BAD_IDS
-    return rejected
+def _screen(
+    lists: Callable[[_Req], Iterable[Any]], ok: Callable[[Any], bool], rejected_field: str, message: str
+) -> Callable[[_Req, Any], int]:
+    """A signal's screen: remove the items of `lists(request)` that fail `ok` (malformed ids) and report them in
+    the response's `partial_success` (their count in `rejected_field`, `message` saying why); how many were
+    removed."""
+
+    def screen(request: _Req, response: Any) -> int:
+        rejected = _remove(lists(request), ok)
+        if rejected:
+            setattr(response.partial_success, rejected_field, rejected)
+            response.partial_success.error_message = message
+        return rejected
+
+    return screen
 
 
-def _screen_logs(request: ExportLogsServiceRequest, response: ExportLogsServiceResponse) -> int:
-    """Remove log records with malformed ids, report them in `response.partial_success`; how many were removed."""
-    rejected = _remove((sl.log_records for rl in request.resource_logs for sl in rl.scope_logs), _log_ids_ok)
-    if rejected:
-        response.partial_success.rejected_log_records = rejected
-        response.partial_success.error_message = _BAD_LOG_IDS
-    return rejected
+_screen_spans = _screen(_span_lists, _ids_ok, "rejected_spans", _BAD_IDS)
+_screen_logs = _screen(_log_record_lists, _log_ids_ok, "rejected_log_records", _BAD_LOG_IDS)
 
 
 def _no_screen(_request: ExportMetricsServiceRequest, _response: ExportMetricsServiceResponse) -> int:

@@ -29,7 +29,7 @@ import zmq
 from uhashring import HashRing  # type: ignore[import-untyped]
 
 from prismlb.router import Request, Ring, Router, Settings, prefix_key
-from prismlb.sim import traces_dir
+from prismlb.sim import BLOCK_TOKENS, MOONCAKE_TRACE, traces_dir
 from prismlb.wire import (
     BrainAddress,
     RejectCounter,
@@ -41,8 +41,8 @@ from prismlb.wire import (
     quantile,
 )
 
-MOONCAKE = traces_dir() / "mooncake/conversation_trace.jsonl"
-TRACE_BLOCK = 512  # tokens per Mooncake hash id
+MOONCAKE = traces_dir() / MOONCAKE_TRACE
+TRACE_BLOCK = BLOCK_TOKENS  # tokens per Mooncake hash id
 WEIGHT_STEPS = [round(0.05 * k, 2) for k in range(1, 21)]  # the brain publishes weights in steps of 0.05
 
 
@@ -158,7 +158,8 @@ def lookup_section(quick: bool) -> None:
     for key, name in names.items():
         p50, p99 = quantile(times[key], 0.5), quantile(times[key], 0.99)
         print(
-            f"| {name} | {p50:.0f} | {p99:.0f} | {means[key]:.0f} | {k50 / p50:.1f}× | {means['ketama'] / means[key]:.1f}× |"
+            f"| {name} | {p50:.0f} | {p99:.0f} | {means[key]:.0f} | {k50 / p50:.1f}× |"
+            f" {means['ketama'] / means[key]:.1f}× |"
         )
     print(
         f"\nPer-call times are net of the timer's own cost (median back-to-back clock pair). When busy, {overflow:.0%} "
@@ -272,7 +273,8 @@ def ring_or_maglev_section(quick: bool) -> None:
 
     print("\n## Ring or Maglev: bare lookups by the same CRC-32 key hash (100 nodes; Maglev table 65,537 entries)\n")
     print(
-        "| structure | lookup ns (tight loop) | build ms (100 nodes) | keys moved that were not on a removed node | worst node's share / its weight share |"
+        "| structure | lookup ns (tight loop) | build ms (100 nodes) | keys moved that were not on a removed node"
+        " | worst node's share / its weight share |"
     )
     print("|---|---|---|---|---|")
     print(
@@ -288,7 +290,8 @@ def ring_or_maglev_section(quick: bool) -> None:
 def apply_section() -> None:
     print("\n## Table apply (build every ring, swap one reference)\n")
     print(
-        "| nodes | Prism cold ms | Prism one weight changed ms | uhashring ketama build ms | ratio (ketama / Prism changed) |"
+        "| nodes | Prism cold ms | Prism one weight changed ms | uhashring ketama build ms"
+        " | ratio (ketama / Prism changed) |"
     )
     print("|---|---|---|---|---|")
     for count in (100, 1000):
@@ -312,7 +315,8 @@ def apply_section() -> None:
         baseline = time.perf_counter() - t0
         changed_ms = statistics.median(warm) * 1e3
         print(
-            f"| {count:,} | {cold * 1e3:.1f} | {changed_ms:.1f} | {baseline * 1e3:.1f} | {baseline * 1e3 / changed_ms:.1f}× |"
+            f"| {count:,} | {cold * 1e3:.1f} | {changed_ms:.1f} | {baseline * 1e3:.1f}"
+            f" | {baseline * 1e3 / changed_ms:.1f}× |"
         )
 
 
@@ -436,7 +440,8 @@ def _free_port() -> int:
 def propagation(quick: bool) -> None:
     tables = 10 if quick else 30
     print(
-        f"\n## Propagation: brain publish() → subscribers on loopback ({tables} tables of 100 nodes, one weight changed each)\n"
+        f"\n## Propagation: brain publish() → subscribers on loopback"
+        f" ({tables} tables of 100 nodes, one weight changed each)\n"
     )
     print("| subscribers | p50 ms | p99 ms | max ms |")
     print("|---|---|---|---|")
@@ -545,10 +550,12 @@ def mooncake_section(quick: bool) -> None:
     ]
     print(
         f"\n## Mooncake conversation trace: {len(rows):,} requests on 8 equal nodes"
-        f" (service = uncached prefill at {PREFILL_TOKENS_PER_S:,} tok/s + {DECODE_S_PER_TOKEN * 1e3:.0f} ms per output token)\n"
+        f" (service = uncached prefill at {PREFILL_TOKENS_PER_S:,} tok/s"
+        f" + {DECODE_S_PER_TOKEN * 1e3:.0f} ms per output token)\n"
     )
     print(
-        "| key | balance | requests max/mean | peak in flight max/mean | hit rate, LRU 1,000 blocks/node | hit rate, unbounded |"
+        "| key | balance | requests max/mean | peak in flight max/mean | hit rate, LRU 1,000 blocks/node"
+        " | hit rate, unbounded |"
     )
     print("|---|---|---|---|---|---|")
     for name, keys in schemes:
@@ -576,7 +583,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.disable(logging.INFO)
     print(
-        f"# Router benchmark ({time.strftime('%Y-%m-%d')}, Python {'.'.join(map(str, __import__('sys').version_info[:3]))})"
+        f"# Router benchmark ({time.strftime('%Y-%m-%d')},"
+        f" Python {'.'.join(map(str, __import__('sys').version_info[:3]))})"
     )
     lookup_section(args.quick)
     ring_or_maglev_section(args.quick)

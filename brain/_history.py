@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import TypedDict, Unpack, cast
 
 import msgspec
 import polars as pl
@@ -106,6 +106,16 @@ def _frame(rows: list[Row]) -> pl.DataFrame:
     return pl.DataFrame(list(zip(*rows, strict=True)), schema=SCHEMA, orient="col", strict=False)
 
 
+class HistoryOptions(TypedDict, total=False):
+    """`History`'s keyword settings (its constructor has their defaults), which `History.load` passes on."""
+
+    segment_rows: int
+    max_bytes: int
+    max_rows: int
+    flush_s: float
+    clock: Callable[[], float]
+
+
 class History:
     """Recent node vectors for all nodes; thread-safe, `append` and `extend` are cheap (a tuple per vector)."""
 
@@ -149,28 +159,10 @@ class History:
             self._enforce_cap()
 
     @classmethod
-    def load(
-        cls,
-        state_dir: Path,
-        window_s: float = 600.0,
-        *,
-        segment_rows: int = 100_000,
-        max_bytes: int = 256 * 1024 * 1024,
-        max_rows: int = 2_000_000,
-        flush_s: float = 60.0,
-        clock: Callable[[], float] = time.time,
-    ) -> History:
+    def load(cls, state_dir: Path, window_s: float = 600.0, **options: Unpack[HistoryOptions]) -> History:
         """A history on `state_dir` that resumes with the persisted rows still inside the window; unreadable
         segments are skipped, logged and counted."""
-        history = cls(
-            state_dir,
-            window_s,
-            segment_rows=segment_rows,
-            max_bytes=max_bytes,
-            max_rows=max_rows,
-            flush_s=flush_s,
-            clock=clock,
-        )
+        history = cls(state_dir, window_s, **options)
         history._resume()
         return history
 

@@ -215,8 +215,13 @@ class KvRelay:
         return out
 
     def _delta(self, node_id: str, reset: bool, stored: list[int], removed: list[int], size: int | None) -> KvDelta:
+        """The next delta (its number taken, and counted)."""
         self.seq += 1
         self.counts["deltas"] += 1
+        return self._message(node_id, reset, stored, removed, size)
+
+    def _message(self, node_id: str, reset: bool, stored: list[int], removed: list[int], size: int | None) -> KvDelta:
+        """A delta of this relay's brain and epoch at the current number: a new one, or a part of the snapshot."""
         return KvDelta(
             brain_id=self.brain_id,
             epoch=self.epoch,
@@ -237,16 +242,8 @@ class KvRelay:
         for node_id, node in self._nodes.items():
             blocks = list(node.blocks)
             for i in range(0, max(1, len(blocks)), self._chunk):
-                delta = KvDelta(
-                    brain_id=self.brain_id,
-                    epoch=self.epoch,
-                    seq=self.seq,
-                    node_id=node_id,
-                    reset=i == 0,
-                    block_size_tokens=node.block_size,
-                    stored=blocks[i : i + self._chunk],
-                )
-                messages.append(encode(delta))
+                part = blocks[i : i + self._chunk]
+                messages.append(encode(self._message(node_id, i == 0, part, [], node.block_size)))
         messages.append(
             encode(KvSnapshotEnd(brain_id=self.brain_id, epoch=self.epoch, seq=self.seq, nodes=list(self._nodes)))
         )

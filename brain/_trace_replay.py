@@ -39,14 +39,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from prismlb.sim import traces_dir
+from prismlb.sim import BLOCK_TOKENS, MOONCAKE_TRACE, traces_dir
 from prismlb.wire import ENGINE_LATENCY_KEY, ModalityLatency, NodeMetrics, NodeVector, quantile
 
 TRACES = traces_dir()
 AZURE_CONV = TRACES / "azure" / "AzureLLMInferenceTrace_conv.csv"
 AZURE_CODE = TRACES / "azure" / "AzureLLMInferenceTrace_code.csv"
-MOONCAKE_CONVERSATION = TRACES / "mooncake" / "conversation_trace.jsonl"
-BLOCK_TOKENS = 512  # Mooncake's hash_ids cover 512-token prefix blocks
+MOONCAKE_CONVERSATION = TRACES / MOONCAKE_TRACE
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Final, Literal, Protocol
+from typing import TYPE_CHECKING, Final, Literal, Protocol, TypeGuard
 
 from prismlb.wire import ConfigError, InvalidFieldError, NonFiniteError, RejectCounter
 
@@ -69,10 +69,15 @@ LinkPolicy = Callable[[Mapping[str, int]], Mapping[str, float]]
 """Rates (bytes/s) per layer for the layers with bytes left; called again whenever that set changes."""
 
 
+def _number(value: object) -> TypeGuard[int | float]:
+    """An int or a float (a bool is neither here), finite or not."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _checked(value: object, what: str, rejects: RejectCounter) -> float:
     """`value` as a finite number ≥ 0, or a counted `InvalidFieldError` / `NonFiniteError` naming `what`."""
     error: InvalidFieldError | NonFiniteError | None = None
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not _number(value):
         error = InvalidFieldError(f"{what} must be a number, got {type(value).__name__} {value!r}")
     elif not math.isfinite(value):
         error = NonFiniteError(f"{what} must be finite, got {value!r}")
@@ -93,13 +98,13 @@ def _checked_name(name: object, rejects: RejectCounter) -> str:
 
 
 def _positive(value: float, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+    if not _number(value) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{what} must be a finite number > 0, got {value!r}")
     return float(value)
 
 
 def _fraction(value: float, what: str, *, closed_low: bool = False) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and value <= 1
+    ok = _number(value) and value <= 1
     ok = ok and (value >= 0 if closed_low else value > 0)
     if not ok:
         low = "[0" if closed_low else "(0"
@@ -442,14 +447,19 @@ class WallClock:
             pass
 
 
+def _bucket_rate(rate: float) -> float:
+    """A token bucket's rate, checked: a finite number ≥ 0 (0 holds the bucket), else ConfigError."""
+    if not (math.isfinite(rate) and rate >= 0):
+        raise ConfigError(f"a token bucket's rate must be a finite number ≥ 0, got {rate!r}")
+    return float(rate)
+
+
 class TokenBucket:
     """`rate` bytes of tokens per second, at most `burst` held, `tokens` at the start (full by default). Time is
     passed in, so one bucket serves a simulated clock and the wall clock alike."""
 
     def __init__(self, rate: float, burst: float, now: float = 0.0, *, tokens: float | None = None) -> None:
-        if not (math.isfinite(rate) and rate >= 0):
-            raise ConfigError(f"a token bucket's rate must be a finite number ≥ 0, got {rate!r}")
-        self.rate = float(rate)
+        self.rate = _bucket_rate(rate)
         self.burst = _positive(burst, "a token bucket's burst (bytes)")
         self._tokens = self.burst if tokens is None else min(self.burst, max(0.0, tokens))
         self._at = now
@@ -465,10 +475,9 @@ class TokenBucket:
 
     def set_rate(self, rate: float, now: float) -> None:
         """Change the rate from `now` on (tokens earned so far are kept)."""
-        if not (math.isfinite(rate) and rate >= 0):
-            raise ConfigError(f"a token bucket's rate must be a finite number ≥ 0, got {rate!r}")
+        checked = _bucket_rate(rate)
         self._settle(now)
-        self.rate = float(rate)
+        self.rate = checked
 
     def ready_at(self, nbytes: float, now: float) -> float:
         """The earliest time ≥ `now` when `nbytes` tokens are there (inf at rate 0 without them)."""

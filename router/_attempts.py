@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from prismlb.wire import NoRouteError
 
 from ._errors import ShedError
-from ._health import Outcome
+from ._health import Outcome, classify
 
 if TYPE_CHECKING:
     from ._lease import Lease
@@ -53,3 +53,13 @@ class Attempts:
             return self._router.request(self._request, exclude=self.tried)
         except (NoRouteError, ShedError):
             return None
+
+    def raised(self, lease: Lease, exc: BaseException) -> Lease | None:
+        """The next attempt's lease after the caller's work in `lease` raised `exc` (`Router.call`, `Router.acall`),
+        the lease then marked with the outcome `exc` stands for; or None, the lease unmarked: the caller raises
+        `exc`, and leaving the lease reports it."""
+        outcome = classify(exc)
+        following = self.retry(lease, outcome)
+        if following is not None:
+            lease.fail(outcome)
+        return following

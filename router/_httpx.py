@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 
@@ -36,6 +36,9 @@ from ._keys import BLOCK_SIZE, PREFIX_TOKENS, TEXT_BYTES_PER_TOKEN, block_hashes
 from ._lease import Lease
 from ._request import Key, Request
 from ._router import Router
+
+_Stream = TypeVar("_Stream", httpx.SyncByteStream, httpx.AsyncByteStream)
+_Transport = TypeVar("_Transport", httpx.BaseTransport, httpx.AsyncBaseTransport)
 
 _PART_MODALITY = {
     "text": "text",
@@ -174,50 +177,91 @@ def _forward(request: httpx.Request, lease: Lease) -> httpx.Request:
     return httpx.Request(request.method, url, headers=headers, content=request.content, extensions=request.extensions)
 
 
-def _failed(attempts: Attempts, lease: Lease, exc: BaseException) -> Lease | None:
-    """End the lease of an attempt that raised `exc` (a cancelled one too: it must not stay in flight); the next
-    attempt's lease, or None to raise it."""
-    outcome = outcome_of(exc)
-    lease.fail(outcome)
-    lease.end(exc)
-    return attempts.retry(lease, outcome)
-
-
-def _answered(attempts: Attempts, lease: Lease, status: int) -> Lease | None:
-    """Report an attempt's response status as its lease's outcome; the next attempt's lease (the caller then
-    closes the response and ends this lease), or None to hand the response to the caller."""
-    outcome = outcome_of_status(status)
-    if outcome is not Outcome.OK:
-        lease.fail(outcome)
-    return attempts.retry(lease, outcome, refused=status in REFUSED_STATUSES)
-
-
 def _leased(response: httpx.Response, stream: httpx.SyncByteStream | httpx.AsyncByteStream) -> httpx.Response:
     """The response handed to the caller, its body read through `stream`."""
     return httpx.Response(response.status_code, headers=response.headers, stream=stream, extensions=response.extensions)
 
 
-class _LeaseStream(httpx.SyncByteStream):
+class _Run:
+    """One request's attempts as both transports make them: the lease of each attempt, and what a raised
+    exception or a response status means for the next. The transports only send and close (as httpx maps
+    exceptions once for its sync and async transports); this does no I/O."""
+
+    def __init__(self, request: httpx.Request, attempts: Attempts, streamed: bool) -> None:
+        self._request = request
+        self._attempts = attempts
+        self._streamed = streamed
+        self.lease = attempts.first()
+        """The current attempt's lease."""
+
+    def forwarded(self) -> httpx.Request:
+        """The request re-addressed to the current attempt's endpoint."""
+        return _forward(self._request, self.lease)
+
+    def failed(self, exc: BaseException) -> bool:
+        """End the current attempt, which raised `exc` (a cancelled one too: it must not stay in flight); whether
+        the request goes again (on the next attempt's lease), else the caller raises `exc`."""
+        outcome = outcome_of(exc)
+        self.lease.fail(outcome)
+        self.lease.end(exc)
+        following = self._attempts.retry(self.lease, outcome)
+        if following is None:
+            return False
+        self.lease = following
+        return True
+
+    def retried(self, status: int) -> Lease | None:
+        """Report the current attempt's response status as its lease's outcome. None hands the response to the
+        caller; else the request goes again on the next attempt's lease, and this returns the finished
+        attempt's, which the caller ends once it has closed the response."""
+        outcome = outcome_of_status(status)
+        if outcome is not Outcome.OK:
+            self.lease.fail(outcome)
+        following = self._attempts.retry(self.lease, outcome, refused=status in REFUSED_STATUSES)
+        if following is None:
+            return None
+        finished, self.lease = self.lease, following
+        return finished
+
+    def tokens(self, response: httpx.Response) -> bool:
+        """Whether the handed response's first non-empty chunk is the first token: a successful streamed one."""
+        return self._streamed and response.is_success
+
+
+class _LeaseBody(Generic[_Stream]):
     """A response body that ends its lease when closed (a failure while reading is the endpoint's outcome).
 
     With `tokens` (a successful streamed completion) its first non-empty chunk is the first token: that is
     when the engine has done the prompt's prefill, which the response head, sent at once, says nothing of.
+    The sync and async bodies differ only in how they read and close `stream`.
     """
 
-    def __init__(self, stream: httpx.SyncByteStream, lease: Lease, tokens: bool) -> None:
-        self._stream = stream
+    def __init__(self, stream: _Stream, lease: Lease, tokens: bool) -> None:
+        self._stream: _Stream = stream
         self._lease = lease
         self._tokens = tokens
+
+    def _chunk(self, chunk: bytes) -> bytes:
+        """`chunk`, read; the first non-empty one of a streamed completion reports the first token."""
+        if self._tokens and chunk:
+            self._tokens = False
+            self._lease.first_token()
+        return chunk
+
+    def _broken(self, exc: Exception) -> None:
+        """Reading the body raised `exc`: the endpoint's outcome."""
+        self._lease.fail(outcome_of(exc))
+
+
+class _LeaseStream(_LeaseBody[httpx.SyncByteStream], httpx.SyncByteStream):
+    """`_LeaseBody` for the sync transport."""
 
     def __iter__(self) -> Iterator[bytes]:
         try:
             for chunk in self._stream:
-                if self._tokens and chunk:
-                    self._tokens = False
-                    self._lease.first_token()
-                yield chunk
+                yield self._chunk(chunk)
         except Exception as exc:
-            self._lease.fail(outcome_of(exc))
+            self._broken(exc)
             raise
 
     def close(self) -> None:
@@ -227,23 +271,15 @@ class _LeaseStream(httpx.SyncByteStream):
             self._lease.end()
 
 
-class _AsyncLeaseStream(httpx.AsyncByteStream):
-    """`_LeaseStream` for the async transport."""
-
-    def __init__(self, stream: httpx.AsyncByteStream, lease: Lease, tokens: bool) -> None:
-        self._stream = stream
-        self._lease = lease
-        self._tokens = tokens
+class _AsyncLeaseStream(_LeaseBody[httpx.AsyncByteStream], httpx.AsyncByteStream):
+    """`_LeaseBody` for the async transport."""
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._stream:
-                if self._tokens and chunk:
-                    self._tokens = False
-                    self._lease.first_token()
-                yield chunk
+                yield self._chunk(chunk)
         except Exception as exc:
-            self._lease.fail(outcome_of(exc))
+            self._broken(exc)
             raise
 
     async def aclose(self) -> None:
@@ -253,99 +289,90 @@ class _AsyncLeaseStream(httpx.AsyncByteStream):
             self._lease.end()
 
 
-class PrismTransport(httpx.BaseTransport):
-    """Sends each request of a sync httpx client to the endpoint `router` picks (see the module docstring).
+class _Routing(Generic[_Transport]):
+    """What both transports hold, and how they start a request's attempts.
 
     `tries`: attempts per request at most (None: the router's `Settings.connect_tries`)."""
+
+    _default: Callable[[], _Transport]
+    """Makes the transport that sends when none is given."""
 
     def __init__(
         self,
         router: Router,
         *,
-        transport: httpx.BaseTransport | None = None,
+        transport: _Transport | None = None,
         block_size: int = BLOCK_SIZE,
         prefix_tokens: int = PREFIX_TOKENS,
         tries: int | None = None,
     ) -> None:
         self._router = router
-        self._transport = transport or httpx.HTTPTransport()
+        self._transport: _Transport = transport or self._default()
         self._block_size = block_size
         self._prefix_tokens = prefix_tokens
         self._tries = tries
 
+    def _run(self, request: httpx.Request) -> _Run:
+        """The attempts of `request`, its body read."""
+        described, streamed = describe(request, self._block_size, self._prefix_tokens)
+        return _Run(request, Attempts(self._router, described, self._tries), streamed)
+
+
+class PrismTransport(_Routing[httpx.BaseTransport], httpx.BaseTransport):
+    """Sends each request of a sync httpx client to the endpoint `router` picks (see the module docstring;
+    the keywords are `_Routing`'s)."""
+
+    _default = httpx.HTTPTransport
+
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         request.read()
-        described, streamed = describe(request, self._block_size, self._prefix_tokens)
-        attempts = Attempts(self._router, described, self._tries)
-        lease = attempts.first()
+        run = self._run(request)
         while True:
-            lease.begin()
+            run.lease.begin()
             try:
-                response = self._transport.handle_request(_forward(request, lease))
+                response = self._transport.handle_request(run.forwarded())
             except BaseException as exc:
-                following = _failed(attempts, lease, exc)
-                if following is None:
-                    raise
-                lease = following
-                continue
-            following = _answered(attempts, lease, response.status_code)
-            if following is None:
+                if run.failed(exc):
+                    continue
+                raise
+            finished = run.retried(response.status_code)
+            if finished is None:
                 assert isinstance(response.stream, httpx.SyncByteStream)
-                return _leased(response, _LeaseStream(response.stream, lease, streamed and response.is_success))
+                return _leased(response, _LeaseStream(response.stream, run.lease, run.tokens(response)))
             try:
                 response.close()
             finally:
-                lease.end()
-            lease = following
+                finished.end()
 
     def close(self) -> None:
         self._transport.close()
 
 
-class AsyncPrismTransport(httpx.AsyncBaseTransport):
-    """Sends each request of an async httpx client to the endpoint `router` picks (see the module docstring).
+class AsyncPrismTransport(_Routing[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport):
+    """Sends each request of an async httpx client to the endpoint `router` picks (see the module docstring;
+    the keywords are `_Routing`'s)."""
 
-    `tries`: attempts per request at most (None: the router's `Settings.connect_tries`)."""
-
-    def __init__(
-        self,
-        router: Router,
-        *,
-        transport: httpx.AsyncBaseTransport | None = None,
-        block_size: int = BLOCK_SIZE,
-        prefix_tokens: int = PREFIX_TOKENS,
-        tries: int | None = None,
-    ) -> None:
-        self._router = router
-        self._transport = transport or httpx.AsyncHTTPTransport()
-        self._block_size = block_size
-        self._prefix_tokens = prefix_tokens
-        self._tries = tries
+    _default = httpx.AsyncHTTPTransport
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await request.aread()
-        described, streamed = describe(request, self._block_size, self._prefix_tokens)
-        attempts = Attempts(self._router, described, self._tries)
-        lease = attempts.first()
+        run = self._run(request)
         while True:
-            lease.begin()
+            run.lease.begin()
             try:
-                response = await self._transport.handle_async_request(_forward(request, lease))
+                response = await self._transport.handle_async_request(run.forwarded())
             except BaseException as exc:
-                following = _failed(attempts, lease, exc)
-                if following is None:
-                    raise
-                lease = following
-                continue
-            following = _answered(attempts, lease, response.status_code)
-            if following is None:
+                if run.failed(exc):
+                    continue
+                raise
+            finished = run.retried(response.status_code)
+            if finished is None:
                 assert isinstance(response.stream, httpx.AsyncByteStream)
-                return _leased(response, _AsyncLeaseStream(response.stream, lease, streamed and response.is_success))
+                return _leased(response, _AsyncLeaseStream(response.stream, run.lease, run.tokens(response)))
             try:
                 await response.aclose()
             finally:
-                lease.end()
-            lease = following
+                finished.end()
 
     async def aclose(self) -> None:
         await self._transport.aclose()

@@ -33,7 +33,7 @@ from prismlb.wire import (
 
 from ._attempts import Attempts
 from ._errors import ShedError
-from ._health import EndpointState, EndpointStatus, classify
+from ._health import EndpointState, EndpointStatus
 from ._index import PrefixIndex
 from ._keys import position
 from ._lease import Lease
@@ -437,11 +437,9 @@ class Router:
                 try:
                     return fn(lease)
                 except Exception as exc:
-                    outcome = classify(exc)
-                    following = attempts.retry(lease, outcome)
+                    following = attempts.raised(lease, exc)
                     if following is None:
                         raise
-                    lease.fail(outcome)
             lease = following
 
     async def acall(
@@ -455,11 +453,9 @@ class Router:
                 try:
                     return await fn(lease)
                 except Exception as exc:
-                    outcome = classify(exc)
-                    following = attempts.retry(lease, outcome)
+                    following = attempts.raised(lease, exc)
                     if following is None:
                         raise
-                    lease.fail(outcome)
             lease = following
 
     def slice_of(self, slice_name: str | None = None) -> str:

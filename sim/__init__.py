@@ -7,6 +7,7 @@ from ._types import ClusterView, EngineStats, Outcome, Policy, RunResult, SimNod
 from ._workload import (
     BLOCK_TOKENS,
     LEVELS,
+    MOONCAKE_TRACE,
     WORKLOADS,
     azure,
     infinite_cache_hit_rate,
@@ -20,6 +21,7 @@ from ._workload import (
 __all__ = [
     "BLOCK_TOKENS",
     "LEVELS",
+    "MOONCAKE_TRACE",
     "PROFILES",
     "WORKLOADS",
     "ClusterView",

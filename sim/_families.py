@@ -244,6 +244,39 @@ SESSION_TURNS_MEAN = 3.5
 """Mean turns per session (geometric): ShareGPT's 3.5 turns per conversation."""
 
 
+REPLY_S_PER_TOKEN = 0.03
+"""Seconds the engine takes per reply token, before the next turn's pause starts."""
+
+
+def _turns(
+    chain: _Chain,
+    start: float,
+    opening: list[_Piece],
+    turns: int,
+    session: str,
+    *,
+    reply: Callable[[], int],
+    then: Callable[[int, int], list[_Piece]],
+    context_max: int,
+    pause: Callable[[], float],
+) -> list[SimRequest]:
+    """One conversation's requests, the first at `start` on `opening`: each turn's prompt is the previous one and
+    what follows it (`then(turn, reply tokens)`: the reply and the next input), until `turns` turns were sent
+    or the context passes `context_max` tokens. The next turn comes after the reply's generation and a
+    `pause()`. The random draws come in the order reply, then's input, pause, turn after turn."""
+    pieces = opening
+    out: list[SimRequest] = []
+    t = start
+    for turn in range(turns):
+        tokens = reply()
+        out.append(_request(chain, t, pieces, tokens, session=session))
+        pieces = [*pieces, *then(turn, tokens)]
+        if sum(size for _, size in pieces) > context_max:
+            break
+        t += tokens * REPLY_S_PER_TOKEN + pause()
+    return out
+
+
 def sessions(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
     """Multi-turn chat: each turn's prompt is the previous prompt, its answer and a new user message."""
     _check(requests)
@@ -253,18 +286,21 @@ def sessions(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
 
     def conversation(k: int, start: float) -> list[SimRequest]:
         turns = int(rng.geometric(1 / SESSION_TURNS_MEAN))
-        pieces: list[_Piece] = [system, (("user", k, 0), _lognormal(rng, 400, 1.5, 24_576))]
-        out: list[SimRequest] = []
-        t = start
-        for turn in range(turns):
-            answer = _lognormal(rng, 250, 0.8, 4096)
-            out.append(_request(chain, t, pieces, answer, session=f"session-{k}"))
-            message = (("user", k, turn + 1), _lognormal(rng, 40, 1.1, 8192))
-            pieces = [*pieces, (("answer", k, turn), answer), message]
-            if sum(tokens for _, tokens in pieces) > CONTEXT_MAX_TOKENS:
-                break
-            t += answer * 0.03 + _lognormal(rng, 20, 1.0, 600)
-        return out
+        opening: list[_Piece] = [system, (("user", k, 0), _lognormal(rng, 400, 1.5, 24_576))]
+        return _turns(
+            chain,
+            start,
+            opening,
+            turns,
+            f"session-{k}",
+            reply=lambda: _lognormal(rng, 250, 0.8, 4096),
+            then=lambda turn, answer: [
+                (("answer", k, turn), answer),
+                (("user", k, turn + 1), _lognormal(rng, 40, 1.1, 8192)),
+            ],
+            context_max=CONTEXT_MAX_TOKENS,
+            pause=lambda: _lognormal(rng, 20, 1.0, 600),
+        )
 
     out = _conversations(rng, requests, 6.5, conversation)
     return _workload("sessions", seed, out, "ShareGPT-like sessions, Poisson session starts")
@@ -279,18 +315,18 @@ def agentic(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
 
     def task(k: int, start: float) -> list[SimRequest]:
         turns = 5 + int(rng.geometric(1 / 15))
-        pieces: list[_Piece] = [system, (("task", k), _lognormal(rng, 3000, 0.8, 24_576))]
-        out: list[SimRequest] = []
-        t = start
-        for step in range(turns):
-            call = _lognormal(rng, 120, 0.7, 2048)
-            out.append(_request(chain, t, pieces, call, session=f"task-{k}"))
-            result = (("tool", k, step), _lognormal(rng, 250, 1.0, 4096))
-            pieces = [*pieces, (("call", k, step), call), result]
-            if sum(tokens for _, tokens in pieces) > AGENT_CONTEXT_MAX_TOKENS:
-                break
-            t += call * 0.03 + _lognormal(rng, 2, 1.0, 120)
-        return out
+        opening: list[_Piece] = [system, (("task", k), _lognormal(rng, 3000, 0.8, 24_576))]
+        return _turns(
+            chain,
+            start,
+            opening,
+            turns,
+            f"task-{k}",
+            reply=lambda: _lognormal(rng, 120, 0.7, 2048),
+            then=lambda step, call: [(("call", k, step), call), (("tool", k, step), _lognormal(rng, 250, 1.0, 4096))],
+            context_max=AGENT_CONTEXT_MAX_TOKENS,
+            pause=lambda: _lognormal(rng, 2, 1.0, 120),
+        )
 
     out = _conversations(rng, requests, 0.2, task)
     return _workload("agentic", seed, out, "agent loops over a shared task context, Poisson task starts")

@@ -29,6 +29,8 @@ LEVELS: Mapping[str, float] = {"50%": 0.5, "80%": 0.8, "95%": 0.95}
 """Named utilisation levels: offered prefill work over the cluster's prefill capacity."""
 WORKLOADS = ("mooncake", "azure-code", "azure-conv", "mm")
 MM_DEFAULT_COUNT = 6000
+MOONCAKE_TRACE = Path("mooncake") / "conversation_trace.jsonl"
+"""Mooncake's conversation trace (FAST'25), under `traces_dir()`; its `hash_ids` cover `BLOCK_TOKENS` each."""
 
 MM_START_S = 15 * 3600
 """ServeGen's day starts at 0 s; 15:00 is a steady busy hour (11.5–13 req/s over 17–19 active clients)."""
@@ -47,7 +49,6 @@ VIDEO_FRAMES = (4, 8)
 
 _WINDOW_S = 600
 _DAY_S = 86_400
-_MOONCAKE = Path("mooncake") / "conversation_trace.jsonl"
 _MM_IMAGE = Path("servegen") / "mm-image"
 
 _Dist = tuple[np.ndarray, np.ndarray]
@@ -71,7 +72,7 @@ def mooncake_conversation(limit: int | None = None) -> Workload:
     trace is read by."""
     from ._tracefile import load_trace  # imported here: the loader builds on this module's constants and rules
 
-    path = traces_dir() / _MOONCAKE
+    path = traces_dir() / MOONCAKE_TRACE
     source = f"kvcache-ai/Mooncake FAST25-release/traces/{path.name}; hash_ids as blocks, no session ids"
     return replace(load_trace(path, limit=limit), name="mooncake", source=source)
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: free loopback ports, a zmq context, a running brain, and waiting for a condition."""
+"""Shared fixtures: free loopback ports, a zmq context, a running brain or agent, a clock the test moves, and
+waiting for a condition."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib
 import importlib.util
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -20,13 +22,31 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 if TYPE_CHECKING:
+    from prismlb.agent import Agent, AgentConfig
     from prismlb.brain import Brain
+
+
+class Clock:
+    """A clock the test moves: called like `time.monotonic` or `time.time`, it reads `now`, which changes only
+    when the test sets it, so that a test says how long something took instead of sleeping."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def prism(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """`prism ARGS` (this checkout's CLI) as a subprocess, its output and errors written to `log`."""
+    out = log.open("wb")
+    return subprocess.Popen([sys.executable, "-m", "prismlb.cli", *args], stdout=out, stderr=subprocess.STDOUT)
 
 
 def load_bench(stem: str) -> ModuleType:
@@ -58,6 +78,19 @@ def wait_for(check: Callable[[], object], timeout_s: float = 10.0, what: str | N
 
 
 @contextlib.contextmanager
+def serving(run: Callable[[threading.Event], object], join_timeout_s: float = 20.0) -> Iterator[threading.Thread]:
+    """`run(stop)`, a service's main loop, in a thread; on the way out `stop` is set and the thread joined."""
+    stop = threading.Event()
+    thread = threading.Thread(target=run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        stop.set()
+        thread.join(timeout=join_timeout_s)
+
+
+@contextlib.contextmanager
 def running_brain(**config: Any) -> Iterator[Brain]:
     """The brain service in a thread on fresh loopback ports (no admin port, no training, 50 ms cycles unless
     `config` says otherwise), stopped on the way out, its thread checked to have ended."""
@@ -72,15 +105,45 @@ def running_brain(**config: Any) -> Iterator[Brain]:
         "cycle_s": 0.05,
     }
     brain = Brain(BrainConfig(**(defaults | config)), CollectorRegistry())
-    stop = threading.Event()
-    thread = threading.Thread(target=brain.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
+    with serving(brain.run) as thread:
         yield brain
-    finally:
-        stop.set()
-        thread.join(timeout=20)
     assert not thread.is_alive()
+
+
+@contextlib.contextmanager
+def running_agent(config: AgentConfig, registry: CollectorRegistry | None = None) -> Iterator[Agent]:
+    """`config`'s agent service in a thread, stopped on the way out (its thread joined)."""
+    from prismlb.agent import Agent
+
+    agent = Agent(config, CollectorRegistry() if registry is None else registry)
+    with serving(agent.run, join_timeout_s=15):
+        yield agent
+
+
+@contextlib.contextmanager
+def reporting_agent(
+    ctx: zmq.Context, registry: CollectorRegistry | None = None, **settings: Any
+) -> Iterator[tuple[Agent, zmq.Socket]]:
+    """An agent in a thread (`running_agent`) and the PULL socket its vectors reach, bound on a free loopback port
+    as the brain's ingest: 0.25 s periods, no eBPF and no OTLP ports unless `settings` says otherwise. The agent
+    is stopped, then the socket closed, on the way out."""
+    from prismlb.agent import AgentConfig
+
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    defaults: dict[str, Any] = {
+        "node_id": "test-node",
+        "brain": f"tcp://127.0.0.1:{port}",
+        "period_s": 0.25,
+        "ebpf": False,
+        "otlp_grpc_port": 0,
+        "otlp_http_port": 0,
+    }
+    try:
+        with running_agent(AgentConfig(**(defaults | settings)), registry) as agent:
+            yield agent, pull
+    finally:
+        pull.close(linger=0)
 
 
 @pytest.fixture

@@ -23,11 +23,11 @@ from prismlb.router import (
     prefix_key,
     text_block_hashes,
 )
-from prismlb.sim import traces_dir
+from prismlb.sim import BLOCK_TOKENS, MOONCAKE_TRACE, traces_dir
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
-MOONCAKE = traces_dir() / "mooncake/conversation_trace.jsonl"
-TRACE_BLOCK = 512  # tokens per Mooncake hash id
+MOONCAKE = traces_dir() / MOONCAKE_TRACE
+TRACE_BLOCK = BLOCK_TOKENS  # tokens per Mooncake hash id
 
 
 def tokens(*blocks: int, block_size: int = BLOCK_SIZE, tail: int = 0) -> list[int]:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import http.client
 import math
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import zmq
@@ -24,13 +23,13 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 from prometheus_client import CollectorRegistry
 
-from prismlb.agent import Agent, AgentConfig
+from prismlb.agent import AgentConfig
 from prismlb.agent._bounds import LATENCY_MS, RATIO, REQUESTS, InvalidValues
 from prismlb.agent._engine import EngineCollector
 from prismlb.agent._signals import SpanSignals
 from prismlb.wire import MAX_VECTOR_BYTES, NodeVector, decode
 
-from .conftest import free_port
+from .conftest import free_port, reporting_agent, wait_for
 from .test_engine import MetricsServer, fixture, server  # noqa: F401 (server is a fixture)
 
 WAIT_S = 15.0
@@ -60,48 +59,21 @@ def invalid(registry: CollectorRegistry, source: str, field: str) -> float | Non
     return registry.get_sample_value("prism_agent_invalid_values_total", {"source": source, "field": field})
 
 
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def run_agent(
     ctx: zmq.Context, until: Callable[[NodeVector], bool], act: Callable[[AgentConfig], None], **settings: object
 ) -> tuple[NodeVector, CollectorRegistry]:
     """Run an agent, call `act` once its receiver is up, and return the first vector meeting `until`."""
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    config = AgentConfig(
-        node_id="bounds-node",
-        brain=f"tcp://127.0.0.1:{port}",
-        period_s=0.25,
-        ebpf=False,
-        otlp_grpc_port=0,
-        **settings,  # type: ignore[arg-type]
-    )
     registry = CollectorRegistry()
-    agent = Agent(config, registry)
-    stop = threading.Event()
-    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
+    with reporting_agent(ctx, registry, node_id="bounds-node", **settings) as (agent, pull):
+        wait_for(lambda: agent.trace_path is not None, WAIT_S, what="the agent's OTLP receiver")
+        act(agent.config)
         deadline = time.monotonic() + WAIT_S
-        while agent.trace_path is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        act(config)
         while time.monotonic() < deadline:
             if pull.poll(200):
                 vector = decode(pull.recv_multipart(), (NodeVector,), MAX_VECTOR_BYTES)
                 if until(vector):
                     return vector, registry
         raise AssertionError("no vector met the condition")
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-        pull.close(linger=0)
 
 
 def post_traces(config: AgentConfig, request: ExportTraceServiceRequest) -> None:

@@ -4,7 +4,6 @@ vector and the KV stream, and the settings that point the agent at them."""
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from pathlib import Path
 
@@ -13,11 +12,11 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from prismlb.agent import Agent, AgentConfig, resolve_config
+from prismlb.agent import resolve_config
 from prismlb.router import block_hashes
 from prismlb.wire import MAX_VECTOR_BYTES, ConfigError, KvBlocks, NodeVector, bloom_contains, decode
 
-from .conftest import free_port, wait_for
+from .conftest import free_port, reporting_agent, wait_for
 from .test_engine import MetricsServer, fixture
 from .test_engine_formats import VllmMetrics
 from .test_kv_events import Engine, array_stored, free_port_pair, stored
@@ -29,59 +28,42 @@ def test_engine_and_kv_events_reach_the_node_vector(ctx: zmq.Context) -> None:
     metrics.queue(fixture("vllm_metrics_2.txt"))
     kv_endpoint = f"tcp://127.0.0.1:{free_port()}"
     engine = Engine(ctx, kv_endpoint)
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    config = AgentConfig(
-        node_id="vllm-node",
-        brain=f"tcp://127.0.0.1:{port}",
-        period_s=0.25,
-        ebpf=False,
-        otlp_grpc_port=0,
-        otlp_http_port=0,
-        engine_url=metrics.url,
-        kv_events=kv_endpoint,
-    )
-    stop = threading.Event()
     registry = CollectorRegistry()
-    agent = Agent(config, registry)
-    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-    thread.start()
+    settings = {"node_id": "vllm-node", "engine_url": metrics.url, "kv_events": kv_endpoint}
     try:
-        engine.wait_subscriber()
-        engine.publish(stored([11, 12, 13]))
-        deadline = time.monotonic() + 15
-        last: NodeVector | None = None
-        while time.monotonic() < deadline:
-            if pull.poll(500):
-                message = decode(pull.recv_multipart(), (NodeVector, KvBlocks), MAX_VECTOR_BYTES)
-                if isinstance(message, KvBlocks):  # the agent's KV stream shares the brain's endpoint
-                    continue
-                last = message
-                if last.metrics.kv_cache_miss_ratio is not None and last.kv is not None and last.kv.blocks == 3:
-                    break
-        assert last is not None
-        m = last.metrics
-        assert (m.requests_running, m.requests_waiting) == (12, 6)
-        assert m.kv_cache_usage_ratio == pytest.approx(0.4)
-        assert m.kv_cache_miss_ratio == pytest.approx(0.4), "miss ratio from counter deltas over the 5 s window"
-        assert "kv_cache_miss_ratio" in last.alarms, "0.4 is over the article's 18% alarm"
-        assert m.health_score is not None and m.health_score < 1.0
-        assert last.latency["engine"].ttft_p99_ms == pytest.approx(875.0)
-        assert last.kv is not None and bloom_contains(last.kv, 12) and not bloom_contains(last.kv, 99)
-        assert len(msgspec.msgpack.encode(last)) < MAX_VECTOR_BYTES
-        assert registry.get_sample_value("prism_agent_kv_blocks") == 3
-        assert registry.get_sample_value("prism_agent_node_kv_cache_miss_ratio") == pytest.approx(0.4)
-        assert registry.get_sample_value(
-            "prism_agent_ttft_seconds", {"slice": "engine", "quantile": "0.99"}
-        ) == pytest.approx(0.875)
-        assert registry.get_sample_value("prism_agent_alarm", {"dimension": "kv_cache_miss_ratio"}) == 1.0
-        assert registry.get_sample_value("prism_agent_source_failures_total", {"source": "engine"}) == 0
+        with reporting_agent(ctx, registry, **settings) as (_, pull):
+            engine.wait_subscriber()
+            engine.publish(stored([11, 12, 13]))
+            deadline = time.monotonic() + 15
+            last: NodeVector | None = None
+            while time.monotonic() < deadline:
+                if pull.poll(500):
+                    message = decode(pull.recv_multipart(), (NodeVector, KvBlocks), MAX_VECTOR_BYTES)
+                    if isinstance(message, KvBlocks):  # the agent's KV stream shares the brain's endpoint
+                        continue
+                    last = message
+                    if last.metrics.kv_cache_miss_ratio is not None and last.kv is not None and last.kv.blocks == 3:
+                        break
+            assert last is not None
+            m = last.metrics
+            assert (m.requests_running, m.requests_waiting) == (12, 6)
+            assert m.kv_cache_usage_ratio == pytest.approx(0.4)
+            assert m.kv_cache_miss_ratio == pytest.approx(0.4), "miss ratio from counter deltas over the 5 s window"
+            assert "kv_cache_miss_ratio" in last.alarms, "0.4 is over the article's 18% alarm"
+            assert m.health_score is not None and m.health_score < 1.0
+            assert last.latency["engine"].ttft_p99_ms == pytest.approx(875.0)
+            assert last.kv is not None and bloom_contains(last.kv, 12) and not bloom_contains(last.kv, 99)
+            assert len(msgspec.msgpack.encode(last)) < MAX_VECTOR_BYTES
+            assert registry.get_sample_value("prism_agent_kv_blocks") == 3
+            assert registry.get_sample_value("prism_agent_node_kv_cache_miss_ratio") == pytest.approx(0.4)
+            assert registry.get_sample_value(
+                "prism_agent_ttft_seconds", {"slice": "engine", "quantile": "0.99"}
+            ) == pytest.approx(0.875)
+            assert registry.get_sample_value("prism_agent_alarm", {"dimension": "kv_cache_miss_ratio"}) == 1.0
+            assert registry.get_sample_value("prism_agent_source_failures_total", {"source": "engine"}) == 0
     finally:
-        stop.set()
-        thread.join(timeout=10)
         engine.close()
         metrics.close()
-        pull.close()
 
 
 def test_kv_dp_ranks_from_flag_env_and_file_checked_against_the_endpoints(tmp_path: Path) -> None:
@@ -113,53 +95,41 @@ def test_every_dp_rank_and_vllm_0_8_metrics_reach_the_brain(ctx: zmq.Context) ->
     metrics.queue(vllm.text())
     port = free_port_pair()
     ranks = [Engine(ctx, f"tcp://127.0.0.1:{port + r}", rank=r) for r in range(2)]
-    pull = ctx.socket(zmq.PULL)
-    brain = pull.bind_to_random_port("tcp://127.0.0.1")
-    config = AgentConfig(
-        node_id="vllm-dp-node",
-        brain=f"tcp://127.0.0.1:{brain}",
-        period_s=0.25,
-        ebpf=False,
-        otlp_grpc_port=0,
-        otlp_http_port=0,
-        engine_url=metrics.url,
-        kv_events=f"tcp://127.0.0.1:{port}",
-        kv_dp_ranks=2,
-    )
-    stop = threading.Event()
-    thread = threading.Thread(target=Agent(config, CollectorRegistry()).run, args=(stop,), daemon=True)
-    thread.start()
+    settings = {
+        "node_id": "vllm-dp-node",
+        "engine_url": metrics.url,
+        "kv_events": f"tcp://127.0.0.1:{port}",
+        "kv_dp_ranks": 2,
+    }
     try:
-        for engine in ranks:
-            engine.wait_subscriber()
-        ranks[0].publish(array_stored([11, 12], first_token=0))
-        ranks[1].publish(array_stored([21], first_token=500))
-        expected = set(block_hashes(list(range(32)), 16) + block_hashes(list(range(500, 516)), 16))
-        prism: set[int] = set()
-        vectors: list[NodeVector] = []
+        with reporting_agent(ctx, **settings) as (_, pull):
+            for engine in ranks:
+                engine.wait_subscriber()
+            ranks[0].publish(array_stored([11, 12], first_token=0))
+            ranks[1].publish(array_stored([21], first_token=500))
+            expected = set(block_hashes(list(range(32)), 16) + block_hashes(list(range(500, 516)), 16))
+            prism: set[int] = set()
+            vectors: list[NodeVector] = []
 
-        def received() -> bool:
-            while pull.poll(0):
-                message = decode(pull.recv_multipart(), (NodeVector, KvBlocks), MAX_VECTOR_BYTES)
-                if isinstance(message, KvBlocks):
-                    if message.reset:
-                        prism.clear()
-                    prism.difference_update(message.removed)
-                    prism.update(message.stored)
-                else:
-                    vectors.append(message)
-            kv = vectors[-1].kv if vectors else None
-            return prism == expected and kv is not None and kv.blocks == 3
+            def received() -> bool:
+                while pull.poll(0):
+                    message = decode(pull.recv_multipart(), (NodeVector, KvBlocks), MAX_VECTOR_BYTES)
+                    if isinstance(message, KvBlocks):
+                        if message.reset:
+                            prism.clear()
+                        prism.difference_update(message.removed)
+                        prism.update(message.stored)
+                    else:
+                        vectors.append(message)
+                kv = vectors[-1].kv if vectors else None
+                return prism == expected and kv is not None and kv.blocks == 3
 
-        wait_for(received, what="both ranks' blocks in the vector and the KV stream")
-        last = vectors[-1]
-        assert last.kv is not None and all(bloom_contains(last.kv, block) for block in (11, 12, 21))
-        assert last.metrics.requests_running == 5
-        assert last.metrics.kv_cache_usage_ratio == pytest.approx(0.4), "vllm:gpu_cache_usage_perc, both engines"
+            wait_for(received, what="both ranks' blocks in the vector and the KV stream")
+            last = vectors[-1]
+            assert last.kv is not None and all(bloom_contains(last.kv, block) for block in (11, 12, 21))
+            assert last.metrics.requests_running == 5
+            assert last.metrics.kv_cache_usage_ratio == pytest.approx(0.4), "vllm:gpu_cache_usage_perc, both engines"
     finally:
-        stop.set()
-        thread.join(timeout=10)
         for engine in ranks:
             engine.close()
         metrics.close()
-        pull.close()

@@ -2,46 +2,29 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import zmq
-from prometheus_client import CollectorRegistry
 
-from prismlb.agent import Agent, AgentConfig
 from prismlb.otel import setup
 from prismlb.wire import MAX_VECTOR_BYTES, NodeVector, decode
 
-from .conftest import free_port
+from .conftest import free_port, reporting_agent, wait_for
 from .test_otel import _segment
 
 MIB = 1 << 20
 
 
 def test_worker_spans_and_allocator_metrics_reach_the_vector(ctx: zmq.Context) -> None:
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
     http_port = free_port()
-    config = AgentConfig(
-        node_id="worker-node",
-        brain=f"tcp://127.0.0.1:{port}",
-        period_s=0.25,
-        ebpf=False,
-        otlp_grpc_port=0,
-        otlp_http_port=http_port,
-    )
-    stop = threading.Event()
-    agent = Agent(config, CollectorRegistry())
-    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-    thread.start()
     # Free blocks of 8 and 4 MiB around allocations: α = 8/12, fragmentation 1/3 (under the 45% alarm).
     snapshot = [_segment(0, [(8 * MIB, "inactive"), (16 * MIB, "active_allocated"), (4 * MIB, "inactive")])]
-    try:
-        deadline = time.monotonic() + 10
-        while agent.trace_path is None or agent.trace_path.receiver is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with reporting_agent(ctx, node_id="worker-node", otlp_http_port=http_port) as (agent, pull):
+        wait_for(
+            lambda: agent.trace_path is not None and agent.trace_path.receiver is not None,
+            what="the agent's OTLP receiver",
+        )
         telemetry = setup(
             "worker",
             endpoint=f"http://127.0.0.1:{http_port}",
@@ -73,7 +56,3 @@ def test_worker_spans_and_allocator_metrics_reach_the_vector(ctx: zmq.Context) -
         assert 20.0 <= last.metrics.cpu_preproc_p95_ms <= 200.0, "P95 of image decode, not of prefill"  # type: ignore[operator]
         assert last.metrics.gpu_mem_frag_ratio == pytest.approx(1 / 3)
         assert last.alarms == []
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-        pull.close()

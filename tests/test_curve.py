@@ -41,7 +41,13 @@ LOG = logging.getLogger("test")
 
 def vector(node_id: str) -> NodeVector:
     return NodeVector(
-        node_id=node_id, host="h", endpoint="e", seq=1, sample_time_unix_s=time.time(), period_s=1.0, metrics=NodeMetrics()
+        node_id=node_id,
+        host="h",
+        endpoint="e",
+        seq=1,
+        sample_time_unix_s=time.time(),
+        period_s=1.0,
+        metrics=NodeMetrics(),
     )
 
 
@@ -52,6 +58,39 @@ def table() -> RoutingTable:
         issued_unix_s=time.time(),
         slices=[SliceTable(name="default", nodes=[TableNode(node_id="a", endpoint="http://a", weight=1.0)])],
     )
+
+
+def subscribed_tables(
+    ctx: zmq.Context, keys: Path, curve: ServerCurve, names: tuple[str, ...], *, heartbeat: bool = False
+) -> dict[str, list[RoutingTable]]:
+    """Publish `table()` under `curve` for 2 s to a subscriber per key name in `names` (snapshots served,
+    heartbeats sent with `heartbeat`), and return the tables each got."""
+    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG), curve=curve)
+    publisher.publish(table())
+    got: dict[str, list[RoutingTable]] = {name: [] for name in names}
+    subscribers = [
+        TableSubscriber(
+            ctx,
+            [address],
+            lambda t, name=name: got[name].append(t) is None,
+            RejectCounter("router", LOG),
+            curve=ClientCurve(keys / f"{name}.key_secret", keys / "brain.key"),
+        )
+        for name in names
+    ]
+    for s in subscribers:
+        s.start()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        publisher.serve_snapshots()
+        if heartbeat:
+            publisher.heartbeat()
+        time.sleep(0.02)
+    for s in subscribers:
+        s.stop()
+    publisher.close()
+    return got
 
 
 @pytest.fixture
@@ -150,29 +189,7 @@ def test_an_agent_refused_before_its_key_is_filed_gets_in_later(ctx: zmq.Context
 def test_tables_reach_only_authorised_routers(ctx: zmq.Context, keys: Path) -> None:
     server = ServerCurve(keys / "brain.key_secret", keys / "authorized")
     auth = start_authenticator(ctx, server)
-    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
-    publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG), curve=server)
-    publisher.publish(table())
-    got: dict[str, list[RoutingTable]] = {"good": [], "evil": []}
-    subscribers = [
-        TableSubscriber(
-            ctx,
-            [address],
-            lambda t, name=name: got[name].append(t) is None,
-            RejectCounter("router", LOG),
-            curve=ClientCurve(keys / f"{name}.key_secret", keys / "brain.key"),
-        )
-        for name in ("good", "evil")
-    ]
-    for s in subscribers:
-        s.start()
-    deadline = time.monotonic() + 2
-    while time.monotonic() < deadline:
-        publisher.serve_snapshots()
-        time.sleep(0.02)
-    for s in subscribers:
-        s.stop()
-    publisher.close()
+    got = subscribed_tables(ctx, keys, server, ("good", "evil"))
     auth.stop()
     assert [t.order for t in got["good"]] == [(1, 1)]
     assert got["evil"] == []
@@ -231,30 +248,7 @@ def test_an_agent_key_cannot_subscribe_to_tables(ctx: zmq.Context, keys: Path) -
     agents, routers = roles(keys)
     registry = CollectorRegistry()
     auth = start_authenticator(ctx, agents, routers, refusals=CurveRefusals(registry))
-    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
-    publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG), curve=routers)
-    publisher.publish(table())
-    got: dict[str, list[RoutingTable]] = {"good": [], "router": []}
-    subscribers = [
-        TableSubscriber(
-            ctx,
-            [address],
-            lambda t, name=name: got[name].append(t) is None,
-            RejectCounter("router", LOG),
-            curve=ClientCurve(keys / f"{name}.key_secret", keys / "brain.key"),
-        )
-        for name in ("good", "router")
-    ]
-    for s in subscribers:
-        s.start()
-    deadline = time.monotonic() + 2
-    while time.monotonic() < deadline:
-        publisher.serve_snapshots()
-        publisher.heartbeat()
-        time.sleep(0.02)
-    for s in subscribers:
-        s.stop()
-    publisher.close()
+    got = subscribed_tables(ctx, keys, routers, ("good", "router"), heartbeat=True)
     auth.stop()
     assert [t.order for t in got["router"]] == [(1, 1)]
     assert got["good"] == []  # the agent's key is refused on the table and snapshot sockets

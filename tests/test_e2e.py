@@ -19,7 +19,7 @@ from prismlb.demo import llm_nodes
 from prismlb.router import Router
 from prismlb.wire import BrainAddress, RoutingTable
 
-from .conftest import free_port, require_ebpf, wait_for
+from .conftest import free_port, prism, require_ebpf, wait_for
 
 NODES = ("node-a", "node-b", "node-c")
 KEYS = [f"prefix-{i}" for i in range(3000)]
@@ -33,11 +33,6 @@ class Cluster:
     address: BrainAddress
     metrics_port: int
     logs: Path
-
-
-def prism(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    out = log.open("wb")
-    return subprocess.Popen([sys.executable, "-m", "prismlb.cli", *args], stdout=out, stderr=subprocess.STDOUT)
 
 
 def node_ids(table: RoutingTable | None) -> set[str]:

@@ -71,6 +71,13 @@ def server() -> Iterator[MetricsServer]:
     s.close()
 
 
+def scraping(server: MetricsServer, *bodies: bytes) -> EngineCollector:
+    """A collector of `server`, which answers its scrapes with `bodies` in order (the last repeated)."""
+    for body in bodies:
+        server.queue(body)
+    return EngineCollector(server.url)
+
+
 def assert_quantiles(got: LatencyQuantiles | None, requests: int, p50: float, p95: float, p99: float) -> None:
     assert got is not None
     assert got.requests == requests
@@ -78,9 +85,7 @@ def assert_quantiles(got: LatencyQuantiles | None, requests: int, p50: float, p9
 
 
 def test_vllm_gauges_miss_ratio_and_quantiles_from_deltas(server: MetricsServer) -> None:
-    server.queue(fixture("vllm_metrics_1.txt"))
-    server.queue(fixture("vllm_metrics_2.txt"))
-    collector = EngineCollector(server.url)
+    collector = scraping(server, fixture("vllm_metrics_1.txt"), fixture("vllm_metrics_2.txt"))
 
     first = collector.sample()
     # Gauges are read at once: running 3+2, waiting 0+1, KV usage mean(0.12, 0.08); no deltas yet.
@@ -110,9 +115,8 @@ def test_vllm_gauges_miss_ratio_and_quantiles_from_deltas(server: MetricsServer)
 
 
 def test_vllm_counter_reset_skips_the_restarted_series(server: MetricsServer) -> None:
-    for name in ("vllm_metrics_1.txt", "vllm_metrics_2.txt", "vllm_metrics_3_restart.txt"):
-        server.queue(fixture(name))
-    collector = EngineCollector(server.url)
+    names = ("vllm_metrics_1.txt", "vllm_metrics_2.txt", "vllm_metrics_3_restart.txt")
+    collector = scraping(server, *(fixture(name) for name in names))
     collector.sample()
     collector.sample()
 
@@ -127,9 +131,7 @@ def test_vllm_counter_reset_skips_the_restarted_series(server: MetricsServer) ->
 
 
 def test_sglang_detected_replicas_read_once_and_miss_from_token_counters(server: MetricsServer) -> None:
-    server.queue(fixture("sglang_metrics_1.txt"))
-    server.queue(fixture("sglang_metrics_2.txt"))
-    collector = EngineCollector(server.url)
+    collector = scraping(server, fixture("sglang_metrics_1.txt"), fixture("sglang_metrics_2.txt"))
     first = collector.sample()
     assert first == EngineSample(
         kind="sglang", kv_cache_usage_ratio=pytest.approx(0.30), requests_running=4, requests_waiting=1
@@ -156,8 +158,7 @@ def test_sglang_detected_replicas_read_once_and_miss_from_token_counters(server:
 
 
 def test_detection_is_logged_once(server: MetricsServer, caplog: pytest.LogCaptureFixture) -> None:
-    server.queue(fixture("vllm_metrics_1.txt"))
-    collector = EngineCollector(server.url)
+    collector = scraping(server, fixture("vllm_metrics_1.txt"))
     assert collector.kind is None
     with caplog.at_level(logging.INFO, logger="prism.agent.engine"):
         collector.sample()
@@ -169,12 +170,12 @@ def test_detection_is_logged_once(server: MetricsServer, caplog: pytest.LogCaptu
 
 
 def test_absent_metrics_are_none_not_zero(server: MetricsServer) -> None:
-    server.queue(
+    collector = scraping(
+        server,
         b"# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
         b"# TYPE vllm:kv_cache_usage_perc gauge\n"
-        b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n',
     )
-    collector = EngineCollector(server.url)
     collector.sample()
     assert collector.sample() == EngineSample(kind="vllm", kv_cache_usage_ratio=0.25)
 
@@ -253,10 +254,12 @@ def vllm_text(queries: tuple[float, float], hits: tuple[float, float], prefill_s
 
 
 def test_vllm_prefill_speed_is_computed_tokens_over_prefill_seconds(server: MetricsServer) -> None:
-    server.queue(vllm_text((1000, 500), (400, 100), (1.0, 0.5)))
-    server.queue(vllm_text((3000, 1500), (1900, 400), (1.2, 0.6)))
-    server.queue(vllm_text((4000, 200), (2150, 50), (1.3, 0.1)))  # engine 1 restarted: its deltas are skipped
-    collector = EngineCollector(server.url)
+    collector = scraping(
+        server,
+        vllm_text((1000, 500), (400, 100), (1.0, 0.5)),
+        vllm_text((3000, 1500), (1900, 400), (1.2, 0.6)),
+        vllm_text((4000, 200), (2150, 50), (1.3, 0.1)),  # engine 1 restarted: its deltas are skipped
+    )
     assert collector.sample().prefill_tokens_per_s is None  # no previous scrape
     # queries +3000, hits +1800: 1200 tokens computed in 0.2 + 0.1 s of prefill.
     assert collector.sample().prefill_tokens_per_s == pytest.approx(1200 / 0.3)
@@ -265,9 +268,7 @@ def test_vllm_prefill_speed_is_computed_tokens_over_prefill_seconds(server: Metr
 
 
 def test_sglang_publishes_no_prefill_time_so_no_speed(server: MetricsServer) -> None:
-    server.queue(fixture("sglang_metrics_1.txt"))
-    server.queue(fixture("sglang_metrics_2.txt"))
-    collector = EngineCollector(server.url)
+    collector = scraping(server, fixture("sglang_metrics_1.txt"), fixture("sglang_metrics_2.txt"))
     collector.sample()
     second = collector.sample()
     assert second.kv_cache_miss_ratio is not None and second.prefill_tokens_per_s is None

@@ -10,13 +10,10 @@ import pytest
 from prismlb.brain._history import _BATCH_ROWS, SCHEMA, History
 from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector
 
+from .conftest import Clock
 
-class Clock:
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+UNIX_NOW = 1_700_000_000.0
+"""Where the tests' clocks start: the history stamps rows with Unix seconds."""
 
 
 def vector(node_id: str = "node-a", seq: int = 1, sample_time: float = 1.0, **metrics: float) -> NodeVector:
@@ -44,7 +41,7 @@ def segments(state_dir: Path) -> list[Path]:
 
 
 def test_rows_flatten_metrics_and_summarise_latency() -> None:
-    history = History(None, clock=Clock())
+    history = History(None, clock=Clock(UNIX_NOW))
     history.append(
         NodeVector(
             node_id="node-a",
@@ -73,7 +70,7 @@ def test_rows_flatten_metrics_and_summarise_latency() -> None:
 
 
 def test_window_is_one_nodes_rows_in_sample_time_order() -> None:
-    clock = Clock()
+    clock = Clock(UNIX_NOW)
     history = History(None, clock=clock)
     for seq, sample_time in ((2, 20.0), (1, 10.0), (3, 30.0)):
         history.append(vector("node-a", seq, sample_time))
@@ -86,7 +83,7 @@ def test_window_is_one_nodes_rows_in_sample_time_order() -> None:
 
 
 def test_rows_leave_with_the_window_so_memory_is_bounded() -> None:
-    clock = Clock()
+    clock = Clock(UNIX_NOW)
     history = History(None, window_s=60.0, clock=clock)
     most = 0
     for _ in range(50):
@@ -100,7 +97,7 @@ def test_rows_leave_with_the_window_so_memory_is_bounded() -> None:
 
 
 def test_a_row_cap_bounds_memory_below_the_window() -> None:
-    clock = Clock()
+    clock = Clock(UNIX_NOW)
     history = History(None, window_s=600.0, max_rows=100, clock=clock)
     fill(history, clock, 100)
     frame = history.frame()
@@ -110,7 +107,7 @@ def test_a_row_cap_bounds_memory_below_the_window() -> None:
 
 
 def test_segments_are_parquet_written_atomically(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = Clock(UNIX_NOW)
     history = History(tmp_path, segment_rows=50, clock=clock)
     fill(history, clock, 40)  # 120 rows: two segments of 50, 20 rows still in memory only
     files = segments(tmp_path)
@@ -123,7 +120,7 @@ def test_segments_are_parquet_written_atomically(tmp_path: Path) -> None:
 
 
 def test_segments_are_flushed_every_flush_s(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = Clock(UNIX_NOW)
     history = History(tmp_path, flush_s=5.0, clock=clock)
     fill(history, clock, 4)
     assert segments(tmp_path) == []
@@ -132,9 +129,9 @@ def test_segments_are_flushed_every_flush_s(tmp_path: Path) -> None:
 
 
 def test_segments_are_capped_oldest_first(tmp_path: Path) -> None:
-    clock = Clock()
-    probe = History(tmp_path / "probe", segment_rows=30, clock=Clock())
-    fill(probe, Clock(), 10)
+    clock = Clock(UNIX_NOW)
+    probe = History(tmp_path / "probe", segment_rows=30, clock=Clock(UNIX_NOW))
+    fill(probe, Clock(UNIX_NOW), 10)
     size = segments(tmp_path / "probe")[0].stat().st_size
     history = History(tmp_path, segment_rows=30, max_bytes=int(size * 3.5), clock=clock)
     fill(history, clock, 100)  # ten segments written
@@ -145,7 +142,7 @@ def test_segments_are_capped_oldest_first(tmp_path: Path) -> None:
 
 
 def test_a_restarted_history_resumes_with_its_rows(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = Clock(UNIX_NOW)
     history = History(tmp_path, window_s=60.0, segment_rows=25, clock=clock)
     fill(history, clock, 100)
     before = history.frame()
@@ -163,7 +160,7 @@ def test_a_restarted_history_resumes_with_its_rows(tmp_path: Path) -> None:
 
 
 def test_a_corrupt_segment_is_skipped_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    clock = Clock()
+    clock = Clock(UNIX_NOW)
     history = History(tmp_path, segment_rows=30, clock=clock)
     fill(history, clock, 40)
     history.close()
@@ -180,7 +177,7 @@ def test_a_corrupt_segment_is_skipped_and_counted(tmp_path: Path, caplog: pytest
 
 
 def test_a_failing_disk_is_counted_not_fatal(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = Clock(UNIX_NOW)
     history = History(tmp_path, segment_rows=10, clock=clock)
     folder = tmp_path / "history"
     folder.rmdir()
@@ -195,6 +192,6 @@ def test_a_failing_disk_is_counted_not_fatal(tmp_path: Path) -> None:
 
 
 def test_counts_beyond_int64_become_null_not_a_crash() -> None:
-    history = History(None, clock=Clock())
+    history = History(None, clock=Clock(UNIX_NOW))
     history.append(vector(mem_used_bytes=2**64 - 1))
     assert history.frame()["mem_used_bytes"].to_list() == [None]

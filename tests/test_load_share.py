@@ -30,20 +30,12 @@ from prismlb.wire import (
     encode,
 )
 
-from .conftest import free_port, running_brain, wait_for
+from .conftest import Clock, free_port, running_brain, wait_for
 
 BLOCK = 16
 PROMPT = list(range(64 * BLOCK))
 BLOCKS = tuple(block_hashes(PROMPT, BLOCK))
 OTHER = tuple(block_hashes([t + 100_000 for t in PROMPT], BLOCK))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def report(router_id: str, seq: int, **loads: float) -> RouterLoad:

@@ -7,12 +7,9 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import re
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -25,7 +22,7 @@ from prismlb.brain import resolve_config
 from prismlb.router import Request, Router
 from prismlb.wire import MS_TO_S, NODE_FAMILIES, BrainAddress, NodeMetrics, serve_metrics
 
-from .conftest import free_port, wait_for
+from .conftest import free_port, prism, wait_for
 
 NODE = "node-a"
 NOT_BASE_UNIT = re.compile(
@@ -39,11 +36,6 @@ class Services:
     brain_metrics: int
     agent_metrics: int
     address: BrainAddress
-
-
-def prism(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    out = log.open("wb")
-    return subprocess.Popen([sys.executable, "-m", "prismlb.cli", *args], stdout=out, stderr=subprocess.STDOUT)
 
 
 def scrape(host: str, port: int) -> list[Metric]:

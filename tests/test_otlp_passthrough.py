@@ -93,6 +93,25 @@ def set_upstream(monkeypatch: pytest.MonkeyPatch, collector: OtlpReceiver, proto
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
 
 
+def logs_collector(on_logs: Callable[[ExportLogsServiceRequest], None], **settings: Any) -> OtlpReceiver:
+    """A started receiver on loopback (gRPC on an ephemeral port, the rest as `settings` says) that hands logs to
+    `on_logs` and drops traces and metrics; the test shuts it down."""
+    receiver = OtlpReceiver(
+        lambda _t: None, lambda _m: None, on_logs=on_logs, host="127.0.0.1", grpc_port=EPHEMERAL_PORT, **settings
+    )
+    receiver.start()
+    return receiver
+
+
+SCOPE = InstrumentationScope(name="n", version="v")
+"""The instrumentation scope of the requests made here (copied into each message that takes it)."""
+
+
+def service(name: str) -> ProtoResource:
+    """The resource of the requests made here: a service `name`."""
+    return ProtoResource(attributes=[KeyValue(key="service.name", value=AnyValue(string_value=name))])
+
+
 class RecordingMetricExporter(MetricExporter):
     """The app's real OTLP exporter, keeping a copy of each request it is given, encoded as the SDK encodes it."""
 
@@ -246,11 +265,9 @@ def log_request(*bodies: str, trace_id: bytes = b"", resource: str = "vllm") -> 
     return ExportLogsServiceRequest(
         resource_logs=[
             ResourceLogs(
-                resource=ProtoResource(
-                    attributes=[KeyValue(key="service.name", value=AnyValue(string_value=resource))]
-                ),
+                resource=service(resource),
                 schema_url="https://r",
-                scope_logs=[ScopeLogs(scope=InstrumentationScope(name="n", version="v"), log_records=records)],
+                scope_logs=[ScopeLogs(scope=SCOPE, log_records=records)],
             )
         ]
     )
@@ -332,16 +349,7 @@ def test_logs_share_the_grpc_export_limit() -> None:
         entered.set()
         release.wait(WAIT_S)
 
-    receiver = OtlpReceiver(
-        lambda _t: None,
-        lambda _m: None,
-        on_logs=hold,
-        host="127.0.0.1",
-        grpc_port=EPHEMERAL_PORT,
-        http_port=0,
-        max_grpc_rpcs=1,
-    )
-    receiver.start()
+    receiver = logs_collector(hold, http_port=0, max_grpc_rpcs=1)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{receiver.grpc_port}") as channel:
             held = LogsServiceStub(channel).Export.future(log_request("held"), timeout=WAIT_S)
@@ -425,13 +433,9 @@ def metrics_request(resource: str = "vllm") -> ExportMetricsServiceRequest:
     return ExportMetricsServiceRequest(
         resource_metrics=[
             ResourceMetrics(
-                resource=ProtoResource(
-                    attributes=[KeyValue(key="service.name", value=AnyValue(string_value=resource))]
-                ),
+                resource=service(resource),
                 schema_url="https://r",
-                scope_metrics=[
-                    ScopeMetrics(scope=InstrumentationScope(name="n", version="v"), metrics=metrics, schema_url="s")
-                ],
+                scope_metrics=[ScopeMetrics(scope=SCOPE, metrics=metrics, schema_url="s")],
             )
         ]
     )
@@ -533,15 +537,7 @@ def test_refused_batches_are_counted_and_forwarding_goes_on(
             raise RuntimeError("the collector's own fault")
         sink.on_logs(request)
 
-    collector = OtlpReceiver(
-        lambda _t: None,
-        lambda _m: None,
-        on_logs=refuse_once,
-        host="127.0.0.1",
-        grpc_port=EPHEMERAL_PORT,
-        http_port=EPHEMERAL_PORT,
-    )
-    collector.start()
+    collector = logs_collector(refuse_once, http_port=EPHEMERAL_PORT)
     set_upstream(monkeypatch, collector, upstream)
     registry = CollectorRegistry()
     forwarder = RequestForwarder(RequestExporter("logs", upstream), interval_s=60.0, registry=registry)

@@ -30,17 +30,7 @@ from prismlb.router import (
 from prismlb.router._httpx import describe
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
-from .conftest import wait_for
-
-
-class Clock:
-    """The router's clock, moved by the test: how long a prefill took is what the test says."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from .conftest import Clock, wait_for
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -136,6 +126,14 @@ def client(router: Router, **transport: Any) -> openai.OpenAI:
     """The OpenAI client on Prism; its own retries are off, so that what happens is the transport's doing."""
     http = httpx.Client(transport=PrismTransport(router, **transport))
     return openai.OpenAI(base_url="http://prism.invalid/v1", api_key="-", http_client=http, max_retries=0, timeout=5)
+
+
+def async_client(router: Router) -> openai.AsyncOpenAI:
+    """`client` for asyncio."""
+    http = httpx.AsyncClient(transport=AsyncPrismTransport(router))
+    return openai.AsyncOpenAI(
+        base_url="http://prism.invalid/v1", api_key="-", http_client=http, max_retries=0, timeout=5
+    )
 
 
 def conversation(number: int) -> list[ChatCompletionMessageParam]:
@@ -243,10 +241,7 @@ def test_the_async_transport_retries_a_503_and_times_the_first_chunk(engines: tu
     messages = next(owned_by(router, "gpu-a"))
 
     async def main() -> str:
-        http = httpx.AsyncClient(transport=AsyncPrismTransport(router))
-        async with openai.AsyncOpenAI(
-            base_url="http://prism.invalid/v1", api_key="-", http_client=http, max_retries=0, timeout=5
-        ) as ai:
+        async with async_client(router) as ai:
             healthy.gate.clear()
             stream = await ai.chat.completions.create(model="m", messages=messages, stream=True)
             status = router.status()["gpu-b"]
@@ -266,10 +261,7 @@ def test_a_request_cancelled_before_its_answer_does_not_stay_in_flight(engines: 
     router = make_router(engines[:1])
 
     async def main() -> None:
-        http = httpx.AsyncClient(transport=AsyncPrismTransport(router))
-        async with openai.AsyncOpenAI(
-            base_url="http://prism.invalid/v1", api_key="-", http_client=http, max_retries=0, timeout=5
-        ) as ai:
+        async with async_client(router) as ai:
             engine.gate.clear()
             waiting = asyncio.create_task(ai.chat.completions.create(model="m", messages=conversation(1)))
             assert await asyncio.to_thread(wait_for, lambda: engine.requests == 1, what="the request at the engine")

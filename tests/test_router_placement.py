@@ -9,18 +9,12 @@ import pytest
 from prismlb.router import Lease, Request, Router, Settings, block_hashes
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
+from .conftest import Clock
+
 BLOCK = 16
 PROMPT = list(range(64 * BLOCK))
 BLOCKS = tuple(block_hashes(PROMPT, BLOCK))
 COST = len(PROMPT)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def table(*nodes: TableNode) -> RoutingTable:

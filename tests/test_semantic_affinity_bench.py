@@ -13,7 +13,7 @@ from prismlb.router import Request, Settings, block_hashes
 from prismlb.sim._families import family_workload
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
-from .conftest import load_bench
+from .conftest import Clock, load_bench
 
 BLOCK = 16
 BLOCKS = tuple(block_hashes(list(range(64 * BLOCK)), BLOCK))
@@ -50,14 +50,6 @@ def test_family_requests_carry_their_skeleton() -> None:
     rag = family_workload("rag:1", 20).requests[0].skeleton
     assert rag[0] == "rag-instruction:7" and rag[-1].startswith("question:")
     assert all(piece == "chunk:9" for piece in rag[1:-1])  # 512-token chunks: log2 bucket 9
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def structure_router(bench: ModuleType, mode: str) -> object:

@@ -27,13 +27,10 @@ from opentelemetry.proto.trace.v1.trace_pb2 import (
 from prismlb.agent._signals import SpanSignals
 from prismlb.agent._windows import Window
 
+from .conftest import Clock
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+START_S = 1000.0
+"""Where the tests' clocks start."""
 
 
 def kv(key: str, value: str | int | float) -> KeyValue:
@@ -66,8 +63,6 @@ def fragmentation(
     )
 
 
-
-
 def test_window_forgets_old_values_and_is_bounded() -> None:
     w = Window(10.0, max_samples=5)
     for t in range(8):
@@ -80,7 +75,7 @@ def test_window_forgets_old_values_and_is_bounded() -> None:
 
 
 def test_request_spans_give_per_slice_latency_and_rate() -> None:
-    clock = Clock()
+    clock = Clock(START_S)
     signals = SpanSignals(load_window_s=10.0, clock=clock)
     signals.on_traces(
         traces(
@@ -100,13 +95,13 @@ def test_request_spans_give_per_slice_latency_and_rate() -> None:
 
 
 def test_unknown_slice_attribute_counts_as_default() -> None:
-    signals = SpanSignals(clock=Clock())
+    signals = SpanSignals(clock=Clock(START_S))
     signals.on_traces(traces(span("prism.request", 10.0, {"prism.slice": "hologram"})))
     assert set(signals.latency()) == {"llm"}
 
 
 def test_cpu_preprocessing_p95_uses_only_cpu_stages() -> None:
-    clock = Clock()
+    clock = Clock(START_S)
     signals = SpanSignals(preprocessing_window_s=10.0, clock=clock)
     assert signals.cpu_preprocessing_p95_ms() is None
     signals.on_traces(
@@ -119,7 +114,7 @@ def test_cpu_preprocessing_p95_uses_only_cpu_stages() -> None:
 
 
 def test_fragmentation_takes_the_worst_fresh_gpu() -> None:
-    clock = Clock()
+    clock = Clock(START_S)
     signals = SpanSignals(clock=clock)
     signals.on_metrics(fragmentation({0: 0.2, 1: 0.6}))
     signals.on_metrics(fragmentation({2: 0.9}, name="something.else"))
@@ -134,7 +129,7 @@ def test_fragmentation_takes_the_worst_fresh_gpu() -> None:
 
 
 def test_request_spans_with_error_status_are_counted_per_slice() -> None:
-    clock = Clock()
+    clock = Clock(START_S)
     signals = SpanSignals(load_window_s=10.0, clock=clock)
     failed = [span("prism.request", 20.0, {"prism.slice": "av"}) for _ in range(3)]
     for s in failed:
@@ -164,12 +159,12 @@ def test_prism_old_prism_and_vllm_request_spans_feed_the_same_windows() -> None:
     old = span("prism.request", 1000.0, {"prism.slice": "llm", "prism.ttft_ms": 350.0})
     vllm = vllm_span(50.0, {"gen_ai.latency.time_to_first_token": 0.45, "gen_ai.latency.e2e": 1.1})
     for one, ttft_ms, e2e_ms in ((genai, 250.0, 900.0), (old, 350.0, 1000.0), (vllm, 450.0, 1100.0)):
-        signals = SpanSignals(clock=Clock())
+        signals = SpanSignals(clock=Clock(START_S))
         signals.on_traces(traces(one))
         alone = signals.latency()
         assert set(alone) == {"llm"}, one.name  # no prism.slice (vLLM, this GenAI span): the default slice
         assert (alone["llm"].ttft_p50_ms, alone["llm"].e2e_p50_ms) == pytest.approx((ttft_ms, e2e_ms)), one.name
-    signals = SpanSignals(clock=Clock())
+    signals = SpanSignals(clock=Clock(START_S))
     signals.on_traces(traces(genai, old, vllm))
     llm = signals.latency()["llm"]
     assert llm.requests == 3
@@ -179,7 +174,7 @@ def test_prism_old_prism_and_vllm_request_spans_feed_the_same_windows() -> None:
 
 
 def test_a_genai_request_span_without_ttft_or_with_an_error_still_counts() -> None:
-    clock = Clock()
+    clock = Clock(START_S)
     signals = SpanSignals(clock=clock)
     failed = span("chat m", 30.0, {"prism.span": "request", "prism.slice": "av"})
     failed.status.code = Status.STATUS_CODE_ERROR
@@ -191,7 +186,7 @@ def test_a_genai_request_span_without_ttft_or_with_an_error_still_counts() -> No
 
 
 def test_bad_engine_latencies_are_counted_and_the_rest_of_the_span_is_used() -> None:
-    signals = SpanSignals(clock=Clock())
+    signals = SpanSignals(clock=Clock(START_S))
     negative_e2e = vllm_span(80.0, {"gen_ai.latency.time_to_first_token": 0.02, "gen_ai.latency.e2e": -1.0})
     text_ttft = vllm_span(60.0, {"gen_ai.latency.time_to_first_token": "soon", "gen_ai.latency.e2e": 0.07})
     endless = vllm_span(60.0, {"gen_ai.latency.time_to_first_token": 1e200, "gen_ai.latency.e2e": 0.07})

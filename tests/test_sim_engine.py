@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import time
@@ -20,7 +21,7 @@ from prismlb.sim import EmulatedEngine, block_hashes, prompt_tokens
 from prismlb.sim._model import PROFILES
 from prismlb.wire import bloom_contains
 
-from .conftest import free_port
+from .conftest import free_port, wait_for
 
 SCALE = 0.2
 
@@ -31,9 +32,16 @@ def engine() -> Iterator[EmulatedEngine]:
         yield e
 
 
-def body(text: str, max_tokens: int = 4, stream: bool = False, parts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def body(
+    text: str, max_tokens: int = 4, stream: bool = False, parts: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     content: Any = [{"type": "text", "text": text}, *parts] if parts else text
-    return {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": stream}
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
 
 
 def ttft(url: str, payload: dict[str, Any]) -> float:
@@ -96,7 +104,10 @@ def test_metrics_detected_as_vllm(engine: EmulatedEngine) -> None:
     assert collector.kind == "vllm"
     assert first.requests_running == 0 and first.requests_waiting == 0
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(httpx.post, engine.url + "/v1/chat/completions", json=body(f"q{i}", 200), timeout=30) for i in range(4)]
+        futures = [
+            pool.submit(httpx.post, engine.url + "/v1/chat/completions", json=body(f"q{i}", 200), timeout=30)
+            for i in range(4)
+        ]
         time.sleep(0.3)
         busy = collector.sample()
         assert all(f.result().status_code == 200 for f in futures)
@@ -156,27 +167,36 @@ def test_tokenize_answers_as_vllm(engine: EmulatedEngine) -> None:
     text = "a prompt of some length " * 5
     by_prompt = httpx.post(engine.url + "/tokenize", json={"model": "m", "prompt": text}, timeout=10).json()
     assert by_prompt == {"count": 30, "max_model_len": 131_072, "tokens": prompt_tokens(text), "token_strs": None}
-    by_messages = httpx.post(engine.url + "/tokenize", json={"messages": [{"role": "user", "content": text}]}, timeout=10)
+    by_messages = httpx.post(
+        engine.url + "/tokenize", json={"messages": [{"role": "user", "content": text}]}, timeout=10
+    )
     assert by_messages.json()["tokens"] == prompt_tokens(text)
     assert httpx.post(engine.url + "/tokenize", json={"model": "m"}, timeout=10).status_code == 400
+
+
+@contextlib.contextmanager
+def kv_events(endpoint: str) -> Iterator[zmq.Socket]:
+    """A SUB socket on an engine's KV-event `endpoint`, taking every topic, each receive waiting 3 s at most."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 3000)
+    sub.connect(endpoint)
+    try:
+        yield sub
+    finally:
+        sub.close(linger=0)
 
 
 def test_render_gives_the_token_ids_the_kv_events_carry() -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     text = "the same system prompt " * 40
     with EmulatedEngine("a100", kv_events_endpoint=endpoint, time_scale=SCALE) as e:
-        sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.RCVTIMEO, 3000)
-        sub.connect(endpoint)
-        try:
+        with kv_events(endpoint) as sub:
             time.sleep(0.3)  # the SUB socket joins
             payload = {**body(text, 5, stream=True), "stream_options": {"include_usage": True}}
             rendered = httpx.post(e.url + "/v1/chat/completions/render", json=payload, timeout=10).json()
             httpx.post(e.url + "/v1/chat/completions", json=body(text, 1), timeout=10)
             _, _, frame = sub.recv_multipart()
-        finally:
-            sub.close(linger=0)
     assert rendered["token_ids"] == prompt_tokens(text)
     assert rendered["sampling_params"]["max_tokens"] == 5
     assert rendered["model"] == "m" and rendered["stream"] is True and rendered["features"] is None
@@ -189,23 +209,14 @@ def test_render_gives_the_token_ids_the_kv_events_carry() -> None:
 def test_block_stored_carries_lora_name_and_the_agent_still_accepts_it() -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     with EmulatedEngine("h100", kv_events_endpoint=endpoint, time_scale=SCALE) as e:
-        sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.RCVTIMEO, 3000)
-        sub.connect(endpoint)
-        try:
-            with KvEventSubscriber(endpoint) as subscriber:
-                subscriber.start()
-                time.sleep(0.3)
-                httpx.post(e.url + "/v1/chat/completions", json=body("a shared prefix " * 30, 1), timeout=10)
-                _, _, frame = sub.recv_multipart()
-                deadline = time.monotonic() + 3
-                while subscriber.stats().blocks == 0 and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                blocks = subscriber.stats().blocks
-                failures = subscriber.failures.counts()
-        finally:
-            sub.close(linger=0)
+        with kv_events(endpoint) as sub, KvEventSubscriber(endpoint) as subscriber:
+            subscriber.start()
+            time.sleep(0.3)
+            httpx.post(e.url + "/v1/chat/completions", json=body("a shared prefix " * 30, 1), timeout=10)
+            _, _, frame = sub.recv_multipart()
+            wait_for(lambda: subscriber.stats().blocks > 0, 3)
+            blocks = subscriber.stats().blocks
+            failures = subscriber.failures.counts()
     stored = msgspec.msgpack.decode(frame)[1][0]
     assert "lora_name" in stored and stored["lora_name"] is None
     assert blocks == len(stored["block_hashes"]) > 0
@@ -225,11 +236,15 @@ def test_404_leaves_a_keep_alive_connection_usable(engine: EmulatedEngine) -> No
     host, port = engine.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
     try:
-        conn.request("POST", "/v1/not-served", body=json.dumps(body("x" * 2000)), headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST", "/v1/not-served", body=json.dumps(body("x" * 2000)), headers={"Content-Type": "application/json"}
+        )
         missing = conn.getresponse()
         missing.read()
         sock = conn.sock
-        conn.request("POST", "/tokenize", body=json.dumps({"prompt": "abcdefgh"}), headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST", "/tokenize", body=json.dumps({"prompt": "abcdefgh"}), headers={"Content-Type": "application/json"}
+        )
         after = conn.getresponse()
         answer = json.loads(after.read())
         assert conn.sock is sock  # the same connection carried both requests

@@ -9,17 +9,13 @@ from collections import Counter
 
 import pytest
 
-from prismlb.sim._traces import traces_dir
-from prismlb.sim._types import SimRequest, Workload
-from prismlb.sim._workload import (
-    AUDIO_TOKENS_PER_CLIP,
+from prismlb.sim import (
     BLOCK_TOKENS,
-    IMAGE_TOKENS_MAX,
     LEVELS,
-    MM_AUDIO_SHARE,
-    MM_VIDEO_SHARE,
-    VIDEO_FRAMES,
+    MOONCAKE_TRACE,
     WORKLOADS,
+    SimRequest,
+    Workload,
     azure,
     infinite_cache_hit_rate,
     load,
@@ -27,10 +23,12 @@ from prismlb.sim._workload import (
     offered_utilisation,
     scale_to_utilisation,
     servegen_mm,
+    traces_dir,
 )
+from prismlb.sim._workload import AUDIO_TOKENS_PER_CLIP, IMAGE_TOKENS_MAX, MM_AUDIO_SHARE, MM_VIDEO_SHARE, VIDEO_FRAMES
 
 pytestmark = pytest.mark.skipif(
-    not (traces_dir() / "mooncake" / "conversation_trace.jsonl").exists(), reason=f"traces not found in {traces_dir()}"
+    not (traces_dir() / MOONCAKE_TRACE).exists(), reason=f"traces not found in {traces_dir()}"
 )
 
 # The traces README's rows and measured facts: (rows, span s, mean input tokens, mean output tokens).

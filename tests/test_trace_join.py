@@ -3,6 +3,7 @@ HTTP server that exports to the agent over OTLP; the agent forwards to an upstre
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -16,14 +17,13 @@ from pathlib import Path
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
-from prometheus_client import CollectorRegistry
 
 from prismlb.agent import Agent, AgentConfig
 from prismlb.agent._otlp_receiver import EPHEMERAL_PORT, OtlpReceiver
 
 from ._netns import veth_pair
 from .apps.otel_http_server import make_provider, make_server
-from .conftest import free_port, require_ebpf
+from .conftest import free_port, require_ebpf, running_agent, wait_for
 
 APPS = Path(__file__).parent / "apps"
 REQUESTS = 1000
@@ -36,14 +36,24 @@ class Running:
     upstream: list[ExportTraceServiceRequest]
 
 
-@pytest.fixture
-def agent(monkeypatch: pytest.MonkeyPatch) -> Iterator[Running]:
-    require_ebpf()
-    upstream_requests: list[ExportTraceServiceRequest] = []
-    upstream = OtlpReceiver(upstream_requests.append, lambda _m: None, grpc_port=0, http_port=EPHEMERAL_PORT)
+@contextlib.contextmanager
+def upstream_collector(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[ExportTraceServiceRequest]]:
+    """An OTLP/HTTP receiver the agent's trace exporter is pointed at (by the OTEL_ environment), and the
+    requests it gets; shut down on the way out."""
+    requests: list[ExportTraceServiceRequest] = []
+    upstream = OtlpReceiver(requests.append, lambda _m: None, grpc_port=0, http_port=EPHEMERAL_PORT)
     upstream.start()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{upstream.http_port}/v1/traces")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    try:
+        yield requests
+    finally:
+        upstream.shutdown()
+
+
+@pytest.fixture
+def agent(monkeypatch: pytest.MonkeyPatch) -> Iterator[Running]:
+    require_ebpf()
     http_port = free_port()
     config = AgentConfig(
         node_id="join-test",
@@ -52,18 +62,17 @@ def agent(monkeypatch: pytest.MonkeyPatch) -> Iterator[Running]:
         otlp_http_port=http_port,
         period_s=0.5,
     )
-    agent = Agent(config, CollectorRegistry())
-    stop = threading.Event()
-    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while agent.trace_path is None or agent.trace_path.receiver is None or agent.trace_path.tracer is None:
-        assert time.monotonic() < deadline and thread.is_alive(), "the agent did not start its trace path"
-        time.sleep(0.05)
-    yield Running(agent, http_port, upstream_requests)
-    stop.set()
-    thread.join(timeout=15)
-    upstream.shutdown()
+    with upstream_collector(monkeypatch) as upstream_requests, running_agent(config) as agent:
+        wait_for(
+            lambda: (
+                agent.trace_path is not None
+                and agent.trace_path.receiver is not None
+                and agent.trace_path.tracer is not None
+            ),
+            20,
+            what="the agent's trace path",
+        )
+        yield Running(agent, http_port, upstream_requests)
 
 
 def attributes(span: Span) -> dict[str, object]:
@@ -128,7 +137,10 @@ def test_loopback_server_spans_join_with_the_right_four_tuple(agent: Running) ->
     env = {**os.environ, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{agent.http_port}/v1/traces"}
     env.pop("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", None)
     server = subprocess.Popen(
-        [sys.executable, str(APPS / "otel_http_server.py"), "127.0.0.1", "0"], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, str(APPS / "otel_http_server.py"), "127.0.0.1", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         assert server.stdout is not None
@@ -190,30 +202,27 @@ def test_spans_across_two_namespaces_join_over_veth(agent: Running, monkeypatch:
 
 
 def test_without_ebpf_spans_are_still_received_and_forwarded_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    upstream_requests: list[ExportTraceServiceRequest] = []
-    upstream = OtlpReceiver(upstream_requests.append, lambda _m: None, grpc_port=0, http_port=EPHEMERAL_PORT)
-    upstream.start()
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{upstream.http_port}/v1/traces")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     http_port = free_port()
-    agent = Agent(
-        AgentConfig(node_id="no-ebpf", brain=f"tcp://127.0.0.1:{free_port()}", ebpf=False, otlp_grpc_port=0, otlp_http_port=http_port),
-        CollectorRegistry(),
+    config = AgentConfig(
+        node_id="no-ebpf",
+        brain=f"tcp://127.0.0.1:{free_port()}",
+        ebpf=False,
+        otlp_grpc_port=0,
+        otlp_http_port=http_port,
     )
-    stop = threading.Event()
-    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while agent.trace_path is None or agent.trace_path.receiver is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with upstream_collector(monkeypatch) as upstream_requests, running_agent(config) as agent:
+        wait_for(
+            lambda: agent.trace_path is not None and agent.trace_path.receiver is not None,
+            what="the agent's OTLP receiver",
+        )
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{http_port}/v1/traces")
         provider = make_provider()
         server = make_server("127.0.0.1", 0, provider.get_tracer("prism.tests.no-ebpf"))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        run_client([sys.executable, str(APPS / "http_client.py"), "127.0.0.1", str(server.server_address[1]), "20"], env)
+        run_client(
+            [sys.executable, str(APPS / "http_client.py"), "127.0.0.1", str(server.server_address[1]), "20"], env
+        )
         server.shutdown()
         server.server_close()
         provider.shutdown()
@@ -224,7 +233,3 @@ def test_without_ebpf_spans_are_still_received_and_forwarded_unchanged(monkeypat
         assert len(spans) == 20
         assert not any(key.startswith("prism.net.") for span in spans for key in span)
         assert agent.trace_path.tracer is None
-    finally:
-        stop.set()
-        thread.join(timeout=15)
-        upstream.shutdown()

@@ -41,6 +41,7 @@ import random
 
 from .._cluster import KV_EVENT_DELAY_S
 from .._types import ClusterView, Outcome, Policy, SimRequest
+from ._matches import leading_matches
 
 OVERLAP_SCORE_WEIGHT = 1.0
 ROUTER_TEMPERATURE = 0.0
@@ -77,14 +78,7 @@ class KvIndex:
 
     def overlap(self, blocks: tuple[int, ...]) -> dict[str, int]:
         """Per worker, the blocks it holds among the leading run of blocks some worker holds."""
-        scores: dict[str, int] = {}
-        for block in blocks:
-            holders = self.workers.get(block)
-            if not holders:
-                break
-            for worker in holders:
-                scores[worker] = scores.get(worker, 0) + 1
-        return scores
+        return leading_matches(self.workers, blocks)
 
 
 class _Active:

@@ -40,6 +40,7 @@ import random
 from collections import OrderedDict
 
 from .._types import ClusterView, EngineStats, Policy, SimRequest
+from ._matches import leading_matches
 from ._readiness import Readiness
 
 ISSUE_WEIGHTS = (2.0, 2.0, 3.0)
@@ -76,14 +77,7 @@ class PrefixIndex:
 
     def match(self, hashes: tuple[int, ...]) -> dict[str, int]:
         """Per pod, the hashes it holds among the leading run of hashes some pod holds."""
-        found: dict[str, int] = {}
-        for h in hashes:
-            pods = self.pods.get(h)
-            if not pods:
-                break
-            for pod in pods:
-                found[pod] = found.get(pod, 0) + 1
-        return found
+        return leading_matches(self.pods, hashes)
 
     def remove_pod(self, pod: str) -> None:
         """Forget everything indexed for `pod`."""
