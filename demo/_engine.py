@@ -1,6 +1,7 @@
 """One emulated engine per process: `python -m prismlb.demo._engine --gpu ...` serves one `EmulatedEngine`
 until SIGTERM or SIGINT. The demo's cluster starts one per node, so that a node can be killed as a machine is;
-`bench/batch_window_live.py` starts one per batching window (`--batch-window`)."""
+`bench/batch_window_live.py` starts one per batching window (`--batch-window`), `bench/version_switch.py` engines of
+two model versions sharing a session snapshot directory (`--model-version`, `--snapshot-dir`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from prismlb.otel import BatchWindowSettings
+from prismlb.otel import BatchWindowSettings, DirectorySnapshotStore
 from prismlb.sim import PROFILES, EmulatedEngine
 from prismlb.wire import ConfigError
 
@@ -44,6 +45,16 @@ def main(argv: Sequence[str]) -> int:
         help="the adaptive window's P99 target for each request's wait before its prefill, in model seconds "
         f"(default {_WINDOW_DEFAULTS.p99_target_s:g})",
     )
+    parser.add_argument(
+        "--model-version",
+        default="v1",
+        help="the model version this engine serves (its answers' X-Emulated-Model-Version, its snapshots; default v1)",
+    )
+    parser.add_argument(
+        "--snapshot-dir",
+        help="a directory shared with the other version's engines for session snapshots: the engine writes one after "
+        "each answer to a request with X-Session-Token and loads a moved session's context from it (default: none)",
+    )
     args = parser.parse_args(argv)
     window: BatchWindowSettings | float | None = None
     try:
@@ -58,6 +69,8 @@ def main(argv: Sequence[str]) -> int:
             time_scale=args.time_scale,
             otlp_endpoint=args.otlp,
             batch_window=window,
+            model_version=args.model_version,
+            snapshots=DirectorySnapshotStore(args.snapshot_dir) if args.snapshot_dir else None,
         )
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
@@ -66,7 +79,12 @@ def main(argv: Sequence[str]) -> int:
         signal.signal(sig, lambda *_: stopped.set())
     engine.start()
     scale, window_name = f"{args.time_scale:g}", args.batch_window
-    print(f"emulated {args.gpu} engine on {engine.url} (time_scale {scale}, batch window {window_name})", flush=True)
+    snapshots = f"snapshots in {args.snapshot_dir}" if args.snapshot_dir else "no snapshots"
+    print(
+        f"emulated {args.gpu} engine on {engine.url} (model {args.model_version}, time_scale {scale}, batch window "
+        f"{window_name}, {snapshots})",
+        flush=True,
+    )
     stopped.wait()
     engine.close()
     print("emulated engine stopped", flush=True)

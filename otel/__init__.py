@@ -27,6 +27,13 @@ from ._offload import (
     static_equal_share,
 )
 from ._reservation import ReservationAdvisor, ReservationMode
+from ._sessions import (
+    DirectorySnapshotStore,
+    MemorySnapshotStore,
+    SessionSnapshot,
+    SnapshotStore,
+    context_hash,
+)
 from ._setup import setup
 from ._spans import RequestSpan
 from ._telemetry import PrismTelemetry
@@ -44,22 +51,27 @@ __all__ = [
     "BreakerState",
     "BreakerTransition",
     "Clock",
+    "DirectorySnapshotStore",
     "EmulatedLink",
     "GradientMonitor",
     "LayerGradient",
     "LinkPolicy",
     "LinkRun",
+    "MemorySnapshotStore",
     "PrismTelemetry",
     "RateClass",
     "RequestSpan",
     "ReservationAdvisor",
     "ReservationMode",
+    "SessionSnapshot",
     "SimulatedClock",
     "SnapshotProvider",
+    "SnapshotStore",
     "TokenBucket",
     "Transfer",
     "WallClock",
     "allocator_stats_from_snapshot",
+    "context_hash",
     "fifo",
     "qp_rate_limits",
     "setup",

@@ -10,6 +10,15 @@ router's cache-aware policies tokenize each request on the workers), and `max_co
 
 Optionally it admits requests through a batching window, as a server embedding `prismlb.otel.AdaptiveBatchWindow`
 would (docs/batch-window.md): requests gather until the window has passed, then go to the model together.
+
+With a session snapshot store (`prismlb.otel.SnapshotStore`, shared by the engines of both model versions) it
+takes part in a hot model-version switch (docs/version-switch.md). A request with `X-Session-Token` is answered
+with `X-Context-Signature`, the hash of the session's context (its prompt's KV blocks), and once the response
+is done, before its last chunk, the engine writes the session's snapshot. A request that carries a signature is
+one the routers may have moved here (the routers send the signature the session last sent, which may be an
+earlier turn's): when the store holds the session's snapshot, written by another engine, the engine loads the
+longest run of its blocks the prompt starts with (chained block hashes: equal ones are the same tokens, so the
+same KV) instead of recomputing them, after the time the store took to read it.
 """
 
 from __future__ import annotations
@@ -34,7 +43,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from prismlb.otel import AdaptiveBatchWindow, BatchWindowSettings, BreakerState
+from prismlb.otel import (
+    AdaptiveBatchWindow,
+    BatchWindowSettings,
+    BreakerState,
+    SessionSnapshot,
+    SnapshotStore,
+    context_hash,
+)
+from prismlb.router import CONTEXT_HEADER, SESSION_HEADER
 from prismlb.wire import parse_signature
 
 from ._model import KV_BLOCK_TOKENS, PROFILES, EngineModel, Event, GpuClass, Job, Modality
@@ -55,6 +72,12 @@ _PART_MODALITY: dict[str, Modality] = {
 }
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+_SNAPSHOT_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.012, 0.016, 0.025, 0.05, 0.1, 0.25)
+"""Snapshot write and context load seconds; 8 ms and 12 ms are bounds, so the share under each target is exact."""
+CONTEXT_OUTCOMES = ("loaded", "cached", "own", "missing", "stale", "no_room")
+"""What became of a request that carried a context signature: its context loaded from the store; already in this
+engine's cache; written by this engine (its own cache has it, or lost it to eviction); no snapshot of the session
+in the store; a snapshot whose first block the prompt does not start with; no room in the cache."""
 
 
 # vLLM's KV event encoding (vllm/distributed/kv_events.py): array-like batch, tagged-map events.
@@ -98,6 +121,9 @@ class _Stream:
     tokens: list[int]
     out: queue.Queue[Job] = field(default_factory=queue.Queue)
     batch: _Batch | None = None
+    session: str | None = None
+    context: str | None = None
+    """The signature of the session's context after this request (`context_hash`), which its snapshot holds."""
 
 
 def prompt_tokens(text: str) -> list[int]:
@@ -157,6 +183,53 @@ class _Metrics:
         )
         for metric in metrics:
             metric.labels(*self.values)  # published from the start, at zero
+
+
+class _SessionMetrics(Collector):
+    """The session snapshots' metrics (Prism's names): write and load times, what became of each request that
+    carried a context signature, and the store's own counts, read from it at each scrape."""
+
+    def __init__(self, registry: CollectorRegistry, store: SnapshotStore) -> None:
+        self._store = store
+        self.writes = Histogram(
+            "prism_engine_snapshot_write_seconds",
+            "Seconds to write a session's snapshot to the store after its response.",
+            buckets=_SNAPSHOT_BUCKETS,
+            registry=registry,
+        )
+        self.loads = Histogram(
+            "prism_engine_context_load_seconds",
+            "Seconds to load a moved session's context: reading its snapshot, then caching its blocks.",
+            buckets=_SNAPSHOT_BUCKETS,
+            registry=registry,
+        )
+        self.outcomes = Counter(
+            "prism_engine_context_requests",
+            "Requests that carried a context signature, by what became of their context.",
+            ["outcome"],
+            registry=registry,
+        )
+        self.write_failures = Counter(
+            "prism_engine_snapshot_write_failures", "Snapshots the store could not take.", registry=registry
+        )
+        for outcome in CONTEXT_OUTCOMES:
+            self.outcomes.labels(outcome)
+        registry.register(self)
+
+    def collect(self) -> Iterable[Metric]:
+        errors = CounterMetricFamily(
+            "prism_engine_snapshot_store_errors",
+            "The snapshot store's failures by kind (session id out of bounds, write, read, corrupt file, sweep).",
+            labels=["kind"],
+        )
+        for kind, count in sorted(self._store.rejects.counts().items()):
+            errors.add_metric([kind], count)
+        yield errors
+        yield CounterMetricFamily(
+            "prism_engine_snapshot_store_evicted",
+            "Snapshots this engine's store removed for its count or age bound.",
+            value=self._store.evicted,
+        )
 
 
 class _Server(ThreadingHTTPServer):
@@ -223,6 +296,10 @@ class EmulatedEngine:
     window opens with the first request that finds none gathering and, once passed, hands every request
     gathered to the model at once. The adaptive window observes each request's wait (arrival to admission)
     and each batch's run time (hand-over to its last first token); while its breaker is open the window is 0.
+
+    `model_version` names the version this engine serves (in its answers' `X-Emulated-Model-Version` header and
+    its snapshots); `snapshots` is the session snapshot store it shares with the other version's engines (see
+    the module docstring), None for none.
     """
 
     def __init__(
@@ -235,12 +312,19 @@ class EmulatedEngine:
         otlp_endpoint: str | None = None,
         batch_window: BatchWindowSettings | float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        model_version: str = "v1",
+        snapshots: SnapshotStore | None = None,
     ) -> None:
         if gpu_class not in PROFILES:
             raise ValueError(f"gpu_class must be one of {sorted(PROFILES)}, not {gpu_class!r}")
         if not time_scale > 0:
             raise ValueError(f"time_scale must be positive, not {time_scale}")
+        if not 0 < len(model_version) <= 256:
+            raise ValueError(f"model_version must be 1 to 256 characters, not {model_version!r}")
         self.gpu_class = gpu_class
+        self.model_version = model_version
+        self.snapshots = snapshots
+        """The session snapshot store shared with the other version's engines (None: no snapshots)."""
         self.profile = PROFILES[gpu_class]
         self.time_scale = time_scale
         self._clock = clock
@@ -262,6 +346,7 @@ class EmulatedEngine:
         """Batches handed to the model."""
         if batch_window is not None:
             self.metrics.registry.register(_WindowMetrics(self))
+        self._sessions = _SessionMetrics(self.metrics.registry, snapshots) if snapshots is not None else None
         self._cond = threading.Condition()
         self._stopping = False
         self._kv_seq = 0
@@ -322,19 +407,45 @@ class EmulatedEngine:
         """Model seconds a batch opened now would gather: the adaptive window's, the fixed one, or 0."""
         return self.window.window_s(now) if self.window is not None else self._fixed_window_s
 
-    def submit(self, text: str, parts: Mapping[str, int], max_tokens: int) -> _Stream:
+    def submit(
+        self,
+        text: str,
+        parts: Mapping[str, int],
+        max_tokens: int,
+        session: str | None = None,
+        signature: str | None = None,
+    ) -> _Stream:
         """Queue a request (gathered into the open batch when the engine has a window); raises ValueError when
-        its prompt can never fit the KV cache."""
+        its prompt can never fit the KV cache.
+
+        With a snapshot store, `session` (the request's `X-Session-Token`) gets the signature of its context
+        (`_Stream.context`) and a snapshot once answered (`snapshot`); `signature` (its `X-Context-Signature`)
+        marks a session the routers may have moved here, whose context is loaded when another engine computed it
+        (`_context`), the store read done before the request is queued."""
         tokens = prompt_tokens(text)
         job = Job(tuple(block_hashes(tokens)), len(tokens), max_tokens, self.profile.media_s(parts), 0.0)
         if not self.model.fits(job):
             raise ValueError(f"prompt and output exceed the KV cache ({self.model.capacity_blocks} blocks)")
         stream = _Stream(job, tokens)
         job.tag = stream
+        started = time.perf_counter()
+        outcome: str | None = None
+        context: Job | None = None
+        if self.snapshots is not None and session:
+            if job.blocks:
+                stream.session = session
+                stream.context = context_hash(session, job.blocks, job.prompt_tokens + job.output_tokens)
+            if signature:
+                outcome, context = self._context(session, stream)
         with self._cond:
             now = self.now_s()
             job.arrival_s = now
             self._due(now)
+            if context is not None:
+                if all(self.model.cached(block) for block in context.blocks):
+                    outcome = "cached"
+                else:
+                    outcome = "loaded" if self.model.load_context(context) else "no_room"
             self._gathering.append(stream)
             if len(self._gathering) == 1:
                 self._deadline = now + self.batch_window_s(now)
@@ -343,7 +454,60 @@ class EmulatedEngine:
             else:
                 self._gauges()
             self._cond.notify()
+        if outcome is not None and self._sessions is not None:
+            self._sessions.outcomes.labels(outcome).inc()
+            if outcome == "loaded":
+                self._sessions.loads.observe(time.perf_counter() - started)
         return stream
+
+    def _context(self, session: str, stream: _Stream) -> tuple[str, Job | None]:
+        """What the store holds for a request carrying a context signature (store I/O: no lock held): the
+        outcome so far (`CONTEXT_OUTCOMES`), and the context to load, the prompt's leading blocks the session's
+        snapshot holds (None: nothing to load). Only a snapshot another engine wrote is loaded: this engine's
+        own context is in its cache, or was evicted from it as any other. The signature only says that the
+        session has a context somewhere: the routers send the one the session last sent, maybe a turn behind
+        the snapshot, whose blocks decide what is loaded."""
+        assert self.snapshots is not None
+        snapshot = self.snapshots.load(session)
+        if snapshot is None:
+            return "missing", None
+        if snapshot.engine == self.url:
+            return "own", None
+        blocks = stream.job.blocks
+        common = 0
+        for ours, theirs in zip(blocks, snapshot.blocks, strict=False):
+            if ours != theirs:
+                break
+            common += 1
+        if not common:
+            return "stale", None
+        context = Job(blocks[:common], common * BLOCK_SIZE_TOKENS, 0, 0.0, 0.0)
+        context.tag = _Stream(context, stream.tokens)  # its KV events carry the prompt's tokens, as an admission's
+        return "loaded", context
+
+    def snapshot(self, stream: _Stream) -> None:
+        """Write the session's snapshot once its request is answered, before the response's last chunk, so that
+        the session's next request finds it wherever it goes; the write's time is observed, a failure counted."""
+        if self.snapshots is None or stream.session is None or stream.context is None:
+            return
+        job = stream.job
+        snapshot = SessionSnapshot(
+            session=stream.session,
+            context_hash=stream.context,
+            last_active_unix_s=time.time(),
+            token_offset=job.prompt_tokens + job.output_tokens,
+            blocks=job.blocks,
+            model_version=self.model_version,
+            engine=self.url,
+        )
+        started = time.perf_counter()
+        saved = self.snapshots.save(snapshot)
+        elapsed = time.perf_counter() - started
+        assert self._sessions is not None
+        if saved:
+            self._sessions.writes.observe(elapsed)
+        else:
+            self._sessions.write_failures.inc()
 
     def step(self) -> float:
         """Process what is due at the clock's time: the model's events, then the gathered batch if its window
@@ -586,19 +750,24 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
             try:
                 request = json.loads(raw)
                 text, parts = _content(request.get("messages"))
-                seq = engine.submit(text, parts, _max_tokens(request))
+                session, signature = self.headers.get(SESSION_HEADER), self.headers.get(CONTEXT_HEADER)
+                seq = engine.submit(text, parts, _max_tokens(request), session, signature)
             except (ValueError, AttributeError, TypeError) as exc:
                 self._json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
                 return
             modality, _ = parse_signature(self.headers.get("X-Modality-Signature"))
             rid = f"chatcmpl-emulated-{uuid.uuid4().hex}"
             created = int(time.time())
+            headers = {"X-Emulated-Slice": modality.value, "X-Emulated-Model-Version": engine.model_version}
+            if seq.context is not None:
+                headers[CONTEXT_HEADER] = seq.context
             if request.get("stream"):
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Cache-Control", "no-cache")
                 self.send_header("Connection", "close")
-                self.send_header("X-Emulated-Slice", modality.value)
+                for name, value in headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 for _ in engine.stream_tokens(seq):
                     chunk = {
@@ -610,6 +779,7 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
                     }
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
+                engine.snapshot(seq)
                 final = {
                     "id": rid,
                     "object": "chat.completion.chunk",
@@ -624,6 +794,7 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
                 return
             for _ in engine.stream_tokens(seq):
                 pass
+            engine.snapshot(seq)
             self._json(
                 200,
                 {
@@ -640,7 +811,7 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
                     ],
                     "usage": _usage(seq),
                 },
-                {"X-Emulated-Slice": modality.value},
+                headers,
             )
             self._spans_done(seq, parts)
 

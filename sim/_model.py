@@ -160,6 +160,25 @@ class EngineModel:
             self._start(now, events)
         return events
 
+    def load_context(self, job: Job) -> int:
+        """Cache the job's prompt blocks without computing them: a context loaded from elsewhere (a session's,
+        which another engine computed), so that a prompt starting with them finds them cached. They take no
+        prefill and no batch slot; they stay cached unreferenced, as a finished request's blocks do, most recently
+        used, and those past the leading run already cached are recorded in `stored`, as an admission's are. The
+        blocks newly cached; 0, and nothing cached, when the cache cannot make room for them."""
+        hit = self._leading_hit(job)
+        missing = sum(1 for block in job.blocks[hit:] if block not in self._refs and block not in self._free)
+        if not self._evict_for(missing, set(job.blocks)):
+            return 0
+        for block in job.blocks:
+            if block in self._free:
+                self._free.move_to_end(block)
+            elif block not in self._refs:
+                self._free[block] = None
+        if hit < len(job.blocks):
+            self.stored.append((job, job.blocks[hit:]))
+        return missing
+
     def next_event_s(self) -> float:
         """When something is next due (inf: nothing in progress)."""
         finish = self._decoding[0][0] if self._decoding else math.inf
@@ -198,16 +217,21 @@ class EngineModel:
     def _private_of(self, job: Job) -> int:
         return max(0, math.ceil((job.prompt_tokens + job.output_tokens) / self.block_tokens) - len(job.blocks))
 
-    def _start(self, now: float, events: list[Event]) -> None:
-        """Admit the head of the queue into prefill if the batch and the cache have room."""
-        if not self.waiting or self.running >= self.profile.max_batch:
-            return
-        job = self.waiting[0]
+    def _leading_hit(self, job: Job) -> int:
+        """How many of the job's leading prompt blocks are cached (the prefix an admission reuses)."""
         hit = 0
         for block in job.blocks:
             if block not in self._refs and block not in self._free:
                 break
             hit += 1
+        return hit
+
+    def _start(self, now: float, events: list[Event]) -> None:
+        """Admit the head of the queue into prefill if the batch and the cache have room."""
+        if not self.waiting or self.running >= self.profile.max_batch:
+            return
+        job = self.waiting[0]
+        hit = self._leading_hit(job)
         private = self._private_of(job)
         new = len(job.blocks) - hit
         if not self._evict_for(new + private, set(job.blocks[:hit])):
