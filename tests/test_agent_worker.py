@@ -55,4 +55,5 @@ def test_worker_spans_and_allocator_metrics_reach_the_vector(ctx: zmq.Context) -
         assert last.metrics.requests_per_s == pytest.approx(4.0)  # 40 requests in the 10 s window
         assert 20.0 <= last.metrics.cpu_preproc_p95_ms <= 200.0, "P95 of image decode, not of prefill"  # type: ignore[operator]
         assert last.metrics.gpu_mem_frag_ratio == pytest.approx(1 / 3)
-        assert last.alarms == []
+        # the worker's figures raise no alarm; the host's CPU and memory are the machine's running the test
+        assert set(last.alarms) <= {"cpu_util_ratio", "mem_util_ratio"}, last.alarms

@@ -80,11 +80,13 @@ def test_streamed_and_plain_completion(engine: EmulatedEngine) -> None:
 
 def test_ttft_grows_with_prompt_and_shrinks_on_reused_prefix(engine: EmulatedEngine) -> None:
     short = ttft(engine.url, body("a short prompt", 1))
-    long_text = "".join(f"line {i} of a long shared document. " for i in range(1500))  # ~13k tokens, 1.3 s model
+    long_text = "".join(f"line {i} of a long shared document. " for i in range(4500))  # ~39k tokens, 3.9 s model
     long_cold = ttft(engine.url, body(long_text, 1))
     long_warm = ttft(engine.url, body(long_text + " a new question", 1))
-    assert long_cold > short + 0.15
-    assert long_warm < long_cold / 3
+    # wall-clock times: the request's own overhead (tenths of a second on a loaded host) is in each, so the
+    # prompt is long enough that its prefill (0.78 s at this time scale) outweighs it
+    assert long_cold > short + 0.5
+    assert long_warm - short < (long_cold - short) / 3
     warm = httpx.post(engine.url + "/v1/chat/completions", json=body(long_text, 1), timeout=10).json()
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= warm["usage"]["prompt_tokens"] - 16
 
