@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from prismlb.cli import main
+
 from .conftest import free_port
 
 USAGE_ERRORS: dict[str, tuple[list[str], str]] = {
@@ -56,13 +58,27 @@ def prism_runs(argvs: dict[str, list[str]]) -> dict[str, subprocess.CompletedPro
         return dict(zip(argvs, pool.map(run, argvs.values()), strict=True))
 
 
-def test_a_usage_error_is_status_2_and_one_line_in_every_command() -> None:
-    done = prism_runs({name: argv for name, (argv, _) in USAGE_ERRORS.items()})
-    seen = {name: (run.returncode, run.stderr.splitlines()) for name, run in done.items()}
+IN_A_PROCESS = ("no command", "agent flag type", "eval jobs")
+"""The usage errors also run as the installed command runs (a process each); the rest through `main` here."""
+
+
+def _in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    """`prism ARGV` through `main` in this process: its exit status and its stderr lines."""
+    try:
+        status = main(argv)
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    return status, capsys.readouterr().err.splitlines()
+
+
+def test_a_usage_error_is_status_2_and_one_line_in_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    seen = {name: _in_process(argv, capsys) for name, (argv, _) in USAGE_ERRORS.items()}
+    done = prism_runs({name: USAGE_ERRORS[name][0] for name in IN_A_PROCESS})
+    seen |= {f"{name} (process)": (run.returncode, run.stderr.splitlines()) for name, run in done.items()}
     for name, (status, lines) in seen.items():
         assert status == 2 and len(lines) == 1, f"{name}: status {status}, stderr {lines}"
-        assert lines[0].startswith(USAGE_ERRORS[name][1]), f"{name}: {lines[0]}"
-    assert "(see prism eval --help)" in seen["eval jobs"][1][0], "argparse's own errors point at --help"
+        assert lines[0].startswith(USAGE_ERRORS[name.removesuffix(" (process)")][1]), f"{name}: {lines[0]}"
+    assert "(see prism eval --help)" in seen["eval jobs (process)"][1][0], "argparse's own errors point at --help"
 
 
 @pytest.fixture
