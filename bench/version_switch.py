@@ -88,7 +88,7 @@ class Scale:
 
 SCALES = {
     "full": Scale(engines=2, sessions=24, doc_tokens=3000, spread_s=6.0, before_s=15.0, after_s=15.0),
-    "quick": Scale(engines=1, sessions=8, doc_tokens=1500, spread_s=2.0, before_s=5.0, after_s=5.0),
+    "quick": Scale(engines=1, sessions=8, doc_tokens=1500, spread_s=2.0, before_s=3.0, after_s=3.0),
 }
 VARIANTS = ("snapshots", "recompute")
 
@@ -512,7 +512,7 @@ def comparison(outcomes: Sequence[Outcome]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) -> list[Outcome]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="1 + 1 engines, 8 sessions, 5 s before and after")
+    parser.add_argument("--quick", action="store_true", help="1 + 1 engines, 8 sessions, 3 s before and after")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--variant", choices=VARIANTS, action="append", help="run only this variant (repeatable)")
     args = parser.parse_args(argv)
