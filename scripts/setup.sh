@@ -73,7 +73,7 @@ venv_setup() {
     want=$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/router/_fastroute.c" | sha256sum | cut -d' ' -f1)
     if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
         say "installing the project into $VENV (pip, pinned versions)"
-        "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[test]" 2> >(grep -v "is ignored: it is neither" >&2)
+        "$VENV/bin/pip" install -q --no-compile --disable-pip-version-check -e "$ROOT[test]" 2> >(grep -v "is ignored: it is neither" >&2)
         echo "$want" >"$STAMP"
     fi
     expose_bcc
