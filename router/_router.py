@@ -328,7 +328,9 @@ class Router:
             return None
         self._reported = loads
         self._load_seq += 1
-        return RouterLoad(router_id=self.router_id, seq=self._load_seq, loads=loads, placed=placed)
+        return RouterLoad(
+            router_id=self.router_id, zone=self.settings.zone, seq=self._load_seq, loads=loads, placed=placed
+        )
 
     def apply_cluster_load(self, loads: Mapping[str, float], placed: Sequence[Placed] = (), routers: int = 1) -> None:
         """Every router's queued prefill per node, summed by the brain over `routers` routers: what is not this
@@ -494,7 +496,7 @@ class Router:
         key = request.key if request.key is not None else request.session
         now = self.clock()
         home = self._arm(target, request.session or key)
-        spill = target.overflow if home is target.group and self.settings.overflow else None
+        spill = target.overflow if (home is target.group or target.zones) and self.settings.overflow else None
         session = self._sessions.get(request.session, now) if request.session else None
         group, index = self._sticky(home, spill, session, exclude, now)
         blocks = request.blocks if self.settings.prefix_index else ()
@@ -518,12 +520,14 @@ class Router:
         return snapshot, self._resolve(snapshot, request.slice, request.modality)
 
     def _arm(self, target: SliceRoute, arm_key: Key | None) -> Group:
-        """The group to place in: the slice's, or under an experiment the arm `arm_key` (the session, else the
-        affinity key) is assigned to, as the brain assigns it, so a conversation keeps one model version. A
-        request with neither draws an arm at random."""
-        if not target.arms:
+        """The group to place in: the slice's; under an experiment the arm `arm_key` (the session, else the
+        affinity key) is assigned to, as the brain assigns it, so a conversation keeps one model version; under the
+        brain's zone split, the zone its row assigns `arm_key` (`SliceRoute.zone`). A request with neither key
+        draws at random."""
+        if not target.arms and not target.zones:
             return target.group
-        return target.arm(_key_bytes(arm_key) if arm_key is not None else random.randbytes(8))
+        drawn = _key_bytes(arm_key) if arm_key is not None else random.randbytes(8)
+        return target.arm(drawn) if target.arms else target.zone(drawn)
 
     def _sticky(
         self, home: Group, spill: Group | None, session: Session | None, exclude: Collection[str], now: float
@@ -577,12 +581,17 @@ class Router:
         self, snapshot: Snapshot, target: SliceRoute, group: Group, pos: int, exclude: Collection[str], now: float
     ) -> tuple[Group, int]:
         """Bounded-load consistent hashing (`Group.pick`) at ring position `pos` in `group`; when no entry there is
-        available, the bounded walk in each of the slice's fallbacks; when none is either, the first entry not
+        available, in the whole slice for a zone's group (the split lagging an outage costs no request), then the
+        bounded walk in each of the slice's fallbacks; when none is either, the first entry not
         excluded along the probe order, health ignored (Envoy's panic routing: a request to a possibly failed node
         beats refusing every request)."""
         index = group.pick(pos, exclude, now)
         if index is not None:
             return group, index
+        if target.zones and group is not target.group:  # the assigned zone has no entry available: any zone's
+            index = target.group.pick(pos, exclude, now)
+            if index is not None:
+                return target.group, index
         for name in target.fallbacks:
             fallback = snapshot.slices.get(name)
             if fallback is not None:

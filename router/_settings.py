@@ -84,6 +84,10 @@ class Settings:
     """How long a session stays on its endpoint after its last request."""
     max_sessions: int = 100_000
     """Sessions remembered at most; past that the least recently used are forgotten."""
+    zone: str = ""
+    """The caller's zone: with the brain's zone split in the table (`RoutingTable.zones`), each key goes to the
+    serving zone its row assigns it (stable per key), placed among that zone's entries; "" or a zone without a row:
+    every entry of the slice. Under an A/B experiment the arms decide, not the split."""
     numa_node: int | None = None
     """The caller's NUMA node: GPU entries on it weigh 1.0, across NUMA nodes 0.4 (None: all weigh 1.0)."""
     base_points: int = 128

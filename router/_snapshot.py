@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from prismlb.wire import Experiment, RoutingTable, Slice, SliceTable, TableNode, assign_arm
+from prismlb.wire import Experiment, RoutingTable, Slice, SliceTable, TableNode, ZoneRoute, assign_arm, assign_zone
 
 from ._health import EndpointState
 from ._request import CORE_CLASS
@@ -146,11 +147,22 @@ class SliceRoute:
     overflow: Group | None = None
     """The slice's overflow entries (`TableNode.overflow`), outside its ring: taken by expected time to first
     token only (`Settings.overflow`)."""
+    zone_route: ZoneRoute | None = None
+    """The zone split's row for this router's zone (`Settings.zone`), if the table has one."""
+    zones: Mapping[str, Group] = dataclasses.field(default_factory=dict)
+    """Serving zone -> a group of the slice's entries in it; empty without `zone_route` or when the slice's entries
+    are all in one zone."""
 
     def arm(self, key: bytes) -> Group:
         """The group of the arm a session or affinity key is assigned to (the brain's `assign_arm`)."""
         assert self.experiment is not None
         return self.arms[assign_arm(self.experiment, key)]
+
+    def zone(self, key: bytes) -> Group:
+        """The group of the zone the split assigns a session or affinity key to (`assign_zone`); the whole slice's
+        when that zone has no entries in the slice."""
+        assert self.zone_route is not None and self.zones
+        return self.zones.get(assign_zone(self.zone_route, key), self.group)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -238,6 +250,33 @@ def _arms(
     return arms
 
 
+def _zones(
+    slice_table: SliceTable,
+    route: ZoneRoute | None,
+    settings: Settings,
+    state_for: Callable[[str], EndpointState],
+    counter_for: Callable[[str], InFlight],
+) -> dict[str, Group]:
+    """One group per serving zone of the split's row over the slice's entries in that zone; none when the row is
+    absent or the slice's entries are all in one zone (the split could not change where its requests go)."""
+    if route is None:
+        return {}
+    by_zone: dict[str, list[TableNode]] = {}
+    for node in _regular(slice_table):
+        by_zone.setdefault(node.zone, []).append(node)
+    if len(by_zone) < 2:
+        return {}
+    groups: dict[str, Group] = {}
+    for share in route.shares:
+        nodes = by_zone.get(share.zone)
+        if nodes and share.zone not in groups:
+            ring = Ring.build(
+                nodes, settings.base_points, numa_node=settings.numa_node, max_points=settings.max_ring_points
+            )
+            groups[share.zone] = _group(f"{slice_table.name}@zone:{share.zone}", ring, settings, state_for, counter_for)
+    return groups
+
+
 def _regular(slice_table: SliceTable) -> list[TableNode]:
     """The slice's own entries, on its ring: all but the overflow ones (all of them when every one is)."""
     own = [n for n in slice_table.nodes if not n.overflow]
@@ -278,6 +317,7 @@ def build(
     experiments: dict[str, Experiment] = {}
     for listed in table.experiments:
         experiments.setdefault(listed.slice, listed)  # the first experiment on a slice wins
+    zone_route = next((row for row in table.zones if row.caller == settings.zone), None) if settings.zone else None
     routes: dict[str, SliceRoute] = {}
     for slice_table in table.slices:
         if not slice_table.nodes:
@@ -285,15 +325,18 @@ def build(
         experiment = experiments.get(slice_table.name)
         fallbacks = tuple(n for n in _chain(slice_table.name, fallback_of) if n in nonempty)
         before = None if previous is None else previous.routes.get(slice_table.name)
-        if before is not None and before.source is slice_table and before.experiment == experiment:
+        if (
+            before is not None
+            and before.source is slice_table
+            and before.experiment == experiment
+            and before.zone_route == zone_route
+        ):
             spill = () if before.overflow is None else (before.overflow,)
-            for group in (before.group, *before.arms.values(), *spill):
+            for group in (before.group, *before.arms.values(), *before.zones.values(), *spill):
                 counter_for(group.name)
                 for name in group.index:
                     state_for(name)
-            routes[slice_table.name] = SliceRoute(
-                slice_table.name, before.group, experiment, before.arms, fallbacks, slice_table, before.overflow
-            )
+            routes[slice_table.name] = dataclasses.replace(before, fallbacks=fallbacks)
             continue
         regular = _regular(slice_table)
         extra = [n for n in slice_table.nodes if n.overflow] if len(regular) < len(slice_table.nodes) else []
@@ -310,7 +353,18 @@ def build(
         base = _group(slice_table.name, rings[0], settings, state_for, counter_for)
         spill = _group(f"{slice_table.name}+overflow", rings[1], settings, state_for, counter_for) if extra else None
         arms = {} if experiment is None else _arms(slice_table, experiment, base, settings, state_for, counter_for)
-        routes[slice_table.name] = SliceRoute(slice_table.name, base, experiment, arms, fallbacks, slice_table, spill)
+        zones = _zones(slice_table, zone_route, settings, state_for, counter_for) if not arms else {}
+        routes[slice_table.name] = SliceRoute(
+            slice_table.name,
+            base,
+            experiment,
+            arms,
+            fallbacks,
+            slice_table,
+            spill,
+            zone_route,
+            zones,
+        )
     slices: dict[str, SliceRoute | None] = {}
     for name in fallback_of:
         slices[name] = routes.get(name) or next((routes[n] for n in _chain(name, fallback_of) if n in routes), None)
@@ -318,8 +372,8 @@ def build(
     shed = frozenset(table.shed_classes)
     plain: dict[str | None, SliceRoute] = {}
     if CORE_CLASS not in shed:  # bare keys are core requests: when core is shed, they take the path that refuses
-        plain.update((name, r) for name, r in slices.items() if r is not None and not r.arms)
+        plain.update((name, r) for name, r in slices.items() if r is not None and not r.arms and not r.zones)
         text = implicit[Slice.LLM]
-        if text is not None and not text.arms:
+        if text is not None and not text.arms and not text.zones:
             plain[None] = text
     return Snapshot(table, routes, slices, implicit, plain, shed, now)

@@ -1,6 +1,6 @@
 """Messages and transport shared by the Prism agent, brain and router."""
 
-from ._arms import assign_arm
+from ._arms import assign_arm, assign_zone
 from ._bloom import (
     BLOOM_BITS,
     BLOOM_CAPACITY,
@@ -75,6 +75,8 @@ from ._messages import (
     SnapshotRequest,
     TableHead,
     TableNode,
+    ZoneRoute,
+    ZoneShare,
 )
 from ._modality import (
     DEFAULT_SLICE,
@@ -217,7 +219,10 @@ __all__ = [
     "VectorReceiver",
     "VectorSender",
     "WireError",
+    "ZoneRoute",
+    "ZoneShare",
     "assign_arm",
+    "assign_zone",
     "block_key",
     "bloom_contains",
     "bloom_false_positive_rate",

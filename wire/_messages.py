@@ -188,6 +188,23 @@ class Experiment(_Message, kw_only=True):
 Priority = Annotated[int, msgspec.Meta(ge=-1000, le=1000)]
 
 
+class ZoneShare(_Message, kw_only=True):
+    zone: Name
+    fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+
+
+class ZoneRoute(_Message, kw_only=True):
+    """One caller zone's row of the brain's zone split: which serving zones take what share of the traffic of the
+    routers in `caller` (`Settings.zone`). Routers spread keys over the shares stably (`assign_zone`), so a
+    conversation stays in one zone while the split holds."""
+
+    caller: Name
+    shares: Annotated[list[ZoneShare], msgspec.Meta(min_length=1, max_length=64)]
+
+
+ZoneRoutes = Annotated[list[ZoneRoute], msgspec.Meta(max_length=64)]
+
+
 class RoutingTable(_Message, kw_only=True):
     """A complete, versioned routing table.
 
@@ -206,6 +223,8 @@ class RoutingTable(_Message, kw_only=True):
     experiments: Annotated[list[Experiment], msgspec.Meta(max_length=64)] = []
     shed_classes: Annotated[list[Name], msgspec.Meta(max_length=16)] = []  # refused while the guardian degrades
     guardian: Name = "normal"
+    zones: ZoneRoutes = []
+    """The zone split (`brain/_failover.py`); empty: routers ignore zones."""
 
     @property
     def order(self) -> tuple[int, int]:
@@ -266,6 +285,7 @@ class TableHead(_Message, kw_only=True):
     shed_classes: Annotated[list[Name], msgspec.Meta(max_length=16)] = []
     guardian: Name = "normal"
     drained: Annotated[list[Name], msgspec.Meta(max_length=100_000)] = []
+    zones: ZoneRoutes = []
 
     @property
     def order(self) -> tuple[int, int]:
@@ -379,6 +399,8 @@ class RouterLoad(_Message, kw_only=True):
     peers count them as cached there, as the router itself does, until the engine's KV events confirm them."""
 
     router_id: RouterId
+    zone: Name = ""
+    """The router's zone (`Settings.zone`): the brain counts each zone's callers' demand from it."""
     seq: Count
     loads: Annotated[dict[NodeId, Bounded], msgspec.Meta(max_length=MAX_ROUTER_LOAD_NODES)] = {}
     placed: Annotated[list[Placed], msgspec.Meta(max_length=MAX_PLACED_BLOCKS)] = []

@@ -63,6 +63,7 @@ def _head(table: RoutingTable, versions: dict[str, int]) -> TableHead:
         shed_classes=table.shed_classes,
         guardian=table.guardian,
         drained=table.drained,
+        zones=table.zones,
     )
 
 
@@ -301,4 +302,5 @@ class TableAssembler:
             shed_classes=head.shed_classes,
             guardian=head.guardian,
             drained=head.drained,
+            zones=head.zones,
         )
