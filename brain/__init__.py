@@ -1,6 +1,7 @@
 """The Prism brain: node vectors in, health-weighted routing tables out.
 
-`Brain` (which loads torch for the predictor) is imported on first use, so the CLI and the router stay light.
+`Brain` (which loads torch for the predictor) and the failover scheduler's names (torch for its student) are
+imported on first use, so the CLI and the router stay light.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,9 @@ from ._weights import TAU0_MS, Predictions, compute_weights, sensitivity
 
 if TYPE_CHECKING:
     from ._brain import Brain
+    from ._failover import FailoverScheduler, LocalFirst, StudentPolicy, ZoneObservation
+
+_FAILOVER = ("FailoverScheduler", "LocalFirst", "StudentPolicy", "ZoneObservation")
 
 
 def __getattr__(name: str) -> Any:
@@ -24,6 +28,10 @@ def __getattr__(name: str) -> Any:
         from ._brain import Brain
 
         return Brain
+    if name in _FAILOVER:
+        from . import _failover
+
+        return getattr(_failover, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -33,12 +41,16 @@ __all__ = [
     "BrainConfig",
     "Capabilities",
     "EntryKey",
+    "FailoverScheduler",
+    "LocalFirst",
     "LoadRelay",
     "NodeState",
     "Predictions",
     "Registry",
+    "StudentPolicy",
     "TableBuilder",
     "Tier",
+    "ZoneObservation",
     "add_ctl_parsers",
     "add_parser",
     "capabilities",

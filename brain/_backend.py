@@ -58,6 +58,11 @@ class Backend:
             "shed_classes": shed,
             "predictor": brain.predictor.best(),
             "nodes": nodes,
+            "zones": {
+                "decided_by": brain.zones.scheduler.source,
+                "observed": [dataclasses.asdict(o) for o in brain.zones.observations],
+                "split": msgspec.to_builtins(table.zones) if table is not None else [],
+            },
         }
 
     def table(self) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from prismlb.wire import (
     TablePublisher,
     VectorReceiver,
     WireError,
+    ZoneRoute,
     sd_notify,
     serve_metrics,
     watchdog_interval_s,
@@ -36,6 +37,7 @@ from ._control import Control
 from ._drift import DriftDetector
 from ._experiments import Experiments
 from ._exporter import PredictorCollector, RegistryCollector, TallyCollector
+from ._failover import FailoverScheduler
 from ._features import node_features, series_p99_ms, slice_predictions
 from ._guardian import Guardian, GuardianConfig
 from ._history import History
@@ -49,6 +51,7 @@ from ._scale_hook import parse_hook
 from ._shards import ShardedReceiver, tune_gc_for_ingest
 from ._tables import TableBuilder, next_epoch
 from ._weights import Predictions, compute_weights
+from ._zone_view import ZoneView, ZoneViewCollector
 
 _log = logging.getLogger("prism.brain")
 CHECKPOINT = "predictor.pt"
@@ -138,6 +141,9 @@ class Brain:
         self.metrics.register(KvRelayCollector(self.kv))
         self.loads = LoadRelay(self.tables.brain_id)
         """The routers' queued prefill work, summed for every router (`_load_relay`)."""
+        self.zones = ZoneView(FailoverScheduler(config.failover_model, config.failover_reload_s))
+        """The zones' state and the split routers in each zone follow (`_zone_view`, `_failover`)."""
+        self.metrics.register(ZoneViewCollector(self.zones))
         self.metrics.register(LoadRelayCollector(self.loads))
         self.metrics.register(RegistryCollector(self.registry))
         self.metrics.register(PredictorCollector(self.predictor))
@@ -395,12 +401,14 @@ class Brain:
             return None
         states = {n: s for n, s in self.registry.nodes.items() if n not in self.drained}
         state, shed = self.control.guardian.flags()
+        entries = self._weights(states)
         table = self.tables.build(
-            self._weights(states),
+            entries,
             experiments=self.experiments.snapshot(),
             shed_classes=shed,
             guardian=state,
             drained=self.drained,
+            zones=self._zone_split(states, entries, now),
         )
         if table is not None:
             summary = "; ".join(
@@ -410,6 +418,21 @@ class Brain:
             _log.info("table %d.%d: %s", table.epoch, table.version, summary)
             self.known.remember({node.node_id for s in table.slices for node in s.nodes})
         return table
+
+    def _zone_split(
+        self, states: dict[str, NodeState], entries: dict[Slice, list[TableNode]], now: float
+    ) -> list[ZoneRoute]:
+        """The zone split for this table; when the scheduler fails, none (counted): routers then place over every
+        zone, as they do without one, rather than on a split that no longer matches the nodes."""
+        weights: dict[str, float] = {}
+        for nodes in entries.values():
+            for node in nodes:
+                weights[node.node_id] = max(weights.get(node.node_id, 0.0), node.weight)
+        try:
+            return self.zones.routes(states, weights, self.loads.demand_by_zone(), now)
+        except Exception as exc:
+            self.faults.count("zone_split", repr(exc))
+            return []
 
     def _weights(self, states: dict[str, NodeState]) -> dict[Slice, list[TableNode]]:
         """`compute_weights`; when it fails, the nodes that make it fail are found one by one, counted and

@@ -62,6 +62,10 @@ class BrainConfig:
     priority: int = 0
     """Routers follow the live brain with the highest (priority, brain_id); -1000 to 1000."""
     holddown_s: float = 10.0
+    failover_model: Path | None = None
+    """The failover scheduler's student (`prism train failover`); None or a missing file: the rule-based split."""
+    failover_reload_s: float = 600.0
+    """How often the brain looks for a new student in `failover_model` and switches to it."""
     """After a start, the longest the brain waits before its first table while it has not yet heard from
     `restart_quorum` of the nodes its state folder knew (or, without a state folder, from any node)."""
     restart_quorum: float = 0.9
@@ -293,6 +297,20 @@ SETTINGS = SettingTable(
             flag="--holddown-s",
             variable="PRISM_BRAIN_HOLDDOWN_S",
         ),
+        Setting(
+            "failover_model",
+            "the cross-zone failover student (`prism train failover`); without one, zone-local first",
+            _folder,
+            flag="--failover-model",
+            variable="PRISM_BRAIN_FAILOVER_MODEL",
+        ),
+        Setting(
+            "failover_reload_s",
+            "seconds between looks for a new failover student",
+            _at_least("failover reload", 1),
+            _DEFAULT.failover_reload_s,
+            flag="--failover-reload-s",
+        ),
     ],
 )
 
@@ -340,5 +358,7 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Brai
         brain_id=s["brain_id"] or "",
         priority=s["priority"],
         holddown_s=s["holddown_s"],
+        failover_model=s["failover_model"],
+        failover_reload_s=s["failover_reload_s"],
         ingest_workers=s["ingest_workers"],
     )

@@ -45,6 +45,7 @@ class _Report:
     seq: int
     loads: dict[str, float]
     heard: float
+    zone: str = ""
 
 
 class LoadRelay:
@@ -99,7 +100,7 @@ class LoadRelay:
         if held is not None:
             self._add(held.loads, -1.0)
         loads = dict(report.loads)
-        self._reports[report.router_id] = _Report(report.seq, loads, now)
+        self._reports[report.router_id] = _Report(report.seq, loads, now, report.zone)
         self._add(loads, 1.0)
         for placement in report.placed:
             if self._placed_blocks + len(placement.blocks) > self.max_placed:
@@ -109,6 +110,20 @@ class LoadRelay:
             self._placed_blocks += len(placement.blocks)
         self._changed = True
         self.counts["reports"] += 1
+
+    def demand_by_zone(self) -> dict[str, float]:
+        """Each caller zone's share of the routers' demand: of their queued prefill tokens while any are queued, else
+        of the routers themselves (a router that reported counts one). Routers that name no zone are left out;
+        empty when none names one (the zone split then assumes equal demand)."""
+        tokens: dict[str, float] = {}
+        routers: dict[str, float] = {}
+        for report in self._reports.values():
+            if report.zone:
+                tokens[report.zone] = tokens.get(report.zone, 0.0) + sum(report.loads.values())
+                routers[report.zone] = routers.get(report.zone, 0.0) + 1.0
+        weights = tokens if sum(tokens.values()) > 0 else routers
+        total = sum(weights.values())
+        return {zone: weight / total for zone, weight in weights.items()} if total > 0 else {}
 
     def _add(self, loads: dict[str, float], sign: float) -> None:
         sums = self._sums

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import msgspec
 
-from prismlb.wire import MAX_TABLE_VALUE, Experiment, RoutingTable, Slice, SliceTable, TableNode
+from prismlb.wire import MAX_TABLE_VALUE, Experiment, RoutingTable, Slice, SliceTable, TableNode, ZoneRoute
 
 from ._slices import fallback
 
@@ -95,13 +95,22 @@ class TableBuilder:
         shed_classes: Sequence[str] = (),
         guardian: str = "normal",
         drained: Collection[str] = (),
+        zones: Sequence[ZoneRoute] = (),
     ) -> RoutingTable | None:
         """The next table from `compute_weights`-style entries (a missing slice is empty), or None."""
         slices = {s: [self._clamp(n) for n in entries.get(s, ())] for s in Slice}
         nonempty = {s for s, nodes in slices.items() if nodes}
         fallbacks = {s: None if s in nonempty else fallback(s, nonempty) for s in Slice}
         weights = {(s, _identity(n)): n.weight for s, nodes in slices.items() for n in nodes}
-        routing = (frozenset(weights), fallbacks, tuple(experiments), tuple(shed_classes), guardian, frozenset(drained))
+        routing = (
+            frozenset(weights),
+            fallbacks,
+            tuple(experiments),
+            tuple(shed_classes),
+            guardian,
+            frozenset(drained),
+            tuple(zones),
+        )
         if routing == self._routing and not self._moved(weights):
             return None
         self._routing, self._weights = routing, weights
@@ -117,6 +126,7 @@ class TableBuilder:
             brain_id=self.brain_id,
             priority=self.priority,
             drained=sorted(drained),
+            zones=list(zones),
         )
 
     def _clamp(self, node: TableNode) -> TableNode:

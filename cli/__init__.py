@@ -17,7 +17,7 @@ from typing import NoReturn
 from prismlb import agent, brain, demo, router
 from prismlb.sim import _eval
 
-from . import _keys
+from . import _keys, _train
 
 
 def _usage_error(prog: str, message: str) -> NoReturn:
@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     _keys.add_parser(subparsers)
     demo.add_parser(subparsers)
     _eval.add_parser(subparsers)
+    _train.add_parser(subparsers)
     return parser
 
 

@@ -1,4 +1,8 @@
-"""Simulation and trace replay support; `EmulatedEngine` is an emulator of a vLLM-like inference server."""
+"""Simulation and trace replay support; `EmulatedEngine` is an emulator of a vLLM-like inference server.
+
+`train_failover` (torch) is imported on first use."""
+
+from typing import TYPE_CHECKING, Any
 
 from ._engine import EmulatedEngine, block_hashes, prompt_tokens
 from ._model import PROFILES, EngineModel, GpuProfile, Job
@@ -18,6 +22,18 @@ from ._workload import (
     servegen_mm,
 )
 
+if TYPE_CHECKING:
+    from ._failover_train import TrainReport, train_failover
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("TrainReport", "train_failover"):
+        from . import _failover_train
+
+        return getattr(_failover_train, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "BLOCK_TOKENS",
     "LEVELS",
@@ -36,6 +52,7 @@ __all__ = [
     "SimNode",
     "SimRequest",
     "SliceStats",
+    "TrainReport",
     "Workload",
     "azure",
     "block_hashes",
@@ -47,4 +64,5 @@ __all__ = [
     "scale_to_utilisation",
     "servegen_mm",
     "traces_dir",
+    "train_failover",
 ]

@@ -44,6 +44,11 @@ USAGE_ERRORS: dict[str, tuple[list[str], str]] = {
     "eval workload": (["eval", "--workload", "nope"], "prism eval: unknown workload family 'nope'"),
     "eval jobs": (["eval", "--jobs", "0"], "prism eval: argument --jobs: runs need at least 1 process"),
     "eval limit": (["eval", "--limit", "5"], "prism eval: argument --limit: a replay needs at least 10 requests"),
+    "train steps": (
+        ["train", "failover", "--out", "/tmp/x.pt", "--teacher-steps", "0"],
+        "prism train: argument --teacher-steps: must be at least 1",
+    ),
+    "train model": (["train", "nope", "--out", "/tmp/x.pt"], "prism train: argument model: invalid choice: 'nope'"),
 }
 
 
