@@ -10,6 +10,7 @@ would otherwise make a new table every cycle) and only while the cluster's nodes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -26,6 +27,9 @@ ALIVE_PERIODS = 1.5
 """A node is alive while its last vector is at most this many of its periods old."""
 STEP = 0.05
 """Shares are published in steps of this size."""
+DEMAND_SMOOTHING_S = 10.0
+"""Time constant of the exponential average of each zone's demand share: the routers' queued prefill is a snapshot
+of a moment (one burst in one zone would read as all the cluster's demand), the split needs the sustained share."""
 
 
 def quantised(row: Mapping[str, float]) -> list[ZoneShare]:
@@ -47,6 +51,8 @@ class ZoneView:
         self.scheduler = scheduler
         self.forget_s = forget_s
         self._seen: dict[str, tuple[str, float, float]] = {}  # node id -> (zone, last seen, its period)
+        self._demand: dict[str, float] = {}  # zone -> smoothed demand share
+        self._demand_at: float | None = None
         self.observations: list[ZoneObservation] = []
         """The last cycle's observations (for the admin API and tests)."""
 
@@ -68,9 +74,23 @@ class ZoneView:
         if len(zones) < 2 or "" in zones:
             self.observations = []
             return []
-        self.observations = self._observe(zones, nodes, weights, demand, now)
+        self.observations = self._observe(zones, nodes, weights, self._smoothed(zones, demand, now), now)
         split = self.scheduler.split(self.observations, now)
         return self.rows(split)
+
+    def _smoothed(self, zones: Sequence[str], demand: Mapping[str, float], now: float) -> dict[str, float]:
+        """Each zone's demand share (equal shares when no router names a zone of these), averaged over time with
+        `DEMAND_SMOOTHING_S`; a zone new to the view starts at its share of this cycle."""
+        known = sum(demand.get(zone, 0.0) for zone in zones)
+        shares = {zone: demand.get(zone, 0.0) / known if known > 0 else 1.0 / len(zones) for zone in zones}
+        dt = 0.0 if self._demand_at is None else max(0.0, now - self._demand_at)
+        alpha = 1.0 - math.exp(-dt / DEMAND_SMOOTHING_S)
+        self._demand = {
+            zone: share if zone not in self._demand else self._demand[zone] + alpha * (share - self._demand[zone])
+            for zone, share in shares.items()
+        }
+        self._demand_at = now
+        return self._demand
 
     def _observe(
         self,
@@ -80,7 +100,7 @@ class ZoneView:
         demand: Mapping[str, float],
         now: float,
     ) -> list[ZoneObservation]:
-        known = sum(demand.get(zone, 0.0) for zone in zones)
+        total = sum(demand.values()) or 1.0
         observations = []
         for zone in zones:
             members = [n for n, (z, _, _) in self._seen.items() if z == zone]
@@ -102,7 +122,7 @@ class ZoneView:
                     weight=sum(weights.get(s.vector.node_id, 0.0) for s in alive) / len(alive) if alive else 0.0,
                     p99_ms=max(p99s, default=0.0),
                     queue=sum(waiting) / len(waiting) if waiting else 0.0,
-                    demand=demand.get(zone, 0.0) / known if known > 0 else 1.0 / len(zones),
+                    demand=demand[zone] / total,
                 )
             )
         return observations

@@ -145,3 +145,13 @@ def test_a_brain_given_a_student_publishes_its_split(tmp_path: Path) -> None:
     assert b.current is not None
     rows = {row.caller: {s.zone: s.fraction for s in row.shares} for row in b.current.zones}
     assert rows == {"a": {"a": 0.5, "b": 0.5}, "b": {"a": 0.5, "b": 0.5}}
+
+
+def test_a_moments_burst_in_one_zone_does_not_read_as_all_the_demand() -> None:
+    b = brain()
+    b.ingest([vector(n, 1) for n in ZONES], 0.0)
+    for step in range(50):  # 10 s of even demand
+        b.zones.routes(b.registry.nodes, {}, {"a": 0.5, "b": 0.5}, step * 0.2)
+    b.zones.routes(b.registry.nodes, {}, {"a": 1.0}, 10.0)  # one cycle where only zone a's router had work queued
+    demand = {o.zone: o.demand for o in b.zones.observations}
+    assert 0.5 < demand["a"] < 0.52 and demand["a"] + demand["b"] == pytest.approx(1.0)
