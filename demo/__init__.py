@@ -7,6 +7,10 @@ its KV events, receives its OTLP spans, eBPF when this host allows it). In the d
 of the Mooncake conversation trace (`_workload`), time-compressed, as streamed OpenAI chat completions, with a
 live view and a closing summary (`_view`).
 
+Every engine admits requests into its batch through the adaptive batch window (`--batch-window`; a fixed window
+or none to compare with); the view and the summary show what each engine's window and breaker did, read from the
+engine's own `/metrics` (`_window`).
+
 Half-way through one node (engine and agent) is killed with SIGKILL: the brain drops it after three missed
 periods, and the demo counts which of the prefix keys seen so far moved (`_results`). Every child is stopped on
 exit, on Ctrl-C and on SIGTERM (and gets SIGTERM from the kernel if the demo process dies).
@@ -21,10 +25,13 @@ from ._processes import Cluster, die_with_parent, free_port, metric, signals_int
 from ._results import UNFINISHED, llm_nodes, moved_keys
 from ._run import DEFAULT_LOAD, DEFAULT_NODES, SLOW_S, TIME_SCALE_RANGE
 from ._view import percentile
+from ._window import BATCH_WINDOWS, DEFAULT_BATCH_WINDOW, WindowReport, read_window
 from ._workload import BLOCK_CHARS, TOKEN_SCALE, TRACE, DemoRequest, load_requests, prefill_work_s, prefix_cache_bound
 
 __all__ = [
+    "BATCH_WINDOWS",
     "BLOCK_CHARS",
+    "DEFAULT_BATCH_WINDOW",
     "DEFAULT_LOAD",
     "DEFAULT_NODES",
     "DRAIN_LIMIT_S",
@@ -33,6 +40,7 @@ __all__ = [
     "TOKEN_SCALE",
     "TRACE",
     "UNFINISHED",
+    "WindowReport",
     "Cluster",
     "Demo",
     "DemoRequest",
@@ -46,6 +54,7 @@ __all__ = [
     "percentile",
     "prefill_work_s",
     "prefix_cache_bound",
+    "read_window",
     "signals_interrupt",
     "spawn",
     "stop",

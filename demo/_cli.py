@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ._run import DEFAULT_DURATION_S, DEFAULT_LOAD, DEFAULT_NODES, DEFAULT_REQUESTS, Options, run
+from ._window import BATCH_WINDOWS, DEFAULT_BATCH_WINDOW
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -36,6 +37,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=",".join(DEFAULT_NODES),
         help=f"GPU class of each node, comma-separated ({','.join(DEFAULT_NODES)})",
     )
+    p.add_argument(
+        "--batch-window",
+        choices=BATCH_WINDOWS,
+        default=DEFAULT_BATCH_WINDOW,
+        help="how every engine admits requests into its batch: through the adaptive window, after a fixed 200 ms "
+        f"window, or on arrival ({DEFAULT_BATCH_WINDOW})",
+    )
     p.add_argument("--no-kill", action="store_true", help="do not kill a node half-way")
     p.add_argument("--no-ebpf", action="store_true", help="run the agents without the eBPF probe")
     p.add_argument("--cpus", type=int, default=2, help="pin the demo and its processes to this many CPUs, 0 = off (2)")
@@ -44,17 +52,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
+def options(args: argparse.Namespace) -> Options:
+    """The demo's options from its parsed flags; ValueError names a flag out of range."""
     if args.requests < 2:
-        print("prism demo: --requests must be at least 2", file=sys.stderr)
-        return 2
+        raise ValueError("--requests must be at least 2")
     if not 0 < args.load <= 2:
-        print("prism demo: --load must be in (0, 2]", file=sys.stderr)
-        return 2
+        raise ValueError("--load must be in (0, 2]")
     if not 5 <= args.duration <= 90:  # the demo is bounded to two minutes of wall time
-        print(f"prism demo: --duration must be within 5..90 seconds, got {args.duration:g}", file=sys.stderr)
-        return 2
-    options = Options(
+        raise ValueError(f"--duration must be within 5..90 seconds, got {args.duration:g}")
+    return Options(
         requests=args.requests,
         duration_s=args.duration,
         load=args.load,
@@ -64,5 +70,14 @@ def _run(args: argparse.Namespace) -> int:
         cpus=args.cpus,
         live=False if args.plain else None,
         keep_logs=args.keep_logs,
+        batch_window=args.batch_window,
     )
-    return run(options)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        chosen = options(args)
+    except ValueError as exc:
+        print(f"prism demo: {exc}", file=sys.stderr)
+        return 2
+    return run(chosen)

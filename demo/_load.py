@@ -17,6 +17,7 @@ from prismlb.wire import MODALITY_HEADER, RoutingTable
 from ._processes import Cluster, Node, metric
 from ._results import UNFINISHED, KillReport, NodeStats, Result, describe_moves, llm_nodes, moved_keys
 from ._view import LiveView
+from ._window import describe_transitions, read_window
 from ._workload import DemoRequest
 
 DRAIN_LIMIT_S = 10.0
@@ -223,8 +224,27 @@ class Demo:
             except Exception:
                 return
             stats.kv_usage = metric(text, "vllm:kv_cache_usage_perc")
+            try:
+                window = read_window(text)
+            except ValueError:
+                stats.unreadable_metrics += 1
+                return
+            before = stats.window.transitions if stats.window is not None else {}
+            stats.window = window
+            if window is not None and window.transitions != before:
+                self.event(
+                    f"{node.node_id} batch breaker now {window.state} (window {window.window_s * 1e3:.0f} ms); "
+                    f"transitions so far: {describe_transitions(window.transitions)}"
+                )
 
         await asyncio.gather(*(one(n) for n in self.cluster.nodes))
+
+    async def collect_engines(self) -> None:
+        """Each live engine's batch window after the replay, for the summary."""
+        import httpx
+
+        async with httpx.AsyncClient(timeout=1.0) as plain:
+            await self._scrape(plain)
 
     def _note_table(self) -> None:
         table = self.table

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from prismlb.wire import BrainAddress
 
+from ._window import engine_batch_window
+
 AGENT_PERIOD_S = 1.0
 
 
@@ -102,11 +104,18 @@ class Node:
 
 
 class Cluster:
-    """The brain, and per node an emulated engine and its agent, as child processes logging into `logs`."""
+    """The brain, and per node an emulated engine and its agent, as child processes logging into `logs`.
 
-    def __init__(self, gpus: Sequence[str], time_scale: float, logs: Path, ebpf: bool) -> None:
+    `batch_window` is what every engine admits its batches through (`BATCH_WINDOWS`); `none` by default, so that
+    the benches comparing routers on these engines keep engines that hand each request over on arrival."""
+
+    def __init__(
+        self, gpus: Sequence[str], time_scale: float, logs: Path, ebpf: bool, batch_window: str = "none"
+    ) -> None:
         self.logs = logs
         self.time_scale = time_scale
+        self.batch_window = batch_window
+        self._engine_window = engine_batch_window(batch_window)
         self.ingest = f"tcp://127.0.0.1:{free_port()}"
         self.address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
         self.brain_metrics_port = free_port()
@@ -161,6 +170,8 @@ class Cluster:
                     f"tcp://127.0.0.1:{node.kv_port}",
                     "--time-scale",
                     repr(self.time_scale),
+                    "--batch-window",
+                    self._engine_window,
                     *(["--otlp", f"http://127.0.0.1:{node.otlp_port}"] if prism else []),
                 ],
                 self.logs / f"engine-{node.node_id}.log",

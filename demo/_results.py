@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from prismlb.router import Ring
 from prismlb.wire import RoutingTable, Slice, TableNode
 
+from ._window import WindowReport
+
 UNFINISHED = "unfinished at the time bound"
 
 
@@ -34,6 +36,10 @@ class NodeStats:
     cached_tokens: int = 0
     ttft_ms: list[float] = field(default_factory=list)
     kv_usage: float | None = None
+    window: WindowReport | None = None
+    """The engine's batch window at its last `/metrics` read (a killed node's: the last read before the kill)."""
+    unreadable_metrics: int = 0
+    """Reads of the engine's `/metrics` that were not a Prometheus exposition (counted, the last report kept)."""
 
 
 @dataclass

@@ -25,6 +25,7 @@ from ._load import Demo
 from ._processes import Cluster, raise_interrupt
 from ._results import llm_nodes
 from ._view import HIDE_CURSOR, SHOW_CURSOR, summary
+from ._window import DEFAULT_BATCH_WINDOW, engine_batch_window
 from ._workload import load_requests, prefill_work_s
 
 DEFAULT_NODES = ("h100", "a100", "a100", "l40s")
@@ -51,6 +52,8 @@ class Options:
     cpus: int = 2
     live: bool | None = None
     keep_logs: bool = False
+    batch_window: str = DEFAULT_BATCH_WINDOW
+    """How every engine admits requests into its batch (`BATCH_WINDOWS`)."""
 
 
 def _pin(cpus: int, out: IO[str]) -> None:
@@ -60,6 +63,11 @@ def _pin(cpus: int, out: IO[str]) -> None:
     if len(available) > cpus:
         os.sched_setaffinity(0, available[:cpus])
         print(f"   pinned to CPUs {available[:cpus]} of {len(available)} (--cpus 0 to use all)", file=out)
+
+
+def cluster_for(options: Options, time_scale: float, logs: Path) -> Cluster:
+    """The demo's cluster for `options`, its engines at `time_scale`, logging into `logs` (not started)."""
+    return Cluster(options.gpus, time_scale, logs, options.ebpf, options.batch_window)
 
 
 def run(options: Options, out: IO[str] = sys.stdout) -> int:
@@ -74,6 +82,7 @@ def run(options: Options, out: IO[str] = sys.stdout) -> int:
             print(f"prism demo: unknown GPU class {gpu!r} (known: {', '.join(sorted(PROFILES))})", file=out)
             return 2
     try:
+        engine_batch_window(options.batch_window)
         requests = load_requests(options.requests)
     except (OSError, ValueError) as exc:
         print(f"prism demo: {exc}", file=out)
@@ -89,15 +98,15 @@ def run(options: Options, out: IO[str] = sys.stdout) -> int:
     offered = time_scale * work / options.duration_s  # the load asked for, unless time_scale hit its bounds
     live = out.isatty() if options.live is None else options.live
     logs = Path(tempfile.mkdtemp(prefix="prism-demo-"))
-    cluster = Cluster(options.gpus, time_scale, logs, options.ebpf)
+    cluster = cluster_for(options, time_scale, logs)
     victim = None
     if options.kill and len(cluster.nodes) > 1:
         same = [n for n in cluster.nodes if n.gpu == "a100"]
         victim = same[-1] if len(same) > 1 else cluster.nodes[-1]
     print(
         f"prism demo: brain + {len(cluster.nodes)} agents + {len(cluster.nodes)} emulated engines "
-        f"({', '.join(options.gpus)}) + router on loopback; {len(requests)} Mooncake requests in "
-        f"{options.duration_s:.0f} s; logs in {logs}",
+        f"({', '.join(options.gpus)}, batch window {options.batch_window}) + router on loopback; "
+        f"{len(requests)} Mooncake requests in {options.duration_s:.0f} s; logs in {logs}",
         file=out,
         flush=True,
     )
@@ -156,4 +165,5 @@ async def _main(demo: Demo) -> None:
         demo.view.out.write(HIDE_CURSOR)
     await demo.run()
     await asyncio.sleep(1.0)  # the last spans: the engines export every 0.5 s, the agents join after 0.25 s
+    await demo.collect_engines()
     await demo.collect_agents()

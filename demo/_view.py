@@ -11,6 +11,7 @@ from prismlb.wire import quantile
 
 from ._processes import AGENT_PERIOD_S
 from ._results import UNFINISHED, describe_moves, llm_nodes
+from ._window import describe_transitions, total_transitions, window_cell
 from ._workload import TOKEN_SCALE, prefix_cache_bound
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class LiveView:
             f"  sent {demo.sent}/{len(demo.requests)}  done {done}  errors {errors}"
             f"  in flight {demo.sent - done}  table {version}",
             f"{'node':<8} {'gpu':<5} {'weight':>6} {'in flight':>9} {'KV use':>7} {'cache hit':>9} "
-            f"{'TTFT p50':>9} {'TTFT p99':>9} {'done':>5} {'err':>4}",
+            f"{'TTFT p50':>9} {'TTFT p99':>9} {'done':>5} {'err':>4} {'batch window':>16}",
         ]
         for node in demo.cluster.nodes:
             s = demo.stats[node.node_id]
@@ -68,7 +69,8 @@ class LiveView:
             lines.append(
                 f"{node.node_id:<8} {node.gpu:<5} {_num(weight, '{:.2f}'):>6} {s.inflight:>9} "
                 f"{_num(s.kv_usage, '{:.1%}'):>7} {_ratio(s.cached_tokens, s.prompt_tokens):>9} "
-                f"{_num(p50, '{:.0f} ms'):>9} {_num(p99, '{:.0f} ms'):>9} {s.ok:>5} {s.errors:>4} {state}"
+                f"{_num(p50, '{:.0f} ms'):>9} {_num(p99, '{:.0f} ms'):>9} {s.ok:>5} {s.errors:>4} "
+                f"{window_cell(s.window):>16} {state}"
             )
         return lines
 
@@ -87,13 +89,15 @@ class LiveView:
         nodes = " | ".join(
             f"{n.node_id} w {_num(weights.get(n.node_id), '{:.2f}')} if {demo.stats[n.node_id].inflight}"
             f" p99 {_num(percentile(demo.stats[n.node_id].ttft_ms, 0.99), '{:.0f}ms')}"
+            f" bw {window_cell(demo.stats[n.node_id].window)}"
             for n in demo.cluster.nodes
         )
         print(f"{self.rows(demo)[0]} || {nodes}", file=self.out, flush=True)
 
 
 def summary(demo: Demo, wall_s: float, time_scale: float, load: float) -> list[str]:
-    """The closing report: requests, errors, TTFT and cache hits per node, the kill, the brain, the agents."""
+    """The closing report: requests, errors, TTFT and cache hits per node, the batch window, the kill, the brain,
+    the agents."""
     finished = [r for r in demo.results if r.error != UNFINISHED]
     ok = [r for r in finished if r.error is None]
     errors = [r for r in finished if r.error is not None]
@@ -143,6 +147,7 @@ def summary(demo: Demo, wall_s: float, time_scale: float, load: float) -> list[s
         f"usage.cached_tokens); one infinite prefix cache would reach {prefix_cache_bound(demo.requests):.1%}"
     )
     lines.append("   TTFT: measured by the load generator, wall clock, to the first streamed chunk")
+    lines.extend(_window_lines(demo, ttft))
     if kill is not None:
         if kill.removed_at_s is not None and kill.table_before:
             lines.append(
@@ -165,5 +170,41 @@ def summary(demo: Demo, wall_s: float, time_scale: float, load: float) -> list[s
         lines.append(
             f"   agent {node_id}: {int(counts.get('spans') or 0)} spans received over OTLP, "
             f"{int(counts.get('kv_events') or 0)} KV events ({'eBPF on' if counts.get('ebpf') else 'eBPF off'}{join})"
+        )
+    return lines
+
+
+def _window_lines(demo: Demo, ttft: list[float]) -> list[str]:
+    """The batch window's part of the summary: the TTFT P99 of every answered request beside the engines' breaker
+    transitions on one line, to set against a run with another `--batch-window`; then what each engine's window
+    did, as its own `/metrics` last showed it."""
+    choice = demo.cluster.batch_window
+    reports = {n.node_id: demo.stats[n.node_id].window for n in demo.cluster.nodes}
+    p99 = _num(percentile(ttft, 0.99), "{:.0f} ms")
+    breaker = ""
+    if any(r is not None and r.state is not None for r in reports.values()):
+        breaker = f"; breaker transitions, all engines: {describe_transitions(total_transitions(reports.values()))}"
+    lines = [f"   batch window {choice}: TTFT p99 {p99} over {len(ttft)} answered requests{breaker}"]
+    if all(r is None and not demo.stats[n].unreadable_metrics for n, r in reports.items()):
+        return lines  # no window on any engine (`none`): nothing more to show
+    lines.append(
+        f"   {'engine':<8} {'window now':>10} {'breaker':>9} {'batches':>7} {'overran':>7}  breaker transitions"
+        " (engine's /metrics; window in model seconds)"
+    )
+    for node in demo.cluster.nodes:
+        stats, report = demo.stats[node.node_id], reports[node.node_id]
+        notes = ["killed: as last read before the kill"] if node.killed_at is not None else []
+        if stats.unreadable_metrics:
+            notes.append(f"{stats.unreadable_metrics} /metrics reads unreadable")
+        note = f"  ({'; '.join(notes)})" if notes else ""
+        if report is None:
+            lines.append(f"   {node.node_id:<8} {'-':>10}  no /metrics read{note}")
+            continue
+        breaker_state = report.state or "-"
+        overran = "-" if report.overruns is None else str(report.overruns)
+        transitions = describe_transitions(report.transitions) if report.state is not None else "no breaker"
+        lines.append(
+            f"   {node.node_id:<8} {report.window_s * 1e3:>7.0f} ms {breaker_state:>9} {report.batches:>7} "
+            f"{overran:>7}  {transitions}{note}"
         )
     return lines
