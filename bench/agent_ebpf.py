@@ -57,7 +57,7 @@ from prismlb.demo import signals_interrupt, spawn, stop
 RATES = (2000.0, 10000.0, 20000.0, 0.0)
 QUICK_RATES = (1000.0,)
 DURATION_S = 3.0
-QUICK_DURATION_S = 1.5
+QUICK_DURATION_S = 1.0
 THREADS = 16
 STARTUP_LIMIT_S = 120.0
 """A tracer's start: bcc compiles its program with clang first (seconds; tens on a busy machine)."""

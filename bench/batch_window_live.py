@@ -58,7 +58,7 @@ from prismlb.wire import quantile
 
 LOAD = 0.3
 """Offered prefill work over the prefill rate before and after the spike (`--load`)."""
-PHASES_S = {"full": (10.0, 8.0, 18.0), "quick": (1.5, 1.5, 3.0)}
+PHASES_S = {"full": (10.0, 8.0, 18.0), "quick": (1.0, 1.0, 2.0)}
 """Seconds before, during and after the spike; the full run's two engines take about 80 s together."""
 MAX_TOKENS = 8
 """Output tokens at most per request (the trace's count when smaller), for the engines and the model alike."""
@@ -254,7 +254,7 @@ def timeline_rows(
 
 def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="shorter phases: 1.5 s before, 1.5 s spike, 3 s after")
+    parser.add_argument("--quick", action="store_true", help="shorter phases: 1 s before, 1 s spike, 2 s after")
     parser.add_argument("--seed", type=int, default=1, help="seed of the Poisson arrivals (default 1)")
     parser.add_argument("--load", type=float, default=LOAD, help=f"steady load (default {LOAD})")
     parser.add_argument("--spike", type=float, default=SPIKE, help=f"spike over steady rate (default {SPIKE:g})")

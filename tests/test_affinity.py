@@ -169,9 +169,11 @@ def test_bad_arguments_are_refused() -> None:
         block_hashes([1], block_size=0)
 
 
+@pytest.fixture(scope="module")
 def mooncake_prompts() -> list[list[int]]:
     """The first PREFIX_TOKENS tokens of the Mooncake conversation trace's prompts (all a key reads): each
-    512-token block's tokens derived from its hash id (equal ids, equal blocks), cut to the input length."""
+    512-token block's tokens derived from its hash id (equal ids, equal blocks), cut to the input length; read
+    once for the tests that use it."""
     if not MOONCAKE.exists():
         pytest.skip(f"the Mooncake trace is not at {MOONCAKE}")
     prompts = []
@@ -192,8 +194,8 @@ def max_over_mean(counts: Counter[str], nodes: int) -> float:
     return max(counts.values()) / (sum(counts.values()) / nodes)
 
 
-def test_mooncake_keys_spread_where_first_block_keys_collapse() -> None:
-    prompts = mooncake_prompts()
+def test_mooncake_keys_spread_where_first_block_keys_collapse(mooncake_prompts: list[list[int]]) -> None:
+    prompts = mooncake_prompts
     router = eight_nodes()
     first_block = [prefix_key(p, block_size=TRACE_BLOCK, prefix_tokens=TRACE_BLOCK) for p in prompts]
     assert len(set(first_block)) == 1  # every request shares the first block: a system prompt
@@ -206,8 +208,8 @@ def test_mooncake_keys_spread_where_first_block_keys_collapse() -> None:
     assert len(set(keys)) == len({prefix_key(p, block_size=TRACE_BLOCK) for p in prompts})
 
 
-def test_mooncake_turns_of_one_conversation_share_their_key() -> None:
-    prompts = mooncake_prompts()
+def test_mooncake_turns_of_one_conversation_share_their_key(mooncake_prompts: list[list[int]]) -> None:
+    prompts = mooncake_prompts
     by_opening: dict[tuple[int, ...], set[int]] = {}
     for prompt in prompts:
         if len(prompt) >= PREFIX_TOKENS:

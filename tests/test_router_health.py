@@ -11,6 +11,8 @@ import pytest
 from prismlb.router import Circuit, Outcome, Request, Router, Settings
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
+from .conftest import Clock
+
 
 def table(*slices: SliceTable, version: int = 1) -> RoutingTable:
     return RoutingTable(epoch=1, version=version, issued_unix_s=time.time(), slices=list(slices))
@@ -23,8 +25,13 @@ def llm(*ids: str, endpoints: dict[str, str] | None = None) -> SliceTable:
     )
 
 
-def router(**settings: object) -> Router:
-    return Router.from_table(table(llm("a", "b", "c")), settings=Settings(**settings))  # type: ignore[arg-type]
+def router(clock: Clock | None = None, **settings: object) -> Router:
+    """A router over nodes a, b and c; on `clock` (the test moves it) when given, else on the monotonic clock."""
+    return Router.from_table(
+        table(llm("a", "b", "c")),
+        settings=Settings(**settings),  # type: ignore[arg-type]
+        clock=time.monotonic if clock is None else clock,
+    )
 
 
 def key_owned_by(r: Router, node_id: str) -> str:
@@ -38,24 +45,28 @@ def fail(r: Router, key: str, outcome: Outcome) -> str:
 
 
 def test_a_failed_attempt_makes_the_endpoint_unavailable_for_fail_timeout() -> None:
-    r = router(max_fails=1, fail_timeout_s=0.3)
+    clock = Clock()
+    r = router(clock, max_fails=1, fail_timeout_s=0.3)
     key = key_owned_by(r, "a")
     assert fail(r, key, Outcome.CONNECT) == "a"
     assert not r.status()["a"].available
     moved = r.route(key).node_id
     assert moved != "a"
     assert r.route(key).node_id == moved  # the next probe, every time
-    time.sleep(0.35)
+    clock.now += 0.29
+    assert not r.status()["a"].available
+    clock.now += 0.02
     assert r.status()["a"].available and r.route(key).node_id == "a"  # back after fail_timeout
     assert fail(r, key, Outcome.ERROR) == "a" and not r.status()["a"].available  # and out again on a failure
 
 
 def test_max_fails_counts_failures_within_fail_timeout_only() -> None:
-    r = router(max_fails=3, fail_timeout_s=0.3)
+    clock = Clock()
+    r = router(clock, max_fails=3, fail_timeout_s=0.3)
     key = key_owned_by(r, "b")
     fail(r, key, Outcome.CONNECT)
     fail(r, key, Outcome.CONNECT)
-    time.sleep(0.35)  # the window passed: the count starts again
+    clock.now += 0.35  # the window passed: the count starts again
     fail(r, key, Outcome.CONNECT)
     assert r.status()["b"].available
     fail(r, key, Outcome.ERROR)
@@ -92,26 +103,30 @@ def test_exceptions_leaving_the_block_are_classified() -> None:
     assert r.status()["a"].inflight == 0
 
 
-def slow(r: Router, key: str, delay_s: float = 0.03) -> str:
+def slow(r: Router, clock: Clock, key: str, delay_s: float = 0.03) -> str:
+    """One request to `key` whose first token comes `delay_s` after it starts, on the router's `clock`."""
     with r.request(key) as lease:
-        time.sleep(delay_s)
+        clock.now += delay_s
         lease.first_token()
     return lease.node_id
 
 
 def test_three_slow_first_tokens_in_a_row_open_the_circuit_until_a_trial_succeeds() -> None:
-    r = router(slow_s=0.02, open_s=0.3)
+    clock = Clock()
+    r = router(clock, slow_s=0.02, open_s=0.3)
     key = key_owned_by(r, "a")
-    slow(r, key)
-    slow(r, key)
-    slow(r, key, delay_s=0)  # a fast one resets the count
+    slow(r, clock, key)
+    slow(r, clock, key)
+    slow(r, clock, key, delay_s=0)  # a fast one resets the count
     assert r.status()["a"].circuit is Circuit.NORMAL
     for _ in range(3):
-        assert slow(r, key) == "a"
+        assert slow(r, clock, key) == "a"
     assert r.status()["a"].circuit is Circuit.OPEN and r.status()["a"].available is False
     assert r.status()["a"].outcomes[Outcome.SLOW] == 5
     assert r.route(key).node_id != "a"
-    time.sleep(0.32)  # open_s without requests: half-open
+    clock.now += 0.29
+    assert r.status()["a"].circuit is Circuit.OPEN
+    clock.now += 0.02  # open_s without requests: half-open
     assert r.status()["a"].circuit is Circuit.HALF_OPEN
     with r.request(key) as trial:
         assert trial.node_id == "a"
@@ -121,15 +136,16 @@ def test_three_slow_first_tokens_in_a_row_open_the_circuit_until_a_trial_succeed
 
 
 def test_a_failed_trial_opens_the_circuit_again() -> None:
-    r = router(slow_s=0.02, open_s=0.2, max_fails=0)
+    clock = Clock()
+    r = router(clock, slow_s=0.02, open_s=0.2, max_fails=0)
     key = key_owned_by(r, "b")
     for _ in range(3):
-        slow(r, key)
-    time.sleep(0.22)
-    assert slow(r, key) == "b"  # the trial is slow too
+        slow(r, clock, key)
+    clock.now += 0.22
+    assert slow(r, clock, key) == "b"  # the trial is slow too
     assert r.status()["b"].circuit is Circuit.OPEN
     assert r.route(key).node_id != "b"
-    time.sleep(0.22)
+    clock.now += 0.22
     with r.request(key) as trial:
         trial.fail(Outcome.TIMEOUT)
     assert trial.node_id == "b" and r.status()["b"].circuit is Circuit.OPEN
