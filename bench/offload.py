@@ -15,7 +15,7 @@ simulated time, under three schedules, same bytes, same step:
 Gradient sync latency: from the end of backward until the urgent layers' gradients (the scheduler's urgent
 class, the same layers for every schedule) are on the host, and until all are. Link utilisation: bytes moved /
 (capacity × time until all are). The first two steps only measure (a change rate needs two densities).
-The design article's figures (8×A100, real PCIe) are printed beside Prism's; the ratios compare.
+The design's figures (8×A100, real PCIe) are printed beside Prism's; the ratios compare.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ BASELINES = SCHEDULES[:2]
 WARMUP_STEPS = 2
 PCIE4_X16_GBPS = PCIE_GBPS_PER_LANE[4] * 16
 ARTICLE_SYNC_MS = (42.3, 18.7)
-"""The design article's gradient sync latency, static → gradient-aware (8×A100)."""
+"""The design's gradient sync latency, static → gradient-aware (8×A100)."""
 ARTICLE_UTILISATION = (0.51, 0.79)
-"""The design article's PCIe utilisation, static → gradient-aware (8×A100)."""
+"""The design's PCIe utilisation, static → gradient-aware (8×A100)."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ def summarise(results: Sequence[StepResult]) -> dict[str, Summary]:
 
 
 def table(results: Sequence[StepResult], unit: str = "ms") -> list[str]:
-    """Markdown: each schedule's means, its ratios to each static baseline, then the design article's figures."""
+    """Markdown: each schedule's means, its ratios to each static baseline, then the design's figures."""
     summary = summarise(results)
     scale = {"ms": 1.0, "µs": 1e3}[unit]
     rows = [
@@ -224,7 +224,7 @@ def table(results: Sequence[StepResult], unit: str = "ms") -> list[str]:
     aware = summary["gradient-aware"]
     rows += [
         "",
-        "| measure | design article: static → gradient-aware (8×A100) | ratio "
+        "| measure | design: static → gradient-aware (8×A100) | ratio "
         "| Prism: static equal share → gradient-aware | ratio | Prism: static FIFO → gradient-aware | ratio |",
         "|---|---|---|---|---|---|---|",
     ]

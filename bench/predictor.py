@@ -122,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     print(
         f"Parameters: LSTM-Attention {parameter_count(LstmAttention()):,}, LSTM alone {parameter_count(Lstm()):,} "
-        "(article: 127K and 118K)"
+        "(design: 127K and 118K)"
     )
     for name, read in TRACES.items():
         accuracy(name, read(), args.nodes, args.steps)

@@ -1,8 +1,8 @@
-"""The design article's "semantic affinity" signal, measured by ablation against Prism's placement.
+"""The design's "semantic affinity" signal, measured by ablation against Prism's placement.
 
 Run: .venv/bin/python bench/semantic_affinity.py [--limit 2000] [--jobs 2] [--workloads tenants:1,rag:1]
 
-The article places a request by `0.6 · cosine(structure embedding of the prompt, the node's summary vector)
+The design places a request by `0.6 · cosine(structure embedding of the prompt, the node's summary vector)
 + 0.4 · KV overlap` and credits it with more KV reuse and lower latency than plain text similarity. Prism places
 by expected time to first token over an exact prefix index (`Router._by_ttft`): the node holding the longest
 cached prefix wins while its expected TTFT is within `Settings.cache_affinity` of the least. This bench asks
@@ -41,7 +41,7 @@ DIMS = 128
 POSITIONS = 8
 """Pieces are position-tagged 0..6; later pieces share the tag 7 (an agent loop's hundredth tool call is 'late')."""
 STRUCTURE_WEIGHT = 0.6
-"""The article's weights: 0.6 on the cosine, the rest (0.4) on the KV overlap."""
+"""The design's weights: 0.6 on the cosine, the rest (0.4) on the KV overlap."""
 SUMMARY_ALPHA = 0.05
 """Weight of each placed request's vector in its node's summary (an EWMA centroid over about 20 placements)."""
 TIE_SHARE = 0.1
@@ -92,7 +92,7 @@ MODES = ("blend", "tie-break", "cold")
 class StructureRouter(Router):
     """A `Router` whose expected-TTFT choice also weighs the prompt's structure against each node's summary.
 
-    `mode`: `blend` (the article's rule): among the candidates whose expected TTFT is within `cache_affinity`
+    `mode`: `blend` (the design's rule): among the candidates whose expected TTFT is within `cache_affinity`
     times the least, the highest `0.6 · cos + 0.4 · overlap` (overlap: cached prefix depth over the prompt's
     blocks), ties to the least expected TTFT; `tie-break`: Prism's choice, unless a candidate of the same prefix
     depth and an expected TTFT within `TIE_SHARE` of it is structurally closer; `cold`: `blend` only for requests

@@ -1,6 +1,6 @@
 """A/B gray releases: named experiments splitting a slice's traffic between model versions.
 
-Each arm's fraction is clamped to [0.001, 1.0] (the design article's floor of 0.1% and cap of 100%). Fractions
+Each arm's fraction is clamped to [0.001, 1.0] (the design's floor of 0.1% and cap of 100%). Fractions
 are relative shares: after clamping they are divided by their sum, so `{"v1": 0.9, "v2": 0.2}` becomes 0.818 /
 0.182 and `{"v1": 0.95, "v2": 0.05}` is a 5% canary. A lone arm takes the whole slice. An arm that falls under
 the floor after the division is raised back to 0.001, so stored fractions may sum to slightly more than 1;
@@ -43,7 +43,7 @@ class _State(msgspec.Struct, kw_only=True):
 
 
 def clamp_fraction(fraction: float) -> float:
-    """The article's clamp: at least 0.1% and at most 100% of the slice."""
+    """The design's clamp: at least 0.1% and at most 100% of the slice."""
     if not math.isfinite(fraction):
         raise ValueError(f"fraction must be a finite number, got {fraction!r}")
     return max(MIN_FRACTION, min(MAX_FRACTION, fraction))

@@ -1,4 +1,4 @@
-"""The SLO guardian: the design article's degrade → scale-up → recover state machine, checked every 5 s.
+"""The SLO guardian: the design's degrade → scale-up → recover state machine, checked every 5 s.
 
 Each check takes the cluster's P99, error ratio and QPS (an absent measure never triggers anything):
 - violated: P99 > 800 ms or error ratio > 0.5%;

@@ -1,4 +1,4 @@
-"""Next-window P99 latency per (node, slice) series: the design article's LSTM-Attention model, trained online,
+"""Next-window P99 latency per (node, slice) series: the design's LSTM-Attention model, trained online,
 beside baselines.
 
 A node has one series per latency entry it reports (`_features.series_p99_ms`: each slice's own, and the
@@ -11,7 +11,7 @@ use no more. One model serves all series: it trains on samples from every series
 since a latency follows its node's queue and cache the same way whatever the slice.
 
 Four predictors see the same windows: the last observed P99 (`last_value`), an exponentially weighted moving
-average of it (`ewma`), two stacked LSTM layers alone (`lstm`) and the article's model (`lstm_attention`).
+average of it (`ewma`), two stacked LSTM layers alone (`lstm`) and the design's model (`lstm_attention`).
 Each series' most recent `holdout` windows are never trained on; `evaluate()` scores all four on them, over all
 series, and `best()` names the one with the lowest MAE there. A model must beat EWMA to be used: with too few
 held-out samples, before training, or when it is worse, the choice is EWMA.
@@ -54,7 +54,7 @@ _CHECKPOINT_FORMAT = 1
 
 
 class LstmAttention(nn.Module):
-    """The article's model: 2 stacked LSTM layers → multi-head scaled dot-product self-attention → linear.
+    """The design's model: 2 stacked LSTM layers → multi-head scaled dot-product self-attention → linear.
 
     The attention's query is the last step's LSTM output and its keys and values are all steps (the last
     position of self-attention over the window), added back to that output before the linear head.

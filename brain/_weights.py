@@ -26,9 +26,9 @@ at the floor but for a node whose last window happened to be quiet, which would 
 its neighbours' share and become the next hot spot (measured in the cluster replay, docs/eval.md); against
 the pool's median, a node at the median weighs 0.5 and one at twice the median 0.2, whatever the load.
 
-τ0 per slice, from the design article's first-token tolerances (calibrated on measured P95):
+τ0 per slice, from the design's first-token tolerances (calibrated on measured P95):
 
-| slice | article's class | τ0 |
+| slice | design's class | τ0 |
 |---|---|---|
 | llm | LLM text generation | 800 ms |
 | vlm | high-resolution image | 1200 ms |
@@ -69,7 +69,7 @@ Predictions = Mapping[str, Mapping[Slice, float]]
 
 
 def sensitivity(tau_ms: float, tau0_ms: float) -> float:
-    """The article's s(τ) = 1 / (1 + (τ/τ0)²): 1 at τ = 0, 0.5 at τ = τ0, towards 0 as τ grows.
+    """The design's s(τ) = 1 / (1 + (τ/τ0)²): 1 at τ = 0, 0.5 at τ = τ0, towards 0 as τ grows.
 
     Saturating: τ is taken within [0, MAX_MS] (NaN as MAX_MS), so no input can overflow the square."""
     tau = min(max(tau_ms, 0.0), MAX_MS) if tau_ms == tau_ms else MAX_MS

@@ -46,7 +46,7 @@ _GAUGES: tuple[tuple[str, str, str, Callable[[_Point], float]], ...] = (
     (METRIC_FREE_BYTES, "By", "Free bytes inside reserved segments", lambda p: p.stats.free_bytes),
     (METRIC_RESERVED_BYTES, "By", "Bytes the allocator holds from CUDA", lambda p: p.stats.reserved_bytes),
     (METRIC_ALLOCATED_BYTES, "By", "Bytes in allocated blocks", lambda p: p.stats.allocated_bytes),
-    (METRIC_RESERVE_ADVICE_BYTES, "By", "Bytes to keep in reserve (design article)", lambda p: p.advice_bytes),
+    (METRIC_RESERVE_ADVICE_BYTES, "By", "Bytes to keep in reserve (the design)", lambda p: p.advice_bytes),
 )
 
 

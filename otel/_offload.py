@@ -2,7 +2,7 @@
 
 A job that offloads gradients to host memory (ZeRO-Offload style) shares the host link (PCIe, or RDMA queue
 pairs to another host) with the inference traffic around it, so the bytes it may move per second are scarce.
-The design article's rule: the layers whose gradients change fastest between steps (it expects the embedding
+The design's rule: the layers whose gradients change fastest between steps (it expects the embedding
 and the output head; which ones they are is measured here, not assumed) are the ones whose late sync costs
 most, so they get at least 60% of the link and the other layers share the rest in proportion to how fast
 their gradients change.
@@ -12,7 +12,7 @@ Three parts, usable on their own:
 - `GradientMonitor` measures, per layer and step, the L1 density of the gradient (‖g‖₁ / numel) and its
   change rate: the relative change of that density from the previous step, EWMA-smoothed.
 - `BandwidthScheduler` turns the pending bytes per layer and the change rates into a rate per layer; the
-  design article's RDMA queue-pair rates (800 Mbps urgent, 300 Mbps background) are the default rate classes
+  design's RDMA queue-pair rates (800 Mbps urgent, 300 Mbps background) are the default rate classes
   `qp_rate_limits` maps a plan to.
 - `EmulatedLink` executes transfers under such rates on an emulated link, a token bucket at PCIe-like rates,
   in simulated time (`SimulatedClock`) or wall time (`WallClock`); `static_equal_share` and `fifo` are the
@@ -47,7 +47,7 @@ _log = logging.getLogger(__name__)
 RateClass = Literal["urgent", "background"]
 
 QP_RATE_MBPS: Final[Mapping[RateClass, float]] = MappingProxyType({"urgent": 800.0, "background": 300.0})
-"""The design article's RDMA queue-pair rate limits per class, in Mbps: the defaults `qp_rate_limits` maps to."""
+"""The design's RDMA queue-pair rate limits per class, in Mbps: the defaults `qp_rate_limits` maps to."""
 URGENT_SHARE: Final = 0.6
 """Share of the link the urgent layers get together while background layers are pending too."""
 URGENT_RATE_RATIO: Final = 0.5
@@ -295,7 +295,7 @@ class BandwidthPlan:
 
 def qp_rate_limits(plan: BandwidthPlan, rates_mbps: Mapping[RateClass, float] = QP_RATE_MBPS) -> dict[str, int]:
     """Each planned layer's RDMA queue-pair rate limit in kbps (the unit of `ibv_qp_rate_limit_attr`), from its
-    class: by default the design article's 800 Mbps for urgent layers and 300 Mbps for the others."""
+    class: by default the design's 800 Mbps for urgent layers and 300 Mbps for the others."""
     kbps = {
         kind: round(_positive(rates_mbps.get(kind, math.nan), f"the {kind} QP rate (Mbps)") * 1000)
         for kind in ("urgent", "background")

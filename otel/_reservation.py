@@ -1,11 +1,11 @@
-"""The design article's GPU-memory reservation advice, one advisor per device.
+"""The design's GPU-memory reservation advice, one advisor per device.
 
 static: reserve 15% of the pool (vLLM PagedAttention under high concurrency).
 dynamic: a watermark that starts at 8% of the pool and grows by 64 MiB each time the largest free block has
 been under 96 MiB for three samples in a row, never above 22% of the pool (Triton-kernel-launch-heavy
-loads). The article gives no rule for lowering it; it falls only when the pool shrinks.
-Both: never under 128 MiB, the contiguous space kept for kernels (the article's `reserve_for_triton`).
-The pool is the allocator's reserved bytes, the memory the snapshot describes. The article samples every
+loads). The design gives no rule for lowering it; it falls only when the pool shrinks.
+Both: never under 128 MiB, the contiguous space kept for kernels (the design's `reserve_for_triton`).
+The pool is the allocator's reserved bytes, the memory the snapshot describes. The design samples every
 10 s (ADVICE_PERIOD_S); each `update` call is one sample.
 """
 

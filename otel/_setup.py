@@ -81,7 +81,7 @@ def setup(
     leaves it to the standard OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT variables and the exporters'
     localhost default. protocol: grpc or http/protobuf; None reads OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]PROTOCOL,
     else grpc. gpu_devices: device indices to report (None: every device the allocator holds memory on).
-    export_interval_s: how often the gauges are collected and exported (the article samples fragmentation
+    export_interval_s: how often the gauges are collected and exported (the design samples fragmentation
     every 2 s). snapshot_provider: the allocator snapshot in torch's format; None uses
     `torch.cuda.memory_snapshot` when CUDA is available and exports no allocator gauges otherwise.
     reservation: the ReservationAdvisor mode behind `prism.gpu.allocator.reserve_advice_bytes`.

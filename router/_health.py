@@ -3,7 +3,7 @@
 Passive health follows nginx's `max_fails` / `fail_timeout`: `max_fails` failed attempts (connect failures,
 errors, timeouts) within `fail_timeout` make the endpoint unavailable for `fail_timeout`; a success clears
 the count (and ends the down time, should a request reach the endpoint while every endpoint was down).
-The circuit breaker follows the design article: a timeout, or a first token that took `slow_s` or
+The circuit breaker follows the design: a timeout, or a first token that took `slow_s` or
 more, counts as a timeout; `open_after` (3) in a row open the circuit, and after `open_s` (5 s) without
 requests it turns half-open and admits `half_open_trials` trial requests: a success closes it, any failure
 opens it again. As in Envoy's outlier detection (`max_ejection_percent`), at most `max_open_share` of the

@@ -9,7 +9,7 @@ LOAD_MODES = ("requests", "prefill")
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """Every knob of a Router. Passive health has nginx's defaults and the breaker the design article's; the
+    """Every knob of a Router. Passive health has nginx's defaults and the breaker the design's; the
     placement knobs (load, prefix memory, balance) were chosen across every workload of the cluster replay at
     once (`bench/knobs.py`, docs/eval.md)."""
 
@@ -64,7 +64,7 @@ class Settings:
     """nginx `fail_timeout`: the window failures are counted in, and how long the endpoint is then unavailable."""
     slow_s: float = 60.0
     """A first token (or streamed response head) this late counts as a timeout for the circuit breaker. The
-    design article's 300 ms suits short interactive prompts; a healthy GPU takes seconds to prefill a long
+    design's 300 ms suits short interactive prompts; a healthy GPU takes seconds to prefill a long
     prompt under load: in the replay 300 ms and 1 s cost tail latency on a third of the workloads, and on the
     whole Azure traces (prompts of tens of thousands of tokens) 10 s and 30 s do too (`bench/knobs.py`)."""
     open_after: int = 3

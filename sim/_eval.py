@@ -3,7 +3,7 @@ policy's goodput at the TTFT SLO, and the goodput of Prism's ablations, in one r
 
 A plain `prism eval` replays the shared traces and every workload family preset at two seeds
 (`EVAL_FAMILIES`); `--goodput`, `--ablations` and the `--no-*` options narrow it. Clusters (docs/sim.md): text
-traces run on eight A100-class nodes (the article's LLM pool); the multimodal workloads run on the article's
+traces run on eight A100-class nodes (the design's LLM pool); the multimodal workloads run on the design's
 pools sized to the mix's prefill work (images about 68%, audio and video about 32%): three H100s (NVLink,
 HBM3: the image pool) and five L40S (AV1, CUDA Graphs: the audio/video pool). Load is scaled so the offered
 prefill work (prompt tokens without any cache reuse, plus media encoders) is the named share of the cluster's

@@ -49,7 +49,7 @@ def test_engine_and_kv_events_reach_the_node_vector(ctx: zmq.Context) -> None:
             assert (m.requests_running, m.requests_waiting) == (12, 6)
             assert m.kv_cache_usage_ratio == pytest.approx(0.4)
             assert m.kv_cache_miss_ratio == pytest.approx(0.4), "miss ratio from counter deltas over the 5 s window"
-            assert "kv_cache_miss_ratio" in last.alarms, "0.4 is over the article's 18% alarm"
+            assert "kv_cache_miss_ratio" in last.alarms, "0.4 is over the design's 18% alarm"
             assert m.health_score is not None and m.health_score < 1.0
             assert last.latency["engine"].ttft_p99_ms == pytest.approx(875.0)
             assert last.kv is not None and bloom_contains(last.kv, 12) and not bloom_contains(last.kv, 99)

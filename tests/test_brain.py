@@ -40,7 +40,7 @@ def test_health_renormalises_over_present_dimensions() -> None:
     assert both.alarms == ("kv_cache_miss_ratio",)
 
 
-def test_health_alarms_at_article_thresholds() -> None:
+def test_health_alarms_at_the_designs_thresholds() -> None:
     h = health(
         NodeMetrics(gpu_mem_frag_ratio=0.46, kv_cache_miss_ratio=0.17, cpu_preproc_p95_ms=121.0, nvlink_util_ratio=0.83)
     )

@@ -25,7 +25,7 @@ def fractions(arms: list[ExperimentArm]) -> dict[str, float]:
     return {arm.model_version: arm.fraction for arm in arms}
 
 
-def test_fractions_clamp_to_the_articles_bounds() -> None:
+def test_fractions_clamp_to_the_designs_bounds() -> None:
     assert clamp_fraction(0.0) == 0.001
     assert clamp_fraction(-3.0) == 0.001
     assert clamp_fraction(2.0) == 1.0
@@ -129,8 +129,10 @@ def test_a_corrupt_experiments_file_is_a_clear_error(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not a valid experiments file"):
         Experiments(tmp_path)
-    bad_fraction = {"revision": 1, "experiments": [{"name": "c", "slice": "llm", "arms": [
-        {"model_version": "v1", "fraction": 0.0}]}]}
+    bad_fraction = {
+        "revision": 1,
+        "experiments": [{"name": "c", "slice": "llm", "arms": [{"model_version": "v1", "fraction": 0.0}]}],
+    }
     path.write_text(json.dumps(bad_fraction))
     with pytest.raises(ConfigError, match="fraction"):
         Experiments(tmp_path)

@@ -91,7 +91,7 @@ def test_sensitivity_is_in_unit_interval_and_decreasing(a: float, b: float, tau0
     assert 0.0 < sensitivity(high, tau0) <= sensitivity(low, tau0) <= 1.0
 
 
-def test_tau0_maps_the_articles_three_classes_onto_four_slices() -> None:
+def test_tau0_maps_the_designs_three_classes_onto_four_slices() -> None:
     assert TAU0_MS == {Slice.LLM: 800.0, Slice.VLM: 1200.0, Slice.AV: 250.0, Slice.RAG: 800.0}
 
 

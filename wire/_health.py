@@ -30,10 +30,10 @@ DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("kv_cache_miss_ratio", attrgetter("kv_cache_miss_ratio"), 0.18, 0.27),
     Dimension("cpu_preproc_p95_ms", attrgetter("cpu_preproc_p95_ms"), 120.0, 0.21),
     Dimension("nvlink_util_ratio", attrgetter("nvlink_util_ratio"), 0.82, 0.20),
-    # Host dimensions (not in the design article): weighted below every GPU/engine dimension.
+    # Host dimensions (not in the design): weighted below every GPU/engine dimension.
     Dimension("cpu_util_ratio", attrgetter("cpu_util_ratio"), 0.90, 0.10),
     Dimension("mem_util_ratio", _mem_util, 0.90, 0.10),
-    # Network dimensions (not in the design article either), from the agent's eBPF path over its period. A lost
+    # Network dimensions (not in the design either), from the agent's eBPF path over its period. A lost
     # segment stalls its stream until it is resent (a retransmission timeout is 200 ms at least), a lost SYN for
     # a second, so a lossy node is slow for every request it serves: retransmits weigh like NVLink, the rest like
     # the host's dimensions.

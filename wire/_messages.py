@@ -64,7 +64,7 @@ class NodeMetrics(_Message, kw_only=True):
     """RSTs sent or received."""
     tcp_refused_per_s: Rate | None = None
     """Connects that never completed: refused, timed out, unreachable or abandoned."""
-    # the design article's four health dimensions
+    # the design's four health dimensions
     gpu_mem_frag_ratio: Ratio | None = None
     kv_cache_miss_ratio: Ratio | None = None
     cpu_preproc_p95_ms: Millis | None = None
