@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from prismlb import agent, brain, demo, router
-from prismlb.sim import _eval
+from prismlb.sim import add_eval_parser
 
 from . import _keys, _train
 
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_parser(subparsers)
     _keys.add_parser(subparsers)
     demo.add_parser(subparsers)
-    _eval.add_parser(subparsers)
+    add_eval_parser(subparsers)
     _train.add_parser(subparsers)
     return parser
 

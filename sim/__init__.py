@@ -5,6 +5,7 @@
 from typing import TYPE_CHECKING, Any
 
 from ._engine import EmulatedEngine, block_hashes, prompt_tokens
+from ._eval import add_parser as add_eval_parser
 from ._model import PROFILES, EngineModel, GpuProfile, Job
 from ._traces import traces_dir
 from ._types import ClusterView, EngineStats, Outcome, Policy, RunResult, SimNode, SimRequest, SliceStats, Workload
@@ -54,6 +55,7 @@ __all__ = [
     "SliceStats",
     "TrainReport",
     "Workload",
+    "add_eval_parser",
     "azure",
     "block_hashes",
     "infinite_cache_hit_rate",
