@@ -14,17 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prismlb.wire import (
-    MS_TO_S,
-    ConfigError,
-    NodeVector,
-    VectorSender,
-    health,
-    node_families,
-    sd_notify,
-    serve_metrics,
-    watchdog_interval_s,
-)
+from prismlb.semantics import health
+from prismlb.service import MS_TO_S, node_families, sd_notify, serve_metrics, watchdog_interval_s
+from prismlb.wire import ConfigError, NodeVector, VectorSender
 
 from ._bounds import InvalidValues
 from ._config import AgentConfig, brain_endpoints

@@ -14,12 +14,9 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from prismlb.wire import (
+from prismlb.service import (
     BRAIN_INGEST,
     CURVE_SECRET,
-    ClientCurve,
-    ConfigError,
-    NodeVector,
     ResolvedSettings,
     Setting,
     SettingParser,
@@ -29,6 +26,7 @@ from prismlb.wire import (
     parse_port,
     parse_text,
 )
+from prismlb.wire import ClientCurve, ConfigError, NodeVector
 
 from ._kv_events import rank_endpoint
 from ._otlp_receiver import (

@@ -61,7 +61,8 @@ import msgspec
 import zmq
 
 from prismlb.router import block_hash
-from prismlb.wire import BLOOM_BITS, BLOOM_HASHES, CountingBloom, KvSummary, RejectCounter, block_key
+from prismlb.semantics import BLOOM_BITS, BLOOM_HASHES, CountingBloom, block_key
+from prismlb.wire import KvSummary, RejectCounter
 
 _log = logging.getLogger("prism.agent.kv_events")
 

@@ -16,7 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from prismlb.wire import MAX_MS, quantile
+from prismlb.semantics import quantile
+from prismlb.wire import MAX_MS
 
 from ._connections import Connection
 

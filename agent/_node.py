@@ -14,7 +14,8 @@ from typing import Any
 
 import msgspec
 
-from prismlb.wire import GpuState, KvSummary, ModalityLatency, NodeMetrics, NodeVector, health
+from prismlb.semantics import health
+from prismlb.wire import GpuState, KvSummary, ModalityLatency, NodeMetrics, NodeVector
 
 _log = logging.getLogger("prism.agent")
 

@@ -63,7 +63,8 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from opentelemetry.util import types
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from prismlb.wire import BoundedWorker, ConfigError, QueueEntry
+from prismlb.service import BoundedWorker, QueueEntry
+from prismlb.wire import ConfigError
 
 from ._otlp_receiver import DEFAULT_MAX_MESSAGE_BYTES, count_log_records, count_metric_points, count_spans
 

@@ -41,7 +41,8 @@ from prismlb.otel._conventions import (
     SPAN_REQUEST,
     STAGE_SPAN_PREFIX,
 )
-from prismlb.wire import DEFAULT_SLICE, ModalityLatency, Slice
+from prismlb.semantics import DEFAULT_SLICE, Slice
+from prismlb.wire import ModalityLatency
 
 from ._bounds import LATENCY_MS, RATIO, InvalidValues
 from ._windows import LOAD_WINDOW_S, SliceWindows, Window

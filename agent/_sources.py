@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prismlb.wire import ENGINE_LATENCY_KEY
+from prismlb.semantics import ENGINE_LATENCY_KEY
 
 from ._config import AgentConfig, brain_endpoints
 from ._ebpf import ConnectCounter

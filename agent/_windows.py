@@ -8,7 +8,8 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
-from prismlb.wire import ModalityLatency, quantile
+from prismlb.semantics import quantile
+from prismlb.wire import ModalityLatency
 
 LOAD_WINDOW_S = 10.0
 """The span of the agent's per-slice latency and request rate: long enough for a P99 of a slice with a few

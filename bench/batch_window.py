@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from prismlb.otel import AdaptiveBatchWindow, BatchWindowSettings, BreakerState, BreakerTransition
+from prismlb.semantics import quantile
 from prismlb.sim import PROFILES, EngineModel, Job, azure
 from prismlb.sim._model import Event
-from prismlb.wire import quantile
 
 GPU = "h100"
 UTILISATION = 0.6

@@ -53,8 +53,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prismlb.demo import free_port, spawn, stop
 from prismlb.otel import AdaptiveBatchWindow, BatchWindowSettings, BreakerState
+from prismlb.semantics import quantile
 from prismlb.sim._engine import CHARS_PER_TOKEN, MODEL_NAME
-from prismlb.wire import quantile
 
 LOAD = 0.3
 """Offered prefill work over the prefill rate before and after the spike (`--load`)."""

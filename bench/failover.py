@@ -40,9 +40,9 @@ from prismlb.brain._failover import (
     ZoneObservation,
     ZoneSplit,
 )
+from prismlb.semantics import quantile
 from prismlb.sim._failover_train import TeacherPolicy, train
 from prismlb.sim._zones import EVALUATION, STEP_S, EpisodeMetrics, ZoneSim, evaluation_scenario, run_episode
-from prismlb.wire import quantile
 
 DESIGN_RECOVERY_S = (8.2, 1.7)
 """The design's cross-zone recovery time, rule-based -> learned scheduler."""

@@ -67,8 +67,9 @@ from prometheus_client import CollectorRegistry
 from prismlb.brain import Brain, BrainConfig
 from prismlb.demo import free_port, percentile, signals_interrupt, spawn, stop
 from prismlb.router import AsyncPrismTransport, Router, Settings
+from prismlb.semantics import Slice
 from prismlb.sim._ablations import FlatWeightsBrain, NoHealthBrain
-from prismlb.wire import BrainAddress, RoutingTable, Slice
+from prismlb.wire import BrainAddress, RoutingTable
 
 PORT = 8000
 METRICS_PORT = 8001

@@ -28,7 +28,8 @@ from prismlb.agent._kv_events import KvChanges
 from prismlb.agent._kv_stream import KvStream
 from prismlb.brain import Brain, BrainConfig
 from prismlb.router import Router
-from prismlb.wire import BrainAddress, NodeMetrics, NodeVector, VectorSender, quantile
+from prismlb.semantics import quantile
+from prismlb.wire import BrainAddress, NodeMetrics, NodeVector, VectorSender
 
 BUDGET_P99_MS = 100.0
 CHANGE_EVERY_S = 0.05

@@ -29,7 +29,8 @@ from prismlb.brain._trace_replay import (
     read_mooncake,
     replay,
 )
-from prismlb.wire import ENGINE_LATENCY_KEY, NodeVector
+from prismlb.semantics import ENGINE_LATENCY_KEY
+from prismlb.wire import NodeVector
 
 TRACES: dict[str, Callable[[], list[TraceRequest]]] = {
     "Mooncake conversation (12,031 requests)": lambda: read_mooncake(MOONCAKE_CONVERSATION),

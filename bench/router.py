@@ -29,6 +29,7 @@ import zmq
 from uhashring import HashRing  # type: ignore[import-untyped]
 
 from prismlb.router import Request, Ring, Router, Settings, prefix_key
+from prismlb.semantics import quantile
 from prismlb.sim import BLOCK_TOKENS, MOONCAKE_TRACE, traces_dir
 from prismlb.wire import (
     BrainAddress,
@@ -38,7 +39,6 @@ from prismlb.wire import (
     TableNode,
     TablePublisher,
     TableSubscriber,
-    quantile,
 )
 
 MOONCAKE = traces_dir() / MOONCAKE_TRACE

@@ -14,20 +14,18 @@ from pathlib import Path
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from prismlb.semantics import Slice
+from prismlb.service import sd_notify, serve_metrics, watchdog_interval_s
 from prismlb.wire import (
     KvBlocks,
     NodeVector,
     RejectCounter,
     RoutingTable,
-    Slice,
     TableNode,
     TablePublisher,
     VectorReceiver,
     WireError,
     ZoneRoute,
-    sd_notify,
-    serve_metrics,
-    watchdog_interval_s,
 )
 
 from ._admin import AdminQueue, AdminServer

@@ -7,7 +7,8 @@ import os
 import sys
 import threading
 
-from prismlb.wire import ConfigError, setup_logging, stop_on_signals
+from prismlb.service import setup_logging, stop_on_signals
+from prismlb.wire import ConfigError
 
 from ._config import SETTINGS, resolve_config
 

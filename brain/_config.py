@@ -9,15 +9,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from prismlb.wire import (
-    AGENTS_DOMAIN,
+from prismlb.service import (
     BRAIN_INGEST,
     BRAIN_SNAPSHOT,
     BRAIN_UPDATES,
     CURVE_SECRET,
-    ROUTERS_DOMAIN,
-    ConfigError,
-    ServerCurve,
     Setting,
     SettingParser,
     SettingTable,
@@ -25,6 +21,7 @@ from prismlb.wire import (
     parse_port,
     parse_text,
 )
+from prismlb.wire import AGENTS_DOMAIN, ROUTERS_DOMAIN, ConfigError, ServerCurve
 
 from ._admin import AdminAccess, admin_access
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from prismlb.wire import Experiment, Slice
+from prismlb.semantics import Slice
+from prismlb.wire import Experiment
 
 from ._drift import DriftDetector, DriftEvent, Group, node_dimensions
 from ._guardian import Guardian

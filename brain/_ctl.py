@@ -14,7 +14,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prismlb.wire import ConfigError, Setting, SettingTable
+from prismlb.service import Setting, SettingTable
+from prismlb.wire import ConfigError
 
 from ._config import SETTINGS as BRAIN_SETTINGS
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prismlb.wire import MS_TO_S, node_families
+from prismlb.service import MS_TO_S, node_families
 
 from ._predictor import Predictor
 from ._registry import Registry

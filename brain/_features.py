@@ -44,7 +44,8 @@ from collections.abc import Mapping
 
 import torch
 
-from prismlb.wire import ENGINE_LATENCY_KEY, NodeVector, Slice
+from prismlb.semantics import ENGINE_LATENCY_KEY, Slice
+from prismlb.wire import NodeVector
 
 NODE_FEATURES = (
     "cpu_util",

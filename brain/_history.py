@@ -23,7 +23,8 @@ from typing import TypedDict, Unpack, cast
 import msgspec
 import polars as pl
 
-from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector, Slice
+from prismlb.semantics import Slice
+from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector
 
 _log = logging.getLogger("prism.brain.history")
 

@@ -8,7 +8,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prismlb.wire import FutureSampleError, Health, NodeVector, Slice, health
+from prismlb.semantics import Health, Slice, health
+from prismlb.wire import FutureSampleError, NodeVector
 
 _log = logging.getLogger("prism.brain")
 

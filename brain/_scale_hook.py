@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import msgspec
 from prometheus_client import Counter
 
-from prismlb.wire import BoundedWorker, ConfigError, PrismError, QueueEntry
+from prismlb.service import BoundedWorker, QueueEntry
+from prismlb.wire import ConfigError, PrismError
 
 _log = logging.getLogger("prism.brain")
 

@@ -37,7 +37,8 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 
-from prismlb.wire import NodeVector, Slice
+from prismlb.semantics import Slice
+from prismlb.wire import NodeVector
 
 _SLICES = tuple(Slice)
 _EVERY_SLICE = frozenset(Slice)

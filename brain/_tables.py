@@ -26,7 +26,8 @@ from pathlib import Path
 
 import msgspec
 
-from prismlb.wire import MAX_TABLE_VALUE, Experiment, RoutingTable, Slice, SliceTable, TableNode, ZoneRoute
+from prismlb.semantics import Slice
+from prismlb.wire import MAX_TABLE_VALUE, Experiment, RoutingTable, SliceTable, TableNode, ZoneRoute
 
 from ._slices import fallback
 

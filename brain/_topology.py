@@ -6,14 +6,15 @@ base weight; the router, which knows its caller's NUMA node, multiplies it by `n
 NUMA node, 0.4 across) and lays out `virtual_nodes` points (base 128) per entry. A GPU whose PCIe
 utilisation is over 85% is derated to half its weight, so new work drifts to its siblings until it cools.
 
-The NUMA rule itself is `prismlb.wire.numa_factor`, shared with the router.
+The NUMA rule itself is `prismlb.semantics.numa_factor`, shared with the router.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prismlb.wire import GpuState, NodeVector, Slice, numa_factor
+from prismlb.semantics import Slice, numa_factor
+from prismlb.wire import GpuState, NodeVector
 
 TOPOLOGY_SLICES = frozenset({Slice.AV})
 BASE_VIRTUAL_NODES = 128

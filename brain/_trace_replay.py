@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from prismlb.semantics import ENGINE_LATENCY_KEY, quantile
 from prismlb.sim import BLOCK_TOKENS, MOONCAKE_TRACE, traces_dir
-from prismlb.wire import ENGINE_LATENCY_KEY, ModalityLatency, NodeMetrics, NodeVector, quantile
+from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector
 
 TRACES = traces_dir()
 AZURE_CONV = TRACES / "azure" / "AzureLLMInferenceTrace_conv.csv"

@@ -53,7 +53,8 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 
-from prismlb.wire import ENGINE_LATENCY_KEY, MAX_MS, MAX_TABLE_VALUE, NodeVector, Slice, TableNode
+from prismlb.semantics import ENGINE_LATENCY_KEY, Slice
+from prismlb.wire import MAX_MS, MAX_TABLE_VALUE, NodeVector, TableNode
 
 from ._registry import EntryKey, NodeState
 from ._slices import overflow, pools

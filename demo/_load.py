@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from prismlb.router import AFFINITY_HEADER, Router
+from prismlb.semantics import MODALITY_HEADER
 from prismlb.sim._engine import MODEL_NAME
-from prismlb.wire import MODALITY_HEADER, RoutingTable
+from prismlb.wire import RoutingTable
 
 from ._processes import Cluster, Node, metric
 from ._results import UNFINISHED, KillReport, NodeStats, Result, describe_moves, llm_nodes, moved_keys

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prismlb.router import Ring
-from prismlb.wire import RoutingTable, Slice, TableNode
+from prismlb.semantics import Slice
+from prismlb.wire import RoutingTable, TableNode
 
 from ._window import WindowReport
 

@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Sequence
 from typing import IO, TYPE_CHECKING
 
-from prismlb.wire import quantile
+from prismlb.semantics import quantile
 
 from ._processes import AGENT_PERIOD_S
 from ._results import UNFINISHED, describe_moves, llm_nodes

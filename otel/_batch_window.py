@@ -25,7 +25,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from prismlb.wire import ConfigError, RejectCounter, quantile
+from prismlb.semantics import quantile
+from prismlb.wire import ConfigError, RejectCounter
 
 _log = logging.getLogger("prism.otel")
 

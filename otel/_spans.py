@@ -24,7 +24,7 @@ from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
 from opentelemetry.trace import Span, SpanKind, Tracer
 from opentelemetry.util.types import AttributeValue
 
-from prismlb.wire import Slice, parse_signature
+from prismlb.semantics import Slice, parse_signature
 
 from ._conventions import (
     ATTR_GEN_AI_CACHED_TOKENS,

@@ -8,16 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from prismlb.wire import (
-    BRAIN_SNAPSHOT,
-    BRAIN_UPDATES,
-    BrainAddress,
-    ClientCurve,
-    ConfigError,
-    NoRouteError,
-    RoutingTable,
-    SettingTable,
-)
+from prismlb.service import BRAIN_SNAPSHOT, BRAIN_UPDATES, SettingTable
+from prismlb.wire import BrainAddress, ClientCurve, ConfigError, NoRouteError, RoutingTable
 
 from ._nginx import DEFAULT_HASH, check_nginx_settings, nginx_choices, render_nginx
 from ._router import Router

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
-from prismlb.wire import MODALITY_HEADER, Slice, parse_signature
+from prismlb.semantics import MODALITY_HEADER, Slice, parse_signature
 
 from ._keys import BLOCK_SIZE
 

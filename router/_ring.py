@@ -10,7 +10,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from prismlb.wire import TableNode, numa_factor
+from prismlb.semantics import numa_factor
+from prismlb.wire import TableNode
 
 from ._keys import position
 
@@ -23,7 +24,7 @@ def label(node: TableNode) -> str:
 
 
 def entry_numa_factor(node: TableNode, caller_numa: int | None) -> float:
-    """`wire.numa_factor` for a per-GPU entry; a whole-node entry always weighs 1.0."""
+    """`semantics.numa_factor` for a per-GPU entry; a whole-node entry always weighs 1.0."""
     return 1.0 if node.gpu is None else numa_factor(caller_numa, node.numa_node)
 
 

@@ -8,7 +8,8 @@ import statistics
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from prismlb.wire import Experiment, RoutingTable, Slice, SliceTable, TableNode, ZoneRoute, assign_arm, assign_zone
+from prismlb.semantics import Slice, assign_arm, assign_zone
+from prismlb.wire import Experiment, RoutingTable, SliceTable, TableNode, ZoneRoute
 
 from ._health import EndpointState
 from ._request import CORE_CLASS

@@ -17,7 +17,8 @@ import msgspec
 from prismlb.brain import Brain, BrainConfig, NodeState
 from prismlb.brain._predictor import PredictorConfig
 from prismlb.router import Settings
-from prismlb.wire import ENGINE_LATENCY_KEY, NodeVector, Slice, TableNode
+from prismlb.semantics import ENGINE_LATENCY_KEY, Slice
+from prismlb.wire import NodeVector, TableNode
 
 from ._eval import PRISM
 from ._prism import PrismPolicy

@@ -32,7 +32,8 @@ from prismlb.agent._sources import KV_MISS_PERIOD_S, NVLINK_PERIOD_S
 from prismlb.agent._sources import _engine as engine_reading
 from prismlb.agent._windows import SliceWindows
 from prismlb.brain import TAU0_MS
-from prismlb.wire import NodeVector, Slice, parse_signature, quantile
+from prismlb.semantics import Slice, parse_signature, quantile
+from prismlb.wire import NodeVector
 
 from ._engine import _E2E_BUCKETS, _TTFT_BUCKETS
 from ._model import PROFILES, EngineModel, Event, GpuClass, Job

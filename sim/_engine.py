@@ -52,7 +52,7 @@ from prismlb.otel import (
     context_hash,
 )
 from prismlb.router import CONTEXT_HEADER, SESSION_HEADER
-from prismlb.wire import parse_signature
+from prismlb.semantics import parse_signature
 
 from ._model import KV_BLOCK_TOKENS, PROFILES, EngineModel, Event, GpuClass, Job, Modality
 from ._spans import EngineSpans

@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter
 
-from prismlb.wire import Slice
+from prismlb.semantics import Slice
 
 from ._slo import GOODPUT_TARGET, SEARCH_HIGH, SEARCH_LOW, Goodput
 from ._types import RunResult

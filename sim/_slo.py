@@ -14,7 +14,7 @@ and Mooncake (FAST'25), which sets its TTFT threshold as a multiple of the TTFT 
 without interference. 5× lets a request wait behind a few prompts of its own size and still meet its SLO,
 while one stuck behind a hot node's backlog misses it.
 
-Slices come from the request's signature as the router maps them (`prismlb.wire.parse_signature`), pools
+Slices come from the request's signature as the router maps them (`prismlb.semantics.parse_signature`), pools
 from the node labels as the brain forms them (`brain._slices.pools`, an empty pool falling back along its
 chain): the rules Prism routes by.
 
@@ -31,7 +31,8 @@ from pathlib import Path
 
 from prismlb.brain import TAU0_MS
 from prismlb.brain._slices import fallback, pools
-from prismlb.wire import NodeMetrics, NodeVector, Slice, parse_signature
+from prismlb.semantics import Slice, parse_signature
+from prismlb.wire import NodeMetrics, NodeVector
 
 from ._cluster import NodeSpec
 from ._model import PROFILES, GpuClass

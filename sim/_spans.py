@@ -54,7 +54,7 @@ from prismlb.otel._conventions import (
 )
 from prismlb.otel._setup import _endpoint, _protocol
 from prismlb.otel._spans import request_attributes, request_span_name
-from prismlb.wire import parse_signature
+from prismlb.semantics import parse_signature
 
 from ._model import GpuProfile, Job
 

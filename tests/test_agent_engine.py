@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry
 
 from prismlb.agent import resolve_config
 from prismlb.router import block_hashes
-from prismlb.wire import MAX_VECTOR_BYTES, ConfigError, KvBlocks, NodeVector, bloom_contains, decode
+from prismlb.semantics import bloom_contains
+from prismlb.wire import MAX_VECTOR_BYTES, ConfigError, KvBlocks, NodeVector, decode
 
 from .conftest import free_port, reporting_agent, wait_for
 from .test_engine import MetricsServer, fixture

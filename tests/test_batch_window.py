@@ -16,7 +16,8 @@ import pytest
 
 from prismlb import otel
 from prismlb.otel import AdaptiveBatchWindow, BatchWindowSettings, BreakerState
-from prismlb.wire import ConfigError, quantile
+from prismlb.semantics import quantile
+from prismlb.wire import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 OVER = 0.5

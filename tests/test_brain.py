@@ -11,7 +11,8 @@ import pytest
 
 from prismlb.brain import BrainConfig, Registry, TableBuilder, compute_weights, next_epoch, resolve_config
 from prismlb.brain._registry import QUALITY_SMOOTHING_S
-from prismlb.wire import ConfigError, NodeMetrics, NodeVector, Slice, health
+from prismlb.semantics import Slice, health
+from prismlb.wire import ConfigError, NodeMetrics, NodeVector
 
 
 def vec(node_id: str, seq: int, period_s: float = 1.0, **metrics: float) -> NodeVector:

@@ -21,8 +21,9 @@ from prismlb.demo import (
     prefix_cache_bound,
 )
 from prismlb.router import Router
+from prismlb.semantics import Slice
 from prismlb.sim import block_hashes, prompt_tokens, traces_dir
-from prismlb.wire import RoutingTable, Slice, SliceTable, TableNode
+from prismlb.wire import RoutingTable, SliceTable, TableNode
 
 needs_trace = pytest.mark.skipif(not (traces_dir() / TRACE).is_file(), reason=f"no Mooncake trace at {traces_dir()}")
 

@@ -24,7 +24,7 @@ from prismlb.demo._cli import options
 from prismlb.demo._run import Options, cluster_for, run
 from prismlb.demo._view import summary
 from prismlb.otel import BatchWindowSettings
-from prismlb.wire import quantile
+from prismlb.semantics import quantile
 from tests.conftest import wait_for
 
 TIME_SCALE = 0.1

@@ -9,16 +9,8 @@ from pathlib import Path
 import pytest
 
 from prismlb.brain._experiments import EXPERIMENTS_FILE, Experiments, clamp_fraction, normalise
-from prismlb.wire import (
-    MAX_TABLE_BYTES,
-    ConfigError,
-    Experiment,
-    ExperimentArm,
-    RoutingTable,
-    assign_arm,
-    decode,
-    encode,
-)
+from prismlb.semantics import assign_arm
+from prismlb.wire import MAX_TABLE_BYTES, ConfigError, Experiment, ExperimentArm, RoutingTable, decode, encode
 
 
 def fractions(arms: list[ExperimentArm]) -> dict[str, float]:

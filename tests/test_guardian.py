@@ -18,7 +18,8 @@ from prismlb.brain._drift import DriftDetector
 from prismlb.brain._guardian import Guardian, GuardianConfig, GuardianState
 from prismlb.brain._registry import NodeState
 from prismlb.brain._scale_hook import CommandHook, HookError, ScaleEvent, WebhookHook, parse_hook
-from prismlb.wire import ConfigError, ModalityLatency, NodeMetrics, NodeVector, health
+from prismlb.semantics import health
+from prismlb.wire import ConfigError, ModalityLatency, NodeMetrics, NodeVector
 
 from .conftest import wait_for
 

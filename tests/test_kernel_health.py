@@ -27,7 +27,8 @@ from prometheus_client import CollectorRegistry
 from prismlb.agent import ConnectionTracer
 from prismlb.agent._network import NetworkWindow
 from prismlb.brain import Brain, BrainConfig
-from prismlb.wire import MAX_VECTOR_BYTES, NodeVector, RoutingTable, Slice, decode
+from prismlb.semantics import Slice
+from prismlb.wire import MAX_VECTOR_BYTES, NodeVector, RoutingTable, decode
 
 from ._netns import Namespace, host_veth, veth_pair, wait_listening
 from .conftest import require_ebpf

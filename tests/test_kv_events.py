@@ -30,20 +30,20 @@ from hypothesis import strategies as st
 
 from prismlb.agent._kv_events import KvChanges, KvEventSubscriber
 from prismlb.router import block_hashes
-from prismlb.sim import EmulatedEngine, prompt_tokens
-from prismlb.sim import block_hashes as engine_hashes
-from prismlb.sim._model import EngineModel
-from prismlb.wire import (
+from prismlb.semantics import (
     BLOOM_BITS,
     BLOOM_CAPACITY,
     BLOOM_HASHES,
     CountingBloom,
-    KvSummary,
     block_key,
     bloom_contains,
     bloom_false_positive_rate,
     bloom_overlap,
 )
+from prismlb.sim import EmulatedEngine, prompt_tokens
+from prismlb.sim import block_hashes as engine_hashes
+from prismlb.sim._model import EngineModel
+from prismlb.wire import KvSummary
 
 from .conftest import free_port
 

@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prismlb.brain import add_parser as add_brain_parser
 from prismlb.brain import resolve_config
 from prismlb.router import Request, Router
-from prismlb.wire import MS_TO_S, NODE_FAMILIES, BrainAddress, NodeMetrics, serve_metrics
+from prismlb.service import MS_TO_S, NODE_FAMILIES, serve_metrics
+from prismlb.wire import BrainAddress, NodeMetrics
 
 from .conftest import free_port, prism, wait_for
 

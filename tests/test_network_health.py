@@ -11,8 +11,9 @@ from prismlb.agent._network import NetworkWindow, TcpCounts
 from prismlb.agent._node import NodeSampler, Reading, Source
 from prismlb.brain import Registry, compute_weights
 from prismlb.brain._registry import quality
-from prismlb.wire import MAX_MS, MAX_VECTOR_BYTES, InvalidFieldError, NodeMetrics, NodeVector, Slice, decode, encode
-from prismlb.wire import health as score
+from prismlb.semantics import Slice
+from prismlb.semantics import health as score
+from prismlb.wire import MAX_MS, MAX_VECTOR_BYTES, InvalidFieldError, NodeMetrics, NodeVector, decode, encode
 
 ZERO = TcpCounts(0, 0, 0, 0, 0)
 

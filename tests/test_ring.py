@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from prismlb.router import Ring, position
 from prismlb.router._ring import bucket_index
-from prismlb.wire import CROSS_NUMA, SAME_NUMA, TableNode
+from prismlb.semantics import CROSS_NUMA, SAME_NUMA
+from prismlb.wire import TableNode
 
 KEYS = [f"session-{i}" for i in range(2000)]
 NODE_IDS = st.from_regex(r"[a-z][a-z0-9-]{0,11}", fullmatch=True)

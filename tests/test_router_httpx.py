@@ -29,7 +29,8 @@ from prismlb.router import (
     text_block_hashes,
 )
 from prismlb.router._httpx import describe, prompt_cost
-from prismlb.wire import MODALITY_HEADER, RoutingTable, SliceTable, TableNode
+from prismlb.semantics import MODALITY_HEADER
+from prismlb.wire import RoutingTable, SliceTable, TableNode
 
 DOCUMENT = "Quarterly report. " * 300  # 5,400 bytes: a first turn longer than the key's window
 

@@ -6,7 +6,8 @@ import time
 from collections import Counter
 
 from prismlb.router import CONTEXT_HEADER, SESSION_HEADER, Outcome, Request, Router, Settings
-from prismlb.wire import Experiment, ExperimentArm, RoutingTable, SliceTable, TableNode, assign_arm
+from prismlb.semantics import assign_arm
+from prismlb.wire import Experiment, ExperimentArm, RoutingTable, SliceTable, TableNode
 
 NODES = {"a0": "v1", "a1": "v1", "a2": "v1", "b0": "v2", "b1": "v2"}
 

@@ -18,14 +18,8 @@ from prismlb.agent._config import SETTINGS as AGENT_SETTINGS
 from prismlb.brain import BrainConfig
 from prismlb.brain import resolve_config as brain_config
 from prismlb.brain._config import SETTINGS as BRAIN_SETTINGS
-from prismlb.wire import (
-    BRAIN_UPDATES,
-    ConfigError,
-    Setting,
-    SettingTable,
-    parse_port,
-    parse_zmq_endpoint,
-)
+from prismlb.service import BRAIN_UPDATES, Setting, SettingTable, parse_port, parse_zmq_endpoint
+from prismlb.wire import ConfigError
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

@@ -10,11 +10,12 @@ import pytest
 from prismlb.agent._engine import _parse
 from prismlb.agent._sources import KV_MISS_PERIOD_S, NVLINK_PERIOD_S
 from prismlb.agent._windows import LOAD_WINDOW_S
+from prismlb.semantics import quantile
 from prismlb.sim import EmulatedEngine, Outcome, Policy, SimRequest, Workload
 from prismlb.sim._cluster import HOST_CPU_UTIL_RATIO, RTO_S, Degrade, Kill, NodeSpec, Simulation, _Node, recovery_s
 from prismlb.sim._prism import PrismPolicy, affinity_key
 from prismlb.sim._types import ClusterView
-from prismlb.wire import NodeVector, quantile
+from prismlb.wire import NodeVector
 
 NODES = tuple(NodeSpec(f"n{i}", "a100", i % 2) for i in range(4))
 

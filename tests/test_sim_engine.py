@@ -17,9 +17,9 @@ import zmq
 
 from prismlb.agent._engine import EngineCollector
 from prismlb.agent._kv_events import KvEventSubscriber
+from prismlb.semantics import bloom_contains
 from prismlb.sim import EmulatedEngine, block_hashes, prompt_tokens
 from prismlb.sim._model import PROFILES
-from prismlb.wire import bloom_contains
 
 from .conftest import free_port, wait_for
 

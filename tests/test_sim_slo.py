@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prismlb.cli import main
+from prismlb.semantics import Slice
 from prismlb.sim._eval import MM_CLUSTER, TEXT_CLUSTER, Case, _workload, cluster_for, goodput, run_case
 from prismlb.sim._slo import (
     GOODPUT_TARGET,
@@ -19,7 +20,6 @@ from prismlb.sim._slo import (
     slo_s,
 )
 from prismlb.sim._types import SimRequest, Workload
-from prismlb.wire import Slice
 
 
 def _request(rid: int, tokens: int, signature: str = "text", media: dict[str, int] | None = None) -> SimRequest:

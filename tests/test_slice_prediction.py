@@ -10,8 +10,9 @@ from prometheus_client import CollectorRegistry
 from prismlb.brain import Brain, BrainConfig
 from prismlb.brain._features import NODE_FEATURES, slice_predictions
 from prismlb.brain._predictor import Predictor, PredictorConfig
+from prismlb.semantics import ENGINE_LATENCY_KEY, Slice
 from prismlb.sim._ablations import NodeMaxPredictionBrain
-from prismlb.wire import ENGINE_LATENCY_KEY, ModalityLatency, NodeMetrics, NodeVector, RoutingTable, Slice
+from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector, RoutingTable
 
 SMALL = PredictorConfig(steps=4, history=12, holdout=4, min_evaluation_samples=4, batch_size=16)
 PERIOD_S = 5.0

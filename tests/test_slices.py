@@ -8,7 +8,8 @@ import pytest
 
 from prismlb.brain import Registry, TableBuilder, Tier, capabilities, compute_weights, pools
 from prismlb.brain._slices import fallback, tier
-from prismlb.wire import GpuState, NodeMetrics, NodeVector, RoutingTable, Slice, parse_signature
+from prismlb.semantics import Slice, parse_signature
+from prismlb.wire import GpuState, NodeMetrics, NodeVector, RoutingTable
 
 ALL = tuple(Slice)
 

@@ -1,4 +1,4 @@
-"""The project's one quantile (prismlb.wire.quantile)."""
+"""The project's one quantile (prismlb.semantics.quantile)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from prismlb.wire import quantile
+from prismlb.semantics import quantile
 
 
 def test_quantile_interpolates_between_closest_ranks() -> None:

@@ -9,6 +9,7 @@ import re
 import msgspec
 import pytest
 
+from prismlb.semantics import Slice
 from prismlb.sim._prism import affinity_key
 from prismlb.sim._topology import (
     EXPERT_GROUPS,
@@ -22,7 +23,7 @@ from prismlb.sim._topology import (
 )
 from prismlb.sim._types import ClusterView
 from prismlb.sim.policies import RoundRobin
-from prismlb.wire import NodeVector, Slice
+from prismlb.wire import NodeVector
 
 from .conftest import load_bench
 

@@ -13,6 +13,7 @@ from prismlb.brain import NodeState, Predictions, Registry, TableBuilder, comput
 from prismlb.brain._registry import ALARM_DERATE
 from prismlb.brain._topology import BASE_VIRTUAL_NODES, PCIE_DERATE, virtual_nodes
 from prismlb.brain._weights import TAU0_MS, WEIGHT_FLOOR, quantise
+from prismlb.semantics import Slice
 from prismlb.wire import (
     Experiment,
     ExperimentArm,
@@ -21,7 +22,6 @@ from prismlb.wire import (
     NodeMetrics,
     NodeVector,
     RoutingTable,
-    Slice,
     TableNode,
     decode,
     encode,

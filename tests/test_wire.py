@@ -205,7 +205,9 @@ def table(epoch: int, version: int, nodes: tuple[str, ...] = ("a", "b")) -> Rout
         epoch=epoch,
         version=version,
         issued_unix_s=time.time(),
-        slices=[SliceTable(name="default", nodes=[TableNode(node_id=n, endpoint=f"http://{n}", weight=1.0) for n in nodes])],
+        slices=[
+            SliceTable(name="default", nodes=[TableNode(node_id=n, endpoint=f"http://{n}", weight=1.0) for n in nodes])
+        ],
     )
 
 
@@ -358,11 +360,15 @@ def test_a_table_the_callback_refuses_is_not_taken(ctx: zmq.Context) -> None:
     subscriber.stop()
     publisher.close()
     assert subscriber.current_order == (-1, -1)
-    assert len(calls) >= 3, "a refused table is asked for again on the next heartbeat; a crashing callback does not stop the thread"
+    assert len(calls) >= 3, (
+        "a refused table is asked for again on the next heartbeat; a crashing callback does not stop the thread"
+    )
 
 
 def test_publisher_refuses_a_table_routers_would_reject(ctx: zmq.Context) -> None:
-    publisher = TablePublisher(ctx, f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", RejectCounter("b", LOG))
+    publisher = TablePublisher(
+        ctx, f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", RejectCounter("b", LOG)
+    )
     bad = RoutingTable(
         epoch=1,
         version=1,
@@ -395,7 +401,7 @@ def test_publisher_refuses_a_table_routers_would_reject(ctx: zmq.Context) -> Non
     ],
 )
 def test_modality_signature_grammar(signature: str | None, expected: tuple[str, bool]) -> None:
-    from prismlb.wire import parse_signature
+    from prismlb.semantics import parse_signature
 
     assert parse_signature(signature) == expected
 
@@ -411,7 +417,9 @@ def test_vector_with_gpus_latency_and_kv_round_trips() -> None:
         kv=KvSummary(blocks=3, bloom=b"\x00" * 64, bloom_hashes=4),
     )
     assert decode(encode(v), (NodeVector,), MAX_VECTOR_BYTES) == v
-    bad = msgspec.msgpack.encode({**msgspec.to_builtins(v, builtin_types=(bytes,)), "latency": {"llm": {"requests": 1, "ttft_p99_ms": -1.0}}})
+    bad = msgspec.msgpack.encode(
+        {**msgspec.to_builtins(v, builtin_types=(bytes,)), "latency": {"llm": {"requests": 1, "ttft_p99_ms": -1.0}}}
+    )
     with pytest.raises(InvalidFieldError):
         decode([b"prism.node", b"1", bad], (NodeVector,), MAX_VECTOR_BYTES)
 
@@ -422,6 +430,7 @@ def test_subscribers_on_one_context_share_one_thread_and_release_the_context() -
     publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG))
     publisher.publish(table(1, 1))
     got: dict[int, list[tuple[int, int]]] = {i: [] for i in range(5)}
+
     def loops() -> int:
         return sum(t.name == "prism-table-subscribers" for t in threading.enumerate())
 

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from prismlb.wire import BoundedWorker, ConfigError, QueueEntry
+from prismlb.service import BoundedWorker, QueueEntry
+from prismlb.wire import ConfigError
 
 from .conftest import wait_for
 

@@ -1,16 +1,5 @@
 """Messages and transport shared by the Prism agent, brain and router."""
 
-from ._arms import assign_arm, assign_zone
-from ._bloom import (
-    BLOOM_BITS,
-    BLOOM_CAPACITY,
-    BLOOM_HASHES,
-    CountingBloom,
-    block_key,
-    bloom_contains,
-    bloom_false_positive_rate,
-    bloom_overlap,
-)
 from ._codec import KINDS, MAX_TABLE_BYTES, MAX_VECTOR_BYTES, decode, encode
 from ._curve import (
     AGENTS_DOMAIN,
@@ -41,8 +30,6 @@ from ._exceptions import (
     UnknownKindError,
     WireError,
 )
-from ._exposition import MS_TO_S, NODE_FAMILIES, NodeFamily, node_families
-from ._health import DIMENSIONS, Dimension, Health, health
 from ._kv import KvApply, KvFollower, KvFollowerStats, split_kv_changes
 from ._messages import (
     MAX_KV_BLOCKS,
@@ -78,39 +65,7 @@ from ._messages import (
     ZoneRoute,
     ZoneShare,
 )
-from ._modality import (
-    DEFAULT_SLICE,
-    ENGINE_LATENCY_KEY,
-    MODALITY_HEADER,
-    Slice,
-    parse_signature,
-)
-from ._numa import CROSS_NUMA, SAME_NUMA, numa_factor
 from ._rejects import RejectCounter
-from ._service import (
-    MetricsServer,
-    sd_notify,
-    serve_metrics,
-    setup_logging,
-    stop_on_signals,
-    watchdog_interval_s,
-)
-from ._settings import (
-    BRAIN_INGEST,
-    BRAIN_SNAPSHOT,
-    BRAIN_UPDATES,
-    CURVE_SECRET,
-    ResolvedSettings,
-    Setting,
-    SettingParser,
-    SettingTable,
-    parse_key_file,
-    parse_listen_address,
-    parse_port,
-    parse_text,
-    parse_zmq_endpoint,
-)
-from ._stats import quantile
 from ._tables import TableAssembler, TableEncoder
 from ._transport import (
     LOAD_REFRESH_S,
@@ -121,21 +76,9 @@ from ._transport import (
     VectorReceiver,
     VectorSender,
 )
-from ._worker import BoundedWorker, QueueEntry
 
 __all__ = [
     "AGENTS_DOMAIN",
-    "BLOOM_BITS",
-    "BLOOM_CAPACITY",
-    "BLOOM_HASHES",
-    "BRAIN_INGEST",
-    "BRAIN_SNAPSHOT",
-    "BRAIN_UPDATES",
-    "CURVE_SECRET",
-    "CROSS_NUMA",
-    "DEFAULT_SLICE",
-    "DIMENSIONS",
-    "ENGINE_LATENCY_KEY",
     "KINDS",
     "LOAD_REFRESH_S",
     "MAX_KV_BLOCKS",
@@ -147,21 +90,14 @@ __all__ = [
     "MAX_TABLE_BYTES",
     "MAX_TABLE_VALUE",
     "MAX_VECTOR_BYTES",
-    "MODALITY_HEADER",
-    "MS_TO_S",
-    "NODE_FAMILIES",
     "ROUTERS_DOMAIN",
-    "SAME_NUMA",
     "SCHEMA_VERSION",
     "AuthorizedKeys",
-    "BoundedWorker",
     "BrainAddress",
     "ClientCurve",
     "ClusterLoad",
     "ConfigError",
-    "CountingBloom",
     "CurveRefusals",
-    "Dimension",
     "EndpointNotAllowedError",
     "EndpointRule",
     "EntryRef",
@@ -170,7 +106,6 @@ __all__ = [
     "FrameCountError",
     "FutureSampleError",
     "GpuState",
-    "Health",
     "Heartbeat",
     "IdentityCheck",
     "InvalidFieldError",
@@ -182,27 +117,19 @@ __all__ = [
     "KvSnapshotEnd",
     "KvSummary",
     "MalformedError",
-    "MetricsServer",
     "ModalityLatency",
     "NoRouteError",
-    "NodeFamily",
     "NodeMetrics",
     "NodeVector",
     "NonFiniteError",
     "OversizedError",
     "Placed",
     "PrismError",
-    "QueueEntry",
     "RejectCounter",
-    "ResolvedSettings",
     "RouterLoad",
     "RoutingTable",
     "SchemaVersionError",
     "ServerCurve",
-    "Setting",
-    "SettingParser",
-    "SettingTable",
-    "Slice",
     "SliceHead",
     "SliceTable",
     "SliceUpdate",
@@ -221,31 +148,10 @@ __all__ = [
     "WireError",
     "ZoneRoute",
     "ZoneShare",
-    "assign_arm",
-    "assign_zone",
-    "block_key",
-    "bloom_contains",
-    "bloom_false_positive_rate",
-    "bloom_overlap",
     "decode",
     "encode",
     "generate_keypair",
-    "health",
-    "node_families",
     "normal_host",
-    "numa_factor",
-    "parse_key_file",
-    "parse_listen_address",
-    "parse_port",
-    "parse_signature",
-    "parse_text",
-    "parse_zmq_endpoint",
-    "quantile",
-    "sd_notify",
-    "serve_metrics",
-    "setup_logging",
     "split_kv_changes",
     "start_authenticator",
-    "stop_on_signals",
-    "watchdog_interval_s",
 ]

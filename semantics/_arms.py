@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from ._messages import Experiment, ZoneRoute
+from prismlb.wire import Experiment, ZoneRoute
 
 
 def _share(salt: str, key: str | bytes, fractions: Sequence[float]) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ._messages import NodeMetrics
+from prismlb.wire import NodeMetrics
 
 MS_TO_S = 1e-3
 """The wire carries latencies in ms (`Millis`); Prometheus takes seconds."""

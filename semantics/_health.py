@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 
-from ._messages import NodeMetrics
+from prismlb.wire import NodeMetrics
 
 
 def _mem_util(m: NodeMetrics) -> float | None:

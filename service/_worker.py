@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from ._exceptions import ConfigError
+from prismlb.wire import ConfigError
 
 _log = logging.getLogger("prism.worker")
 _E = TypeVar("_E")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ._exceptions import ConfigError
+from prismlb.wire import ConfigError
 
 SettingParser = Callable[[Any], Any]
 """A raw value (text from a flag or variable, or what the TOML file holds) to the setting's value; ValueError

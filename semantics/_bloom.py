@@ -18,7 +18,7 @@ import math
 from array import array
 from collections.abc import Sequence
 
-from ._messages import KvSummary
+from prismlb.wire import KvSummary
 
 BLOOM_BITS = 131_072
 BLOOM_HASHES = 6

@@ -1,0 +1,44 @@
+"""What the parts of Prism must agree on beyond the wire format: node health, NUMA weights, A/B arm and
+zone assignment, modality slices, the KV Bloom filter and the one quantile rule."""
+
+from ._arms import assign_arm, assign_zone
+from ._bloom import (
+    BLOOM_BITS,
+    BLOOM_CAPACITY,
+    BLOOM_HASHES,
+    CountingBloom,
+    block_key,
+    bloom_contains,
+    bloom_false_positive_rate,
+    bloom_overlap,
+)
+from ._health import DIMENSIONS, Dimension, Health, health
+from ._modality import DEFAULT_SLICE, ENGINE_LATENCY_KEY, MODALITY_HEADER, Slice, parse_signature
+from ._numa import CROSS_NUMA, SAME_NUMA, numa_factor
+from ._stats import quantile
+
+__all__ = [
+    "BLOOM_BITS",
+    "BLOOM_CAPACITY",
+    "BLOOM_HASHES",
+    "CROSS_NUMA",
+    "CountingBloom",
+    "DEFAULT_SLICE",
+    "DIMENSIONS",
+    "Dimension",
+    "ENGINE_LATENCY_KEY",
+    "Health",
+    "MODALITY_HEADER",
+    "SAME_NUMA",
+    "Slice",
+    "assign_arm",
+    "assign_zone",
+    "block_key",
+    "bloom_contains",
+    "bloom_false_positive_rate",
+    "bloom_overlap",
+    "health",
+    "numa_factor",
+    "parse_signature",
+    "quantile",
+]

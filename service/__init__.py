@@ -1,0 +1,49 @@
+"""What every Prism service shares: settings resolved flag > variable > default, /metrics and its naming,
+systemd notification, logging, signals and the bounded queue worker."""
+
+from ._exposition import MS_TO_S, NODE_FAMILIES, NodeFamily, node_families
+from ._service import MetricsServer, sd_notify, serve_metrics, setup_logging, stop_on_signals, watchdog_interval_s
+from ._settings import (
+    BRAIN_INGEST,
+    BRAIN_SNAPSHOT,
+    BRAIN_UPDATES,
+    CURVE_SECRET,
+    ResolvedSettings,
+    Setting,
+    SettingParser,
+    SettingTable,
+    parse_key_file,
+    parse_listen_address,
+    parse_port,
+    parse_text,
+    parse_zmq_endpoint,
+)
+from ._worker import BoundedWorker, QueueEntry
+
+__all__ = [
+    "BRAIN_INGEST",
+    "BRAIN_SNAPSHOT",
+    "BRAIN_UPDATES",
+    "BoundedWorker",
+    "CURVE_SECRET",
+    "MS_TO_S",
+    "MetricsServer",
+    "NODE_FAMILIES",
+    "NodeFamily",
+    "QueueEntry",
+    "ResolvedSettings",
+    "Setting",
+    "SettingParser",
+    "SettingTable",
+    "node_families",
+    "parse_key_file",
+    "parse_listen_address",
+    "parse_port",
+    "parse_text",
+    "parse_zmq_endpoint",
+    "sd_notify",
+    "serve_metrics",
+    "setup_logging",
+    "stop_on_signals",
+    "watchdog_interval_s",
+]
