@@ -101,12 +101,15 @@ class ZoneView:
         now: float,
     ) -> list[ZoneObservation]:
         total = sum(demand.values()) or 1.0
+        known: dict[str, int] = dict.fromkeys(zones, 0)
+        live: dict[str, list[NodeState]] = {zone: [] for zone in zones}
+        for node_id, (zone, seen, period) in self._seen.items():  # one pass over every node, not one per zone
+            known[zone] += 1
+            if node_id in nodes and now - seen <= ALIVE_PERIODS * period:
+                live[zone].append(nodes[node_id])
         observations = []
         for zone in zones:
-            members = [n for n, (z, _, _) in self._seen.items() if z == zone]
-            alive = [
-                nodes[n] for n in members if n in nodes and now - self._seen[n][1] <= ALIVE_PERIODS * self._seen[n][2]
-            ]
+            alive = live[zone]
             p99s = [
                 latency.ttft_p99_ms
                 for state in alive
@@ -117,7 +120,7 @@ class ZoneView:
             observations.append(
                 ZoneObservation(
                     zone=zone,
-                    nodes=len(members),
+                    nodes=known[zone],
                     alive=len(alive),
                     weight=sum(weights.get(s.vector.node_id, 0.0) for s in alive) / len(alive) if alive else 0.0,
                     p99_ms=max(p99s, default=0.0),
