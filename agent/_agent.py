@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prismlb.semantics import health
 from prismlb.service import MS_TO_S, node_families, sd_notify, serve_metrics, watchdog_interval_s
 from prismlb.wire import ConfigError, NodeVector, VectorSender
 
@@ -201,8 +200,9 @@ _QUANTILES: tuple[tuple[str, str], ...] = (("p50", "0.5"), ("p95", "0.95"), ("p9
 
 
 class _StateCollector(Collector):
-    """The node's latest state on /metrics: every present dimension, the health score, the alarms, each GPU and
-    each slice's latency, one family per quantity in base units."""
+    """The node's latest state on /metrics: every present dimension, each GPU and each slice's latency, one family
+    per quantity in base units. Health and alarms are the brain's (`prism_brain_node_health`,
+    `prism_brain_node_alarm`): it alone judges the measurements."""
 
     def __init__(self, agent: Agent) -> None:
         self._agent = agent
@@ -212,12 +212,6 @@ class _StateCollector(Collector):
         if state is None:
             return
         yield from node_families("prism_agent_node_", [], [([], state.metrics)])
-        alarm = GaugeMetricFamily(
-            "prism_agent_alarm", "1 while a health dimension is over its alarm threshold", labels=["dimension"]
-        )
-        for dimension in health(state.metrics).dimensions:
-            alarm.add_metric([dimension], 1.0 if dimension in state.alarms else 0.0)
-        yield alarm
         for field, name, help_text in _GPU_FAMILIES:
             gpu = GaugeMetricFamily(name, help_text, labels=["gpu"])
             for device in state.gpus:

@@ -1,5 +1,6 @@
 """The node vector's contents: each source read at its own period, its latest reading kept until
-it goes stale, the health score and alarms computed over whatever is present, and the vector made of them.
+it goes stale, and the vector made of whatever is present. The agent measures; the brain judges health and
+alarms from these measurements, so one authority decides what a reading means.
 
 A source is the seam between the agent and what it reads: `prism agent` plugs psutil, NVML, eBPF, the engine's
 `/metrics` and its request spans; the cluster replay (`prismlb.sim`) plugs readers of its simulated engines into
@@ -14,7 +15,6 @@ from typing import Any
 
 import msgspec
 
-from prismlb.semantics import health
 from prismlb.wire import GpuState, KvSummary, ModalityLatency, NodeMetrics, NodeVector
 
 _log = logging.getLogger("prism.agent")
@@ -48,7 +48,6 @@ class NodeState:
     """Everything the agent knows about its node right now."""
 
     metrics: NodeMetrics
-    alarms: list[str]
     gpus: list[GpuState]
     kv: KvSummary | None
     latency: dict[str, ModalityLatency]
@@ -67,7 +66,6 @@ class NodeSampler:
         self._latest: dict[str, tuple[float, Reading]] = {}
         self._failures: dict[str, set[str]] = {s.name: set() for s in sources}
         self.failures_total: dict[str, int] = {s.name: 0 for s in sources}
-        self._alarms: tuple[str, ...] = ()
 
     def tick(self, now: float) -> NodeState:
         for source in self.sources:
@@ -111,14 +109,7 @@ class NodeSampler:
             gpus = reading.gpus if reading.gpus is not None else gpus
             kv = reading.kv if reading.kv is not None else kv
             latency.update(reading.latency or {})
-        metrics = NodeMetrics(**values)
-        h = health(metrics)
-        if h.alarms != self._alarms:
-            _log.info("alarms: %s", ", ".join(h.alarms) or "none")
-            self._alarms = h.alarms
-        if h.dimensions:
-            metrics = msgspec.structs.replace(metrics, health_score=h.score)
-        return NodeState(metrics=metrics, alarms=list(h.alarms), gpus=gpus, kv=kv, latency=latency)
+        return NodeState(metrics=NodeMetrics(**values), gpus=gpus, kv=kv, latency=latency)
 
 
 def to_vector(
@@ -147,7 +138,6 @@ def to_vector(
         period_s=period_s,
         metrics=state.metrics,
         started_unix_s=started_unix_s,
-        alarms=state.alarms,
         latency=state.latency,
         gpus=state.gpus,
         kv=state.kv,

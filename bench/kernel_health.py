@@ -391,12 +391,13 @@ def _llm_weights(table: RoutingTable | None) -> dict[str, float]:
 
 
 def _lossy_vector(brain: Brain, lossy: str) -> tuple[float | None, tuple[str, ...], int]:
-    """The lossy node's latest vector in the brain: retransmits per connection, alarms, seq (-1 if none)."""
+    """The lossy node's latest vector in the brain: retransmits per connection, the brain's alarms on it, seq (-1
+    if none)."""
     state = brain.registry.nodes.get(lossy)
     if state is None:
         return None, (), -1
     vector = state.vector
-    return vector.metrics.tcp_retransmits_per_conn, tuple(vector.alarms), vector.seq
+    return vector.metrics.tcp_retransmits_per_conn, state.health.alarms, vector.seq
 
 
 def _tcp_measured(brain: Brain, node: str) -> bool:

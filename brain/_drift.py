@@ -48,9 +48,7 @@ LEAD_S = 10.0
 CAUSE_MIN_SCORE = 2.0
 MAX_CAUSES = 8
 MAX_CHANGES = 4096
-_SKIPPED_DIMENSIONS = frozenset(
-    {"connect_calls_total", "mem_total_bytes", "gpu_mem_total_bytes", "gpu_count", "health_score"}
-)
+_SKIPPED_DIMENSIONS = frozenset({"connect_calls_total", "mem_total_bytes", "gpu_mem_total_bytes", "gpu_count"})
 
 ChangeKind = Literal["config", "version"]
 

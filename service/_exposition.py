@@ -72,7 +72,6 @@ NODE_FAMILIES: tuple[NodeFamily, ...] = (
         "prefill_tokens_per_second",
         "Prompt tokens computed (cache hits left out) per second spent prefilling",
     ),
-    NodeFamily("health_score", "health_score", "The agent's health score, 0 (worst) to 1 (best)"),
 )
 
 

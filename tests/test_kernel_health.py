@@ -184,12 +184,12 @@ class _BrainFeed:
             now = time.monotonic()
             self.brain.ingest([vector], now)
             self.table = self.brain.cycle(now) or self.table
-            metrics = vector.metrics
+            judged = self.brain.registry.nodes[vector.node_id].health
             sample = _Sample(
                 vector.node_id,
-                metrics.tcp_retransmits_per_conn,
-                vector.alarms,
-                metrics.health_score,
+                vector.metrics.tcp_retransmits_per_conn,
+                list(judged.alarms),
+                judged.score if judged.dimensions else None,
                 _weights(self.table),
             )
             self.samples.append(sample)

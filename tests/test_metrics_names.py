@@ -134,7 +134,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
 
 
 def test_the_agents_metrics_follow_the_conventions(services: Services) -> None:
-    families = scrape_when("127.0.0.1", services.agent_metrics, "prism_agent_alarm", 60)
+    families = scrape_when("127.0.0.1", services.agent_metrics, "prism_agent_node_mem_total_bytes", 60)
     assert problems(families) == []
     names = by_name(families)
     assert {"prism_agent_ttft_seconds", "prism_agent_e2e_latency_seconds"} <= set(names)

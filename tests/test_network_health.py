@@ -132,7 +132,7 @@ def test_fields_travel_and_out_of_range_values_are_refused() -> None:
             decode(encode(_vector("n", 1, 1.0, **{name: bad})), (NodeVector,), MAX_VECTOR_BYTES)
 
 
-def test_sampler_carries_the_window_into_the_vector_and_its_alarms() -> None:
+def test_sampler_carries_the_window_into_the_vector_and_the_brain_alarms_on_it() -> None:
     kernel = _Kernel()
     window = NetworkWindow(lambda: kernel.counts, lambda: kernel.now)
     sampler = NodeSampler([Source("ebpf", 1.0, lambda: Reading(metrics=window.read()))])
@@ -140,8 +140,9 @@ def test_sampler_carries_the_window_into_the_vector_and_its_alarms() -> None:
     state = sampler.tick(0.0)
     assert state.metrics.tcp_retransmits_per_conn == 1.5
     assert state.metrics.tcp_handshake_p95_ms is None  # no handshake in the window
-    assert state.alarms == ["tcp_retransmits_per_conn"]
-    assert state.metrics.health_score == pytest.approx((0.0 * 0.2 + 1.0 * 0.05 + 1.0 * 0.1) / 0.35)
+    judged = score(state.metrics)  # what the brain's registry computes from the vector
+    assert judged.alarms == ("tcp_retransmits_per_conn",)
+    assert judged.score == pytest.approx((0.0 * 0.2 + 1.0 * 0.05 + 1.0 * 0.1) / 0.35)
 
 
 @pytest.mark.parametrize(("period_s", "first_lower"), [(2.0, 1), (1.0, 2)])

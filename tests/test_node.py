@@ -1,14 +1,17 @@
-"""Each source at its own period, stale readings expiring, failures contained, health and alarms, the per-slice
-request windows, and the vector made of them."""
+"""Each source at its own period, stale readings expiring, failures contained, the per-slice request windows, and
+the vector made of them: measurements only, health and alarms judged by the brain from them."""
 
 from __future__ import annotations
 
 import logging
 
+import msgspec
 import pytest
 
 from prismlb.agent._node import NodeSampler, Reading, Source, to_vector
 from prismlb.agent._windows import SliceWindows
+from prismlb.brain import Registry
+from prismlb.semantics import Health
 from prismlb.wire import MAX_VECTOR_BYTES, ModalityLatency, NodeVector, decode, encode
 
 
@@ -72,18 +75,34 @@ def test_failures_log_once_per_kind_and_do_not_spread(caplog: pytest.LogCaptureF
     assert len([r for r in caplog.records if "failed" in r.message]) == 2
 
 
-def test_health_score_and_alarms_over_present_dimensions(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_brain_judges_health_from_the_agents_measurements(caplog: pytest.LogCaptureFixture) -> None:
     metrics = {"kv_cache_miss_ratio": 0.1}
     sampler = NodeSampler([Source("kv", 1, lambda: Reading(metrics=dict(metrics)))])
-    state = sampler.tick(0.0)
-    assert state.alarms == [] and state.metrics.health_score == pytest.approx(1 - 0.5 * 0.1 / 0.18)
+    registry = Registry(wall_clock=lambda: 0.0)
+
+    def judged(now: float) -> Health:
+        vector = to_vector(
+            sampler.tick(now),
+            node_id="n1",
+            host="h1",
+            endpoint="http://10.0.0.1:8000",
+            labels={},
+            seq=int(now),
+            sample_time_unix_s=now,
+            period_s=1.0,
+            started_unix_s=None,
+        )
+        assert b"health" not in encode(vector) and b"alarms" not in encode(vector), "measurements only"
+        assert registry.update(vector, now)
+        return registry.nodes["n1"].health
+
+    first = judged(0.0)
+    assert first.alarms == () and first.score == pytest.approx(1 - 0.5 * 0.1 / 0.18)
     metrics["kv_cache_miss_ratio"] = 0.3
     with caplog.at_level(logging.INFO):
-        state = sampler.tick(1.0)
-        sampler.tick(2.0)
-    assert state.alarms == ["kv_cache_miss_ratio"]
-    assert len([r for r in caplog.records if r.message.startswith("alarms:")]) == 1
-    assert NodeSampler([Source("x", 1, Reading)]).tick(0.0).metrics.health_score is None
+        assert judged(1.0).alarms == ("kv_cache_miss_ratio",)
+        judged(2.0)
+    assert len([r for r in caplog.records if "alarms:" in r.message]) == 1, "a change of alarms is logged once"
 
 
 def test_duplicate_source_names_are_refused() -> None:
@@ -130,8 +149,7 @@ def test_the_vector_carries_the_state_and_the_nodes_identity() -> None:
         7,
         1_699_999_000.0,
     )
-    assert vector.metrics.requests_per_s == 2.5 and vector.metrics.health_score == state.metrics.health_score
-    assert vector.alarms == ["kv_cache_miss_ratio"] and vector.latency == latency
+    assert vector.metrics == state.metrics and vector.metrics.requests_per_s == 2.5 and vector.latency == latency
     assert decode(encode(vector), (NodeVector,), MAX_VECTOR_BYTES) == vector, "a valid wire message"
 
 
@@ -155,3 +173,24 @@ def test_slice_windows_give_each_slices_latency_over_the_window_of_their_reports
     assert windows.latency(200.0) == {} and windows.requests_per_s(200.0) == 0.0
     with pytest.raises(ValueError):
         SliceWindows(0.0)
+
+
+def test_an_older_agents_health_fields_are_ignored_by_the_brain() -> None:
+    """Agents before the brain became the one authority sent their own `alarms` and `health_score`: a brain takes
+    their vectors and judges the measurements itself."""
+    older = msgspec.msgpack.encode(
+        {
+            "node_id": "n1",
+            "host": "h1",
+            "endpoint": "http://10.0.0.1:8000",
+            "seq": 1,
+            "sample_time_unix_s": 1.0,
+            "period_s": 1.0,
+            "metrics": {"kv_cache_miss_ratio": 0.3, "health_score": 1.0},
+            "alarms": [],
+        }
+    )
+    vector = msgspec.msgpack.decode(older, type=NodeVector)
+    registry = Registry(wall_clock=lambda: 1.0)
+    assert registry.update(vector, 0.0)
+    assert registry.nodes["n1"].health.alarms == ("kv_cache_miss_ratio",), "judged from the measurement"

@@ -84,7 +84,6 @@ class NodeMetrics(_Message, kw_only=True):
     prefill_tokens_per_s: Rate | None = None
     """Prompt tokens the engine computed (cache hits left out) per second it spent prefilling: its prefill
     speed as measured, whatever its GPU, model and parallelism."""
-    health_score: Ratio | None = None
 
 
 class ModalityLatency(_Message, kw_only=True):
@@ -126,7 +125,9 @@ class KvSummary(_Message, kw_only=True):
 
 
 class NodeVector(_Message, kw_only=True):
-    """What an agent reports about its node every period."""
+    """What an agent reports about its node every period: measurements only. Health and alarms are the brain's
+    to judge, from these measurements (`prismlb.semantics.health`); a field an older agent still sends (its
+    `alarms`, `health_score`) is unknown here and ignored at decode."""
 
     node_id: NodeId
     host: Name
@@ -138,7 +139,6 @@ class NodeVector(_Message, kw_only=True):
     period_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
     metrics: NodeMetrics
     started_unix_s: UnixSeconds | None = None
-    alarms: Annotated[list[Name], msgspec.Meta(max_length=32)] = []
     latency: Annotated[dict[SliceName, ModalityLatency], msgspec.Meta(max_length=16)] = {}
     gpus: Annotated[list[GpuState], msgspec.Meta(max_length=64)] = []
     kv: KvSummary | None = None
