@@ -23,6 +23,7 @@ from prismlb.service import (
     SettingTable,
     parse_key_file,
     parse_listen_address,
+    parse_number,
     parse_port,
     parse_text,
 )
@@ -121,12 +122,7 @@ def _seconds(what: str) -> SettingParser:
     """A positive, finite number of seconds."""
 
     def parse(raw: object) -> float:
-        try:
-            if isinstance(raw, bool):
-                raise ValueError
-            seconds = float(str(raw))
-        except ValueError:
-            raise ValueError(f"{what} {raw!r} is not a number of seconds") from None
+        seconds = parse_number(raw, float, f"{what} {raw!r} is not a number of seconds")
         if not math.isfinite(seconds) or seconds <= 0:
             raise ValueError(f"{what} must be a positive number of seconds, got {raw!r}")
         return seconds
@@ -135,12 +131,7 @@ def _seconds(what: str) -> SettingParser:
 
 
 def _join_delay(raw: object) -> float:
-    try:
-        if isinstance(raw, bool):
-            raise ValueError
-        delay = float(str(raw))
-    except ValueError:
-        raise ValueError(f"join delay {raw!r} is not a number of seconds") from None
+    delay = parse_number(raw, float, f"join delay {raw!r} is not a number of seconds")
     if not 0 <= delay <= 10:
         raise ValueError(f"join delay must be 0 to 10 seconds, got {raw!r}")
     return delay
@@ -176,12 +167,7 @@ def _positive(kind: type[int] | type[float]) -> SettingParser:
     """A positive number of `kind`."""
 
     def parse(raw: object) -> int | float:
-        try:
-            if isinstance(raw, bool):
-                raise ValueError
-            value = kind(str(raw))
-        except ValueError:
-            raise ValueError(f"{raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+        value = parse_number(raw, kind, f"{raw!r} is not {'an integer' if kind is int else 'a number'}")
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"must be positive, got {raw!r}")
         return value

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prismlb.semantics import ENGINE_LATENCY_KEY
+from prismlb.service import kind_counter
 
 from ._config import AgentConfig, brain_endpoints
 from ._ebpf import ConnectCounter
@@ -79,12 +80,9 @@ class _CollectorCounts(Collector):
 
     def collect(self) -> Iterator[Metric]:
         if self._engine is not None:
-            failures = CounterMetricFamily(
-                "prism_agent_engine_scrape_failures", "Failed engine scrapes by kind", labels=["kind"]
+            yield kind_counter(
+                "prism_agent_engine_scrape_failures", "Failed engine scrapes by kind", self._engine.failures.counts()
             )
-            for kind, count in sorted(self._engine.failures.counts().items()):
-                failures.add_metric([kind], count)
-            yield failures
         if self._kv is not None:
             stats = self._kv.stats()
             for name, help_text, value in (
@@ -96,10 +94,7 @@ class _CollectorCounts(Collector):
             ):
                 yield CounterMetricFamily(f"prism_agent_kv_{name}", help_text, value=value)
             yield GaugeMetricFamily("prism_agent_kv_blocks", "KV blocks the engine holds", value=stats.blocks)
-            failures = CounterMetricFamily("prism_agent_kv_failures", "KV-event failures by kind", labels=["kind"])
-            for kind, count in sorted(self._kv.failures.counts().items()):
-                failures.add_metric([kind], count)
-            yield failures
+            yield kind_counter("prism_agent_kv_failures", "KV-event failures by kind", self._kv.failures.counts())
         if self._stream is not None:
             for name, help_text, value in (
                 ("stream_sent", "KvBlocks messages every brain's queue took", self._stream.sent),

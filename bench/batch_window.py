@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -222,28 +222,37 @@ def phase_rows(runs: dict[str, Run], phases: Sequence[tuple[str, float, float]],
     return rows
 
 
-def timeline_rows(run: Run, spike: tuple[float, float], label: str, every_s: float, end_s: float) -> list[list[str]]:
-    """Per interval: load, the adaptive window's range, the breaker's states, P99 wait and TTFT by arrival."""
+def intervals(
+    timeline: Sequence[tuple[float, float, str]], spike: tuple[float, float], label: str, every_s: float, end_s: float
+) -> Iterator[tuple[float, float, list[str]]]:
+    """Each `every_s` interval up to `end_s` that holds a sample of `timeline` ((time s, window s, breaker state)):
+    its start, its end and a timeline row's first cells: the interval, the load (`label` inside `spike`), the
+    window's range in ms and the breaker's states."""
     order = [s.value for s in BreakerState]
-    rows = []
     for k in range(math.ceil(end_s / every_s)):
         start, end = k * every_s, (k + 1) * every_s
-        inside = [(w, s) for t, w, s in run.timeline if start <= t < end]
+        inside = [(w, s) for t, w, s in timeline if start <= t < end]
         if not inside:
             continue
         low, high = min(w for w, _ in inside), max(w for w, _ in inside)
-        n, wait, ttft = p99s_ms(run, start, end)
-        rows.append(
+        yield (
+            start,
+            end,
             [
                 f"{start:.0f}–{end:.0f}",
                 label if spike[0] <= start < spike[1] else "",
                 f"{low * 1e3:.0f}–{high * 1e3:.0f}" if high - low >= 5e-4 else f"{low * 1e3:.0f}",
                 ", ".join(sorted({s for _, s in inside}, key=order.index)),
-                str(n),
-                f"{wait:,.0f}" if n else "-",
-                f"{ttft:,.0f}" if n else "-",
-            ]
+            ],
         )
+
+
+def timeline_rows(run: Run, spike: tuple[float, float], label: str, every_s: float, end_s: float) -> list[list[str]]:
+    """Per interval: load, the adaptive window's range, the breaker's states, P99 wait and TTFT by arrival."""
+    rows = []
+    for start, end, cells in intervals(run.timeline, spike, label, every_s, end_s):
+        n, wait, ttft = p99s_ms(run, start, end)
+        rows.append([*cells, str(n), f"{wait:,.0f}" if n else "-", f"{ttft:,.0f}" if n else "-"])
     return rows
 
 
@@ -251,27 +260,48 @@ def transition_rows(transitions: Sequence[BreakerTransition]) -> list[list[str]]
     return [[f"{t.at_s:.2f}", f"{t.source} → {t.target}", t.reason] for t in transitions]
 
 
-def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="shorter phases: 10 s before, 10 s spike, 25 s after")
+def counts_text(counts: Mapping[str, int]) -> str:
+    """Breaker transitions by kind, `none` when there were none."""
+    return ", ".join(f"{kind} {n}" for kind, n in counts.items()) or "none"
+
+
+def parse_options(
+    argv: Sequence[str] | None, doc: str | None, phases_s: Mapping[str, tuple[float, float, float]], load: float
+) -> tuple[argparse.Namespace, tuple[float, float, float]]:
+    """The spike benches' flags (`--quick`, `--seed`, `--load` defaulting to `load`, `--spike`) and the run's
+    phases, `phases_s`'s quick or full ones; a usage error for a load or spike that is not a positive number."""
+    before_s, spike_s, after_s = phases_s["quick"]
+    quick = f"shorter phases: {before_s:g} s before, {spike_s:g} s spike, {after_s:g} s after"
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--seed", type=int, default=1, help="seed of the Poisson arrivals (default 1)")
-    parser.add_argument("--load", type=float, default=UTILISATION, help=f"steady load (default {UTILISATION})")
+    parser.add_argument("--load", type=float, default=load, help=f"steady load (default {load})")
     parser.add_argument("--spike", type=float, default=SPIKE, help=f"spike over steady rate (default {SPIKE:g})")
     args = parser.parse_args(argv)
     if not (0 < args.load and 0 < args.spike and math.isfinite(args.load * args.spike)):
         parser.error("--load and --spike must be positive numbers")
-    phases_s = PHASES_S["quick" if args.quick else "full"]
+    return args, phases_s["quick" if args.quick else "full"]
+
+
+def model_runs(
+    requests: Sequence[tuple[float, int, int]], settings: BatchWindowSettings
+) -> tuple[dict[str, Run], AdaptiveBatchWindow]:
+    """`requests` served by the engine model through the fixed window (the adaptive one's maximum) and through
+    the adaptive window with `settings`, by name; and that adaptive window, for its breaker's record."""
+    clock = SimClock()
+    adaptive = AdaptiveBatchWindow(settings, clock=clock)
+    fixed = serve(requests, FixedWindow(settings.max_window_s), SimClock())
+    return {"fixed": fixed, "adaptive": serve(requests, adaptive, clock)}, adaptive
+
+
+def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) -> None:
+    args, phases_s = parse_options(argv, __doc__, PHASES_S, UTILISATION)
     before_s, spike_s, after_s = phases_s
     spike_end, end_s = before_s + spike_s, before_s + spike_s + after_s
     requests = arrivals(phases_s, args.load, args.spike, args.seed)
     settings = BatchWindowSettings()
-    clock = SimClock()
-    adaptive = AdaptiveBatchWindow(settings, clock=clock)
-    runs = {
-        "fixed": serve(requests, FixedWindow(settings.max_window_s), SimClock()),
-        "adaptive": serve(requests, adaptive, clock),
-        "none": serve(requests, FixedWindow(0.0), SimClock()),
-    }
+    runs, adaptive = model_runs(requests, settings)
+    runs["none"] = serve(requests, FixedWindow(0.0), SimClock())
     phases = [
         (f"before (steady {args.load:.0%})", 0.0, before_s),
         (f"spike ({args.spike:g}×)", before_s, spike_end),
@@ -312,8 +342,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     header = ("t s", "load", "window ms", "breaker", "requests", "P99 wait ms", "P99 TTFT ms")
     out(table(header, timeline_rows(runs["adaptive"], (before_s, spike_end), f"{args.spike:g}×", every, end_s)))
     out("")
-    counts = ", ".join(f"{kind} {n}" for kind, n in adaptive.transition_counts().items()) or "none"
-    out(f"breaker transitions ({counts}):")
+    out(f"breaker transitions ({counts_text(adaptive.transition_counts())}):")
     out("")
     out(table(("t s", "transition", "why"), transition_rows(adaptive.transitions)))
 

@@ -27,7 +27,6 @@ shows both).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import tempfile
@@ -39,20 +38,20 @@ from pathlib import Path
 import httpx
 from batch_window import (  # bench/batch_window.py: this script's directory is the first entry of sys.path
     GPU,
-    SPIKE,
-    FixedWindow,
     Run,
-    SimClock,
     arrivals,
+    counts_text,
+    intervals,
+    model_runs,
     p99s_ms,
+    parse_options,
     ratio,
-    serve,
     table,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from prismlb.demo import free_port, spawn, stop
-from prismlb.otel import AdaptiveBatchWindow, BatchWindowSettings, BreakerState
+from prismlb.demo import free_port, spawn, stop, wait_healthy
+from prismlb.otel import BatchWindowSettings
 from prismlb.semantics import quantile
 from prismlb.sim._engine import CHARS_PER_TOKEN, MODEL_NAME
 
@@ -172,19 +171,6 @@ async def drive(url: str, requests: Sequence[tuple[float, int, int]]) -> Live:
     return live
 
 
-def wait_ready(url: str, proc_alive: Callable[[], bool], log: Path) -> None:
-    """Until the engine answers `/health`; SystemExit with its log if it exits or never answers."""
-    deadline = time.monotonic() + START_LIMIT_S
-    while time.monotonic() < deadline and proc_alive():
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise SystemExit(f"the engine at {url} did not start:\n{log.read_text(errors='replace')}")
-
-
 def run_engine(window: str, requests: Sequence[tuple[float, int, int]], logs: Path) -> Live:
     """One engine process with `window`, loaded with `requests`, stopped afterwards."""
     port = free_port()
@@ -193,7 +179,8 @@ def run_engine(window: str, requests: Sequence[tuple[float, int, int]], logs: Pa
     proc = spawn(args, log)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_ready(url, lambda: proc.poll() is None, log)
+        if not wait_healthy(f"{url}/health", proc, time.monotonic() + START_LIMIT_S):
+            raise SystemExit(f"the engine at {url} did not start:\n{log.read_text(errors='replace')}")
         return asyncio.run(drive(url, requests))
     finally:
         stop([proc])
@@ -229,39 +216,20 @@ def timeline_rows(
 ) -> list[list[str]]:
     """Per interval until the last arrival: load, the adaptive engine's window range and breaker states, P99 TTFT
     by arrival of both engines."""
-    order = [s.value for s in BreakerState]
     adaptive = runs["adaptive"]
-    rows = []
-    for k in range(math.ceil(end_s / every_s)):
-        start, end = k * every_s, (k + 1) * every_s
-        inside = [(w, s) for t, w, s in adaptive.timeline if start <= t < end]
-        if not inside:
-            continue
-        low, high = min(w for w, _ in inside), max(w for w, _ in inside)
-        rows.append(
-            [
-                f"{start:.0f}–{end:.0f}",
-                label if spike[0] <= start < spike[1] else "",
-                f"{low * 1e3:.0f}–{high * 1e3:.0f}" if high - low >= 5e-4 else f"{low * 1e3:.0f}",
-                ", ".join(sorted({s for _, s in inside}, key=order.index)),
-                str(sum(1 for at, _ in adaptive.ttfts if start <= at < end)),
-                ms(p99_ms(runs["fixed"], start, end)),
-                ms(p99_ms(adaptive, start, end)),
-            ]
-        )
-    return rows
+    return [
+        [
+            *cells,
+            str(sum(1 for at, _ in adaptive.ttfts if start <= at < end)),
+            ms(p99_ms(runs["fixed"], start, end)),
+            ms(p99_ms(adaptive, start, end)),
+        ]
+        for start, end, cells in intervals(adaptive.timeline, spike, label, every_s, end_s)
+    ]
 
 
 def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="shorter phases: 1 s before, 1 s spike, 2 s after")
-    parser.add_argument("--seed", type=int, default=1, help="seed of the Poisson arrivals (default 1)")
-    parser.add_argument("--load", type=float, default=LOAD, help=f"steady load (default {LOAD})")
-    parser.add_argument("--spike", type=float, default=SPIKE, help=f"spike over steady rate (default {SPIKE:g})")
-    args = parser.parse_args(argv)
-    if not (0 < args.load and 0 < args.spike and math.isfinite(args.load * args.spike)):
-        parser.error("--load and --spike must be positive numbers")
-    phases_s = PHASES_S["quick" if args.quick else "full"]
+    args, phases_s = parse_options(argv, __doc__, PHASES_S, LOAD)
     rates = (args.load, args.spike, args.seed)
     before_s, spike_s, after_s = phases_s
     spike_end, end_s = before_s + spike_s, before_s + spike_s + after_s
@@ -269,12 +237,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     settings = BatchWindowSettings()
     with tempfile.TemporaryDirectory(prefix="prism-batch-window-") as logs:
         runs = {window: run_engine(window, requests, Path(logs)) for window in WINDOWS}
-    clock = SimClock()
-    model_window = AdaptiveBatchWindow(settings, clock=clock)
-    models = {
-        "fixed": serve(requests, FixedWindow(settings.max_window_s), SimClock()),
-        "adaptive": serve(requests, model_window, clock),
-    }
+    models, model_window = model_runs(requests, settings)
     half = after_s / 2
     phases = [
         (f"before (steady {args.load:.0%})", 0.0, before_s),
@@ -322,8 +285,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     every = 1.0 if args.quick else 2.0
     out(table(header, timeline_rows(runs, (before_s, spike_end), f"{args.spike:g}×", every, end_s)))
     out("")
-    counts = ", ".join(f"{kind} {n}" for kind, n in adaptive.transitions.items()) or "none"
-    model_counts = ", ".join(f"{kind} {n}" for kind, n in model_window.transition_counts().items()) or "none"
+    counts, model_counts = counts_text(adaptive.transitions), counts_text(model_window.transition_counts())
     out(f"breaker transitions read from the adaptive engine's /metrics: {counts}; the model alone: {model_counts}")
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from prismlb.agent._kv_events import KvChanges
 from prismlb.agent._kv_stream import KvStream
 from prismlb.brain import Brain, BrainConfig
+from prismlb.demo import free_port
 from prismlb.router import Router
 from prismlb.semantics import quantile
 from prismlb.wire import BrainAddress, NodeMetrics, NodeVector, VectorSender
@@ -34,12 +34,6 @@ from prismlb.wire import BrainAddress, NodeMetrics, NodeVector, VectorSender
 BUDGET_P99_MS = 100.0
 CHANGE_EVERY_S = 0.05
 FIRST_HASH = 1 << 40
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _Engine:
@@ -135,9 +129,9 @@ class _StampedRouter(Router):
 def run(routers: int, changes: int) -> tuple[float, float, float, int, int]:
     """p50, p99 and max ms from an engine change to each router's index, and (seen, expected) counts."""
     config = BrainConfig(
-        ingest=f"tcp://127.0.0.1:{_free_port()}",
-        updates=f"tcp://127.0.0.1:{_free_port()}",
-        snapshot=f"tcp://127.0.0.1:{_free_port()}",
+        ingest=f"tcp://127.0.0.1:{free_port()}",
+        updates=f"tcp://127.0.0.1:{free_port()}",
+        snapshot=f"tcp://127.0.0.1:{free_port()}",
         train_budget_s=0.0,
         admin_port=0,
     )

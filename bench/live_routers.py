@@ -61,6 +61,7 @@ from prismlb.demo import (
     signals_interrupt,
     spawn,
     stop,
+    wait_healthy,
 )
 from prismlb.router import Router, Settings
 from prismlb.sim._engine import MODEL_NAME
@@ -174,19 +175,6 @@ def peer_args(contender: Contender, cluster: Cluster, port: int, debug: bool = F
     return args
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, limit_s: float) -> bool:
-    """Whether GET `url` answers 200 within `limit_s` (False at once when `proc` exits)."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            return False
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return True
-        time.sleep(0.2)
-    return False
-
-
 def log_tail(path: Path, lines: int = 6) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
@@ -223,7 +211,7 @@ def run_one(
         stack.callback(lambda: stop([*procs, *cluster.procs()]))
         cluster.start(prism=contender.package is None)
         for node in cluster.nodes:
-            if not wait_healthy(f"{node.url}/health", node.engine, STARTUP_LIMIT_S):
+            if not wait_healthy(f"{node.url}/health", node.engine, time.monotonic() + STARTUP_LIMIT_S):
                 outcome.problem = f"engine {node.node_id} did not start: {cluster.log_tail(4)}"
                 return outcome
         router: Router | None = None
@@ -242,7 +230,7 @@ def run_one(
             log = logs / "router.log"
             peer = spawn(peer_args(contender, cluster, port, debug), log, executable=str(python))
             procs.append(peer)
-            if not wait_healthy(f"http://127.0.0.1:{port}/health", peer, STARTUP_LIMIT_S):
+            if not wait_healthy(f"http://127.0.0.1:{port}/health", peer, time.monotonic() + STARTUP_LIMIT_S):
                 outcome.problem = f"did not start within {STARTUP_LIMIT_S:.0f} s: {log_tail(log)}"
                 return outcome
             limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)

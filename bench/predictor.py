@@ -2,7 +2,7 @@
 inference time for 1,000 nodes.
 
 Run: .venv/bin/python bench/predictor.py [--steps 3000] [--nodes 8]
-Accuracy: each trace is replayed over `--nodes` nodes in 5 s windows (`prismlb.brain._trace_replay`, a
+Accuracy: each trace is replayed over `--nodes` nodes in 5 s windows (`prismlb.sim._trace_replay`, a
 trace-driven queueing approximation); both models train on the first 60% of the windows for `--steps`
 minibatches and all four predictors are scored on the held-out last 40%, the same windows for each.
 Baseline (same run): EWMA (α = 0.5, the predictor's default); the best α of a sweep on the held-out windows
@@ -20,7 +20,8 @@ import torch
 
 from prismlb.brain._features import NODE_FEATURES, series_p99_ms
 from prismlb.brain._predictor import PREDICTORS, Lstm, LstmAttention, Predictor, PredictorConfig, parameter_count
-from prismlb.brain._trace_replay import (
+from prismlb.semantics import ENGINE_LATENCY_KEY
+from prismlb.sim._trace_replay import (
     AZURE_CONV,
     MOONCAKE_CONVERSATION,
     ReplayConfig,
@@ -29,7 +30,6 @@ from prismlb.brain._trace_replay import (
     read_mooncake,
     replay,
 )
-from prismlb.semantics import ENGINE_LATENCY_KEY
 from prismlb.wire import NodeVector
 
 TRACES: dict[str, Callable[[], list[TraceRequest]]] = {

@@ -28,9 +28,10 @@ from typing import Any
 import zmq
 from uhashring import HashRing  # type: ignore[import-untyped]
 
+from prismlb.demo import free_port
 from prismlb.router import Request, Ring, Router, Settings, prefix_key
 from prismlb.semantics import quantile
-from prismlb.sim import BLOCK_TOKENS, MOONCAKE_TRACE, traces_dir
+from prismlb.sim import BLOCK_TOKENS, MOONCAKE_TRACE, mooncake_tokens, traces_dir
 from prismlb.wire import (
     BrainAddress,
     RejectCounter,
@@ -375,7 +376,7 @@ def propagation_section(
 ) -> tuple[float, float, float]:
     """p50, p99 and max ms from publish() to each of `subscribers` having the table."""
     ctx = zmq.Context()
-    updates, snapshot = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(2))
+    updates, snapshot = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     publisher = TablePublisher(ctx, updates, snapshot, RejectCounter("bench-brain", logging.getLogger("bench")))
     nodes = cluster(100, seed=4, prefix="prop")
     publisher.publish(table(nodes, version=1))
@@ -427,14 +428,6 @@ def propagation_section(
     if len(latencies) != expected:
         print(f"(only {len(latencies)} of {expected} deliveries arrived)")
     return quantile(latencies, 0.5), quantile(latencies, 0.99), max(latencies)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def propagation(quick: bool) -> None:
@@ -533,10 +526,9 @@ def mooncake_section(quick: bool) -> None:
         rows = rows[:3000]
 
     def prompt(row: dict[str, object], limit: int) -> list[int]:
-        """The first `limit` tokens, each 512-token block's tokens derived from its hash id."""
+        """The first `limit` tokens of the row's prompt."""
         ids: list[int] = row["hash_ids"]  # type: ignore[assignment]
-        length = min(int(row["input_length"]), limit)  # type: ignore[call-overload]
-        return [ids[t // TRACE_BLOCK] * TRACE_BLOCK + t % TRACE_BLOCK for t in range(length)]
+        return mooncake_tokens(ids, min(int(row["input_length"]), limit))  # type: ignore[call-overload]
 
     first_block = [prefix_key(prompt(r, TRACE_BLOCK), block_size=TRACE_BLOCK, prefix_tokens=TRACE_BLOCK) for r in rows]
     prism = [prefix_key(prompt(r, 1024)) for r in rows]

@@ -48,7 +48,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from prismlb.agent._engine import histogram_quantile
-from prismlb.demo import free_port, llm_nodes, percentile, signals_interrupt, spawn, stop
+from prismlb.demo import free_port, llm_nodes, log_tails, percentile, signals_interrupt, spawn, stop, wait_healthy
 from prismlb.otel import DirectorySnapshotStore, SessionSnapshot, context_hash
 from prismlb.router import CONTEXT_HEADER, SESSION_HEADER, AsyncPrismTransport, Router
 from prismlb.sim._engine import BLOCK_SIZE_TOKENS, CHARS_PER_TOKEN, MODEL_NAME
@@ -282,15 +282,6 @@ async def drive(router: Router, outcome: Outcome, scale: Scale, seed: int, admin
                 turn.error, turn.end_s = f"unfinished {DRAIN_LIMIT_S:g} s after the end", time.monotonic() - start
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline: float) -> bool:
-    while time.monotonic() < deadline and proc.poll() is None:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return True
-        time.sleep(0.1)
-    return False
-
-
 def histogram(texts: Sequence[str], name: str) -> list[tuple[float, float]]:
     """A histogram's cumulative buckets summed over several `/metrics` expositions (Prometheus's parser)."""
     counts: dict[float, float] = {}
@@ -313,14 +304,6 @@ def by_label(texts: Sequence[str], name: str, label: str) -> dict[str, int]:
                     key = sample.labels.get(label, "")
                     out[key] = out.get(key, 0) + int(sample.value)
     return out
-
-
-def log_tails(logs: Path, lines: int = 6) -> str:
-    """The last lines of every process's log, for a run that could not start."""
-    parts = []
-    for path in sorted(logs.glob("*.log")):
-        parts.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
-    return "\n".join(parts)
 
 
 def run(variant: str, scale: Scale, seed: int, logs: Path) -> Outcome:
@@ -364,8 +347,8 @@ def run(variant: str, scale: Scale, seed: int, logs: Path) -> Outcome:
                 procs.insert(0, spawn(agent, logs / f"agent-{node}.log"))
         deadline = time.monotonic() + START_LIMIT_S
         for node, url, engine in engines:
-            if not wait_healthy(url, engine, deadline):
-                outcome.problem = f"engine {node} did not start\n{log_tails(logs)}"
+            if not wait_healthy(f"{url}/health", engine, deadline):
+                outcome.problem = f"engine {node} did not start\n{log_tails(logs, 6)}"
                 return outcome
         router = stack.enter_context(Router.connect(address))
         while time.monotonic() < deadline:
@@ -376,7 +359,7 @@ def run(variant: str, scale: Scale, seed: int, logs: Path) -> Outcome:
         wanted = {node for node, _, _ in engines}
         while {n.node_id for n in llm_nodes(router.table)} != wanted or not has_arms(router.table, CANARY):
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                outcome.problem = f"no routing table with every node and the canary\n{log_tails(logs)}"
+                outcome.problem = f"no routing table with every node and the canary\n{log_tails(logs, 6)}"
                 return outcome
             time.sleep(0.1)
         asyncio.run(drive(router, outcome, scale, seed, admin, token_file))

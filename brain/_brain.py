@@ -110,6 +110,9 @@ class Brain:
             registry=self.metrics,
         ).set_function(lambda: self._receiver.backlog if self._receiver is not None else 0)
         self._published = Counter("prism_brain_tables_published", "Routing tables published", registry=self.metrics)
+        self._cycles = Counter(
+            "prism_brain_cycles", "Routing cycles run, held ones included (the brain is alive)", registry=self.metrics
+        )
         Gauge("prism_brain_nodes", "Live nodes", registry=self.metrics).set_function(lambda: len(self.registry.nodes))
         Gauge("prism_brain_table_version", "Version of the current table", registry=self.metrics).set_function(
             lambda: self.tables.version
@@ -393,6 +396,7 @@ class Brain:
 
     def cycle(self, now: float) -> RoutingTable | None:
         """Expire silent nodes and build a new table if routing changed."""
+        self._cycles.inc()
         for node_id in self.registry.expire(now):
             self.predictor.forget(node_id)
         if not self.hold.check(now, self.registry.nodes):

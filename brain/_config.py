@@ -18,6 +18,7 @@ from prismlb.service import (
     SettingParser,
     SettingTable,
     parse_listen_address,
+    parse_number,
     parse_port,
     parse_text,
 )
@@ -72,12 +73,7 @@ class BrainConfig:
 
 
 def _number(what: str, raw: object) -> float:
-    try:
-        if isinstance(raw, bool):
-            raise ValueError
-        return float(str(raw))
-    except ValueError:
-        raise ValueError(f"{what} must be a number, got {raw!r}") from None
+    return parse_number(raw, float, f"{what} must be a number, got {raw!r}")
 
 
 def _at_least(what: str, minimum: float) -> SettingParser:

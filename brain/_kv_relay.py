@@ -22,9 +22,10 @@ import logging
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prismlb.service import kind_counter
 from prismlb.wire import MAX_KV_DELTA_BLOCKS, KvBlocks, KvDelta, KvSnapshotEnd, encode
 
 _log = logging.getLogger("prism.brain.kv")
@@ -258,12 +259,7 @@ class KvRelayCollector(Collector):
         self._relay = relay
 
     def collect(self) -> Iterator[Metric]:
-        counts = CounterMetricFamily(
-            "prism_brain_kv", "KV relay events by kind (see brain/_kv_relay.py)", labels=["kind"]
-        )
-        for kind, value in sorted(self._relay.counts.items()):
-            counts.add_metric([kind], value)
-        yield counts
+        yield kind_counter("prism_brain_kv", "KV relay events by kind (see brain/_kv_relay.py)", self._relay.counts)
         yield GaugeMetricFamily(
             "prism_brain_kv_blocks", "Prism block hashes held over all nodes", value=self._relay.total
         )

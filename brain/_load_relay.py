@@ -27,9 +27,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prismlb.service import kind_counter
 from prismlb.wire import ClusterLoad, Placed, RouterLoad
 
 EXPIRY_S = 2.0
@@ -168,12 +169,9 @@ class LoadRelayCollector(Collector):
         self._relay = relay
 
     def collect(self) -> Iterator[Metric]:
-        counts = CounterMetricFamily(
-            "prism_brain_router_load", "Router load relay events by kind (see brain/_load_relay.py)", labels=["kind"]
+        yield kind_counter(
+            "prism_brain_router_load", "Router load relay events by kind (see brain/_load_relay.py)", self._relay.counts
         )
-        for kind, value in sorted(self._relay.counts.items()):
-            counts.add_metric([kind], value)
-        yield counts
         yield GaugeMetricFamily(
             "prism_brain_router_load_routers", "Routers whose queued prefill is in the sums", value=self._relay.routers
         )

@@ -21,7 +21,17 @@ requests, the process helpers to start and stop their own children.
 
 from ._cli import add_parser
 from ._load import DRAIN_LIMIT_S, Demo
-from ._processes import Cluster, die_with_parent, free_port, metric, signals_interrupt, spawn, stop
+from ._processes import (
+    Cluster,
+    die_with_parent,
+    free_port,
+    log_tails,
+    metric,
+    signals_interrupt,
+    spawn,
+    stop,
+    wait_healthy,
+)
 from ._results import UNFINISHED, llm_nodes, moved_keys
 from ._run import DEFAULT_LOAD, DEFAULT_NODES, SLOW_S, TIME_SCALE_RANGE
 from ._view import percentile
@@ -49,6 +59,7 @@ __all__ = [
     "free_port",
     "llm_nodes",
     "load_requests",
+    "log_tails",
     "metric",
     "moved_keys",
     "percentile",
@@ -58,4 +69,5 @@ __all__ = [
     "signals_interrupt",
     "spawn",
     "stop",
+    "wait_healthy",
 ]

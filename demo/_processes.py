@@ -68,6 +68,31 @@ def stop(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 5.0) -> No
             proc.wait()
 
 
+def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, deadline: float) -> bool:
+    """Whether GET `url` answers 200 before `deadline` (`time.monotonic()`): a child started is not a child
+    serving. False as soon as `proc`, the child behind `url`, exits: waiting longer cannot help then."""
+    import httpx  # the demo's and the benches' client; `prism` itself runs without it
+
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return False
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return True
+        time.sleep(0.1)
+    return False
+
+
+def log_tails(logs: Path, lines: int = 8) -> str:
+    """The last `lines` lines of every child's log in `logs`, each under its file name: what to show when a
+    child did not start or exited."""
+    out = []
+    for path in sorted(logs.glob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {path.name}\n" + "\n".join(tail))
+    return "\n".join(out)
+
+
 def raise_interrupt(_signum: int, _frame: object) -> None:
     """A signal handler that stops the main thread as Ctrl-C does."""
     raise KeyboardInterrupt
@@ -231,11 +256,7 @@ class Cluster:
         stop(self.procs())
 
     def log_tail(self, lines: int = 8) -> str:
-        out = []
-        for path in sorted(self.logs.glob("*.log")):
-            tail = path.read_text(errors="replace").splitlines()[-lines:]
-            out.append(f"--- {path.name}\n" + "\n".join(tail))
-        return "\n".join(out)
+        return log_tails(self.logs, lines)
 
 
 def metric(text: str, name: str) -> float | None:

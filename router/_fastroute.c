@@ -508,6 +508,13 @@ static void delete_slot(BlockIndex *x, Slot *s) {
     x->used--;
 }
 
+/* PyMem_Realloc that raises MemoryError when it fails (`array` is then left as it was). */
+static void *regrown(void *array, size_t bytes) {
+    void *grown = PyMem_Realloc(array, bytes);
+    if (grown == NULL) PyErr_NoMemory();
+    return grown;
+}
+
 /* A new empty set of room `cap`: its index, or -1. */
 static int64_t new_set(BlockIndex *x, uint32_t cap) {
     if (x->nfree == 0 && x->nsets == x->sets_cap) {
@@ -516,17 +523,11 @@ static int64_t new_set(BlockIndex *x, uint32_t cap) {
             PyErr_NoMemory();
             return -1;
         }
-        Set **sets = PyMem_Realloc(x->sets, sizeof(Set *) * grown);
-        if (sets == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
+        Set **sets = regrown(x->sets, sizeof(Set *) * grown);
+        if (sets == NULL) return -1;
         x->sets = sets;
-        uint32_t *free_sets = PyMem_Realloc(x->free_sets, sizeof(uint32_t) * grown);
-        if (free_sets == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
+        uint32_t *free_sets = regrown(x->free_sets, sizeof(uint32_t) * grown);
+        if (free_sets == NULL) return -1;
         x->free_sets = free_sets;
         x->sets_cap = grown;
     }
@@ -583,11 +584,8 @@ static int add(BlockIndex *x, uint64_t block, uint32_t ord, uint32_t flag, Holde
         uint32_t at = set_position(set, ord, &found);
         if (!found) {
             if (set->len == set->cap) {
-                Set *grown = PyMem_Realloc(set, sizeof(Set) + sizeof(Holder) * (size_t)set->cap * 2);
-                if (grown == NULL) {
-                    PyErr_NoMemory();
-                    return -1;
-                }
+                Set *grown = regrown(set, sizeof(Set) + sizeof(Holder) * (size_t)set->cap * 2);
+                if (grown == NULL) return -1;
                 set = x->sets[s->h.seq] = grown;
                 set->cap *= 2;
             }
@@ -659,11 +657,8 @@ static int64_t ordinal(BlockIndex *x, PyObject *id, int create) {
         }
         if (x->nnodes == x->nodes_cap) {
             uint32_t grown = x->nodes_cap ? (x->nodes_cap > ORDINAL / 2 ? ORDINAL : x->nodes_cap * 2) : 16;
-            Node *nodes = PyMem_Realloc(x->nodes, sizeof(Node) * grown);
-            if (nodes == NULL) {
-                PyErr_NoMemory();
-                return -2;
-            }
+            Node *nodes = regrown(x->nodes, sizeof(Node) * grown);
+            if (nodes == NULL) return -2;
             x->nodes = nodes;
             x->nodes_cap = grown;
         }
@@ -782,10 +777,9 @@ static int forget(BlockIndex *x, uint32_t ord, uint32_t which) {
         if (h == NULL || !(h->who & which)) continue;
         if (n == cap) {
             cap = cap ? cap * 2 : 256;
-            uint64_t *grown = PyMem_Realloc(blocks, sizeof(uint64_t) * cap);
+            uint64_t *grown = regrown(blocks, sizeof(uint64_t) * cap);
             if (grown == NULL) {
                 PyMem_Free(blocks);
-                PyErr_NoMemory();
                 return -1;
             }
             blocks = grown;
@@ -800,19 +794,6 @@ static int forget(BlockIndex *x, uint32_t ord, uint32_t which) {
     return 0;
 }
 
-/* The shared start of stored/removed/reset: the node id and the hashes, converted. */
-static uint64_t *node_and_hashes(PyObject *args, const char *format, PyObject **id, Py_ssize_t *n) {
-    PyObject *node, *blocks;
-    if (!PyArg_ParseTuple(args, format, &node, &blocks)) return NULL;
-    uint64_t *hashes = hashes_of(blocks, n); /* first: it may run Python code, ordinal() must not precede it */
-    if (hashes == NULL) return NULL;
-    if ((*id = node_id(node)) == NULL) {
-        PyMem_Free(hashes);
-        return NULL;
-    }
-    return hashes;
-}
-
 /* HELD on node `ord`'s holder of each block. */
 static int store(BlockIndex *x, uint32_t ord, const uint64_t *hashes, Py_ssize_t n) {
     Holder *h;
@@ -821,48 +802,57 @@ static int store(BlockIndex *x, uint32_t ord, const uint64_t *hashes, Py_ssize_t
     return 0;
 }
 
-static PyObject *BlockIndex_stored(BlockIndex *x, PyObject *args) {
-    PyObject *id;
-    Py_ssize_t n;
-    uint64_t *hashes = node_and_hashes(args, "OO:stored", &id, &n);
-    if (hashes == NULL) return NULL;
-    int64_t ord = n > 0 ? ordinal(x, id, 1) : -1;
-    int ok = ord != -2 && (n == 0 || store(x, (uint32_t)ord, hashes, n) == 0);
-    Py_DECREF(id);
-    PyMem_Free(hashes);
-    if (!ok) return NULL;
-    Py_RETURN_NONE;
+/* What stored/removed/reset do with node `id` and the hashes of its blocks: 0, or -1 with an exception set. */
+typedef int (*NodeBlocksOp)(BlockIndex *x, PyObject *id, const uint64_t *hashes, Py_ssize_t n);
+
+static int stored_op(BlockIndex *x, PyObject *id, const uint64_t *hashes, Py_ssize_t n) {
+    if (n == 0) return 0;
+    int64_t ord = ordinal(x, id, 1);
+    return ord == -2 ? -1 : store(x, (uint32_t)ord, hashes, n);
 }
 
-static PyObject *BlockIndex_removed(BlockIndex *x, PyObject *args) {
-    PyObject *id;
-    Py_ssize_t n;
-    uint64_t *hashes = node_and_hashes(args, "OO:removed", &id, &n);
-    if (hashes == NULL) return NULL;
+static int removed_op(BlockIndex *x, PyObject *id, const uint64_t *hashes, Py_ssize_t n) {
     int64_t ord = ordinal(x, id, 0);
     for (Py_ssize_t i = 0; ord >= 0 && i < n; i++) {
         Slot *s = find_slot(x, hashes[i]);
         Holder *h = s == NULL ? NULL : find_holder(x, s, (uint32_t)ord);
         if (h != NULL) clear(x, s, h, HELD | CLAIMED);
     }
-    Py_DECREF(id);
-    PyMem_Free(hashes);
-    if (ord == -2) return NULL;
-    Py_RETURN_NONE;
+    return ord == -2 ? -1 : 0;
 }
 
-static PyObject *BlockIndex_reset(BlockIndex *x, PyObject *args) {
-    PyObject *id;
-    Py_ssize_t n;
-    uint64_t *hashes = node_and_hashes(args, "OO:reset", &id, &n);
-    if (hashes == NULL) return NULL;
+static int reset_op(BlockIndex *x, PyObject *id, const uint64_t *hashes, Py_ssize_t n) {
     int64_t ord = ordinal(x, id, n > 0);
     int ok = ord != -2 && (ord == -1 || x->nodes[ord].size == 0 || forget(x, (uint32_t)ord, HELD) == 0) &&
              (n == 0 || store(x, (uint32_t)ord, hashes, n) == 0);
-    Py_DECREF(id);
+    return ok ? 0 : -1;
+}
+
+/* stored/removed/reset's frame: the node id and the hashes converted, `op` run with them, both released. */
+static PyObject *node_blocks(BlockIndex *x, PyObject *args, const char *format, NodeBlocksOp op) {
+    PyObject *node, *blocks;
+    if (!PyArg_ParseTuple(args, format, &node, &blocks)) return NULL;
+    Py_ssize_t n;
+    uint64_t *hashes = hashes_of(blocks, &n); /* first: it may run Python code, ordinal() must not precede it */
+    if (hashes == NULL) return NULL;
+    PyObject *id = node_id(node);
+    int ok = id != NULL && op(x, id, hashes, n) == 0;
+    Py_XDECREF(id);
     PyMem_Free(hashes);
     if (!ok) return NULL;
     Py_RETURN_NONE;
+}
+
+static PyObject *BlockIndex_stored(BlockIndex *x, PyObject *args) {
+    return node_blocks(x, args, "OO:stored", stored_op);
+}
+
+static PyObject *BlockIndex_removed(BlockIndex *x, PyObject *args) {
+    return node_blocks(x, args, "OO:removed", removed_op);
+}
+
+static PyObject *BlockIndex_reset(BlockIndex *x, PyObject *args) {
+    return node_blocks(x, args, "OO:reset", reset_op);
 }
 
 static PyObject *BlockIndex_drop(BlockIndex *x, PyObject *node) {

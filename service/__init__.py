@@ -1,6 +1,7 @@
 """What every Prism service shares: settings resolved flag > variable > default, /metrics and its naming,
 systemd notification, logging, signals and the bounded queue worker."""
 
+from ._counters import kind_counter
 from ._exposition import MS_TO_S, NODE_FAMILIES, NodeFamily, node_families
 from ._service import MetricsServer, sd_notify, serve_metrics, setup_logging, stop_on_signals, watchdog_interval_s
 from ._settings import (
@@ -14,6 +15,7 @@ from ._settings import (
     SettingTable,
     parse_key_file,
     parse_listen_address,
+    parse_number,
     parse_port,
     parse_text,
     parse_zmq_endpoint,
@@ -35,9 +37,11 @@ __all__ = [
     "Setting",
     "SettingParser",
     "SettingTable",
+    "kind_counter",
     "node_families",
     "parse_key_file",
     "parse_listen_address",
+    "parse_number",
     "parse_port",
     "parse_text",
     "parse_zmq_endpoint",

@@ -38,6 +38,17 @@ def parse_text(raw: object) -> str:
     return raw
 
 
+def parse_number(raw: object, kind: type[int] | type[float], error: str) -> int | float:
+    """`raw` (text, or a TOML number) as a `kind`; ValueError(`error`) for anything else, a boolean too: TOML's
+    `true` is no number, though Python's `float(True)` would take it."""
+    try:
+        if isinstance(raw, bool):
+            raise ValueError
+        return kind(str(raw))
+    except ValueError:
+        raise ValueError(error) from None
+
+
 def parse_listen_address(raw: object) -> str:
     """A host name or IP address to listen on."""
     if not parse_text(raw):

@@ -156,6 +156,30 @@ def _agent_sources(
     ]
 
 
+def _agent_vector(
+    sampler: NodeSampler,
+    name: str,
+    endpoint: str,
+    labels: Mapping[str, str],
+    seq: int,
+    now: float,
+    period_s: float,
+) -> NodeVector:
+    """Vector `seq` of the simulated agent on host `name` (a node's or a whole host's): its sources read at `now`,
+    simulated time being the agent's clock since its start at 0."""
+    return to_vector(
+        sampler.tick(now),
+        node_id=name,
+        host=name,
+        endpoint=endpoint,
+        labels=labels,
+        seq=seq,
+        sample_time_unix_s=now,
+        period_s=period_s,
+        started_unix_s=0.0,
+    )
+
+
 def _le(bounds: Sequence[float]) -> tuple[frozenset[tuple[str, str]], ...]:
     """Each bucket's label set, +Inf last, as a histogram's `_bucket` samples carry them."""
     return (*(frozenset({("le", str(float(b)))}) for b in bounds), frozenset({("le", "+Inf")}))
@@ -263,17 +287,7 @@ class _Node:
         """What this node's agent sends now."""
         self.now = now
         self.seq += 1
-        return to_vector(
-            self.sampler.tick(now),
-            node_id=self.spec.name,
-            host=self.spec.name,
-            endpoint=self.info.address,
-            labels=self.labels,
-            seq=self.seq,
-            sample_time_unix_s=now,
-            period_s=period_s,
-            started_unix_s=0.0,
-        )
+        return _agent_vector(self.sampler, self.spec.name, self.info.address, self.labels, self.seq, now, period_s)
 
 
 class _View:

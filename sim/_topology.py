@@ -41,12 +41,12 @@ import numpy as np
 
 from prismlb.agent._gpu import _node_metrics
 from prismlb.agent._network import NetworkWindow, TcpCounts
-from prismlb.agent._node import NodeSampler, Reading, to_vector
+from prismlb.agent._node import NodeSampler, Reading
 from prismlb.agent._windows import SliceWindows
 from prismlb.router import PREFIX_TOKENS, Router, Settings
 from prismlb.wire import GpuState, NodeVector
 
-from ._cluster import Exposition, NodeSpec, Simulation, _agent_sources, _ModelScrape, _Node
+from ._cluster import Exposition, NodeSpec, Simulation, _agent_sources, _agent_vector, _ModelScrape, _Node
 from ._eval import _scaled, policy_factories
 from ._families import DEFAULT_REQUESTS, _Chain, _check, _lognormal, _poisson, _rank, _request, _zipf
 from ._model import GpuClass
@@ -181,17 +181,7 @@ class _HostAgent:
         """What the host's agent sends now."""
         self.now = now
         self.seq += 1
-        return to_vector(
-            self.sampler.tick(now),
-            node_id=self.spec.name,
-            host=self.spec.name,
-            endpoint=self.endpoint,
-            labels=self.labels,
-            seq=self.seq,
-            sample_time_unix_s=now,
-            period_s=period_s,
-            started_unix_s=0.0,
-        )
+        return _agent_vector(self.sampler, self.spec.name, self.endpoint, self.labels, self.seq, now, period_s)
 
 
 class TopologySimulation(Simulation):

@@ -12,7 +12,7 @@ import csv
 import itertools
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -75,6 +75,13 @@ def mooncake_conversation(limit: int | None = None) -> Workload:
     path = traces_dir() / MOONCAKE_TRACE
     source = f"kvcache-ai/Mooncake FAST25-release/traces/{path.name}; hash_ids as blocks, no session ids"
     return replace(load_trace(path, limit=limit), name="mooncake", source=source)
+
+
+def mooncake_tokens(hash_ids: Sequence[int], length: int) -> list[int]:
+    """The first `length` token ids of a Mooncake prompt, for what reads tokens rather than blocks (a router's
+    prefix key): each `BLOCK_TOKENS`-token block's tokens derived from its hash id, so equal ids give equal
+    blocks and the turns of a conversation share their prefix's tokens."""
+    return [hash_ids[t // BLOCK_TOKENS] * BLOCK_TOKENS + t % BLOCK_TOKENS for t in range(length)]
 
 
 def azure(kind: Literal["code", "conv"], limit: int | None = None) -> Workload:

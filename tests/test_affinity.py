@@ -23,7 +23,7 @@ from prismlb.router import (
     prefix_key,
     text_block_hashes,
 )
-from prismlb.sim import BLOCK_TOKENS, MOONCAKE_TRACE, traces_dir
+from prismlb.sim import BLOCK_TOKENS, MOONCAKE_TRACE, mooncake_tokens, traces_dir
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
 MOONCAKE = traces_dir() / MOONCAKE_TRACE
@@ -179,8 +179,7 @@ def mooncake_prompts() -> list[list[int]]:
     prompts = []
     for line in MOONCAKE.read_text().splitlines():
         row = json.loads(line)
-        length = min(row["input_length"], PREFIX_TOKENS)
-        prompts.append([row["hash_ids"][t // TRACE_BLOCK] * TRACE_BLOCK + t % TRACE_BLOCK for t in range(length)])
+        prompts.append(mooncake_tokens(row["hash_ids"], min(row["input_length"], PREFIX_TOKENS)))
     return prompts
 
 

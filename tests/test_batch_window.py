@@ -6,10 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,23 +16,17 @@ from prismlb.otel import AdaptiveBatchWindow, BatchWindowSettings, BreakerState
 from prismlb.semantics import quantile
 from prismlb.wire import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+from ._helpers_batch_window import quick_bench
+from .conftest import Clock
+
 OVER = 0.5
 """A latency over the 200 ms target."""
 UNDER = 0.05
 """A latency under it."""
 
 
-class Clock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def window(**settings: float) -> tuple[AdaptiveBatchWindow, Clock]:
-    clock = Clock()
+    clock = Clock(1000.0)
     return AdaptiveBatchWindow(BatchWindowSettings(**settings), clock=clock), clock  # type: ignore[arg-type]
 
 
@@ -256,7 +247,7 @@ def test_every_transition_is_logged(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_threads_reporting_at_once_lose_nothing() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     lock = threading.Lock()
 
     def tick() -> float:
@@ -284,20 +275,11 @@ def test_threads_reporting_at_once_lose_nothing() -> None:
 
 
 def test_a_quick_run_of_the_bench_prints_its_tables() -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "batch_window.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    text = done.stdout
-    assert "| phase (by arrival) | requests | P99 TTFT ms: fixed 200 ms | adaptive | fixed / adaptive |" in text
-    rows = re.findall(r"^\| (before|spike|after)[^|]*\| (\d+) \| ([\d,]+) \| ([\d,]+) \| (\d+\.\d\d)× \|", text, re.M)
+    text, rows = quick_bench("batch_window.py")
     assert len(rows) == 5
     for _, count, fixed, adaptive, ratio in rows:
-        assert int(count) > 0
-        assert float(ratio) == pytest.approx(int(fixed.replace(",", "")) / int(adaptive.replace(",", "")), abs=0.01)
+        assert count > 0
+        assert ratio == pytest.approx(fixed / adaptive, abs=0.01)
     assert "| t s | load | window ms | breaker |" in text
     assert re.search(r"^\| 1[0-9]–\d+ \| 3× \|", text, re.M), "the spike is marked in the timeline"
     assert "| closed → open | 3 batches in a row overran |" in text

@@ -10,7 +10,7 @@ import io
 import re
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -25,6 +25,7 @@ from prismlb.demo._run import Options, cluster_for, run
 from prismlb.demo._view import summary
 from prismlb.otel import BatchWindowSettings
 from prismlb.semantics import quantile
+from tests._helpers_http import QuietHandler
 from tests.conftest import wait_for
 
 TIME_SCALE = 0.1
@@ -148,18 +149,11 @@ def test_the_summary_shows_the_engines_window_breaker_transitions_and_the_ttft_p
     assert shown.group(4) == "closed->open 1, open->half_open 1, half_open->closed 1"
 
 
-class _Garbage(BaseHTTPRequestHandler):
+class _Garbage(QuietHandler):
     """An engine whose `/metrics` is not a Prometheus exposition."""
 
     def do_GET(self) -> None:
-        body = b"<html>metrics moved</html>\n"
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        """Quiet."""
+        self.reply(200, b"<html>metrics moved</html>\n")
 
 
 def test_a_metrics_page_that_is_not_an_exposition_is_counted_and_shown(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import pytest
 
 from prismlb.agent._engine import EngineCollector, EngineSample, LatencyQuantiles, histogram_quantile
 
+from ._helpers_http import QuietHandler
 from .conftest import free_port
 
 DATA = Path(__file__).parent / "data"
@@ -36,18 +37,11 @@ class MetricsServer:
         self.responses: list[tuple[int, bytes, float]] = []
         served = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 status, body, delay = served.responses.pop(0) if len(served.responses) > 1 else served.responses[0]
                 time.sleep(delay)
-                self.send_response(status)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
+                self.reply(status, body, "text/plain; version=0.0.4; charset=utf-8")
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True

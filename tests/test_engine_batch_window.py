@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,21 +20,11 @@ from prismlb.otel import BatchWindowSettings, BreakerState
 from prismlb.sim import PROFILES, EmulatedEngine
 from prismlb.sim._engine import CHARS_PER_TOKEN
 
-from .conftest import wait_for
+from ._helpers_batch_window import quick_bench
+from .conftest import Clock, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = BatchWindowSettings()
 PREFILL = PROFILES["h100"].prefill_tokens_per_s
-
-
-class Clock:
-    """The engine's wall clock, moved by the test."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def engine_on(clock: Clock, batch_window: BatchWindowSettings | float | None) -> contextlib.closing[EmulatedEngine]:
@@ -79,7 +67,7 @@ def state(engine: EmulatedEngine) -> str:
 
 
 def test_requests_gather_for_the_window_then_go_to_the_model_together() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     with engine_on(clock, SETTINGS) as engine:
         start = clock.now
         first = engine.submit(prompt(1, 100), {}, 1)
@@ -103,7 +91,7 @@ def test_requests_gather_for_the_window_then_go_to_the_model_together() -> None:
 
 
 def test_the_window_shrinks_while_waits_are_over_target() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     with engine_on(clock, SETTINGS) as engine:
         start = clock.now
         streams = [engine.submit(prompt(i, 4000), {}, 1) for i in range(6)]  # 200 ms of prefill each, in a queue
@@ -118,7 +106,7 @@ def test_the_window_shrinks_while_waits_are_over_target() -> None:
 
 
 def test_overruns_open_the_breaker_then_a_passing_trial_closes_it() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     with engine_on(clock, SETTINGS) as engine:
         for i in range(3):  # three batches of one 8,000-token prompt: 400 ms from hand-over to first token
             engine.submit(prompt(i, 8000), {}, 1)
@@ -157,7 +145,7 @@ def test_overruns_open_the_breaker_then_a_passing_trial_closes_it() -> None:
 
 
 def test_a_fixed_window_gathers_without_a_breaker() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     with engine_on(clock, 0.3) as engine:
         streams = []
         for i in range(3):  # batches of 400 ms: overruns, which a fixed window does not heed
@@ -170,7 +158,7 @@ def test_a_fixed_window_gathers_without_a_breaker() -> None:
 
 
 def test_without_a_window_requests_go_straight_to_the_model_and_no_window_metrics() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     with engine_on(clock, None) as engine:
         stream = engine.submit(prompt(1, 100), {}, 1)
         assert stream.job.admitted_s == clock.now
@@ -178,7 +166,7 @@ def test_without_a_window_requests_go_straight_to_the_model_and_no_window_metric
 
 
 def test_a_prompt_too_large_for_the_cache_is_refused_at_submit() -> None:
-    with engine_on(Clock(), SETTINGS) as engine:
+    with engine_on(Clock(1000.0), SETTINGS) as engine:
         with pytest.raises(ValueError, match="exceed the KV cache"):
             engine.submit(prompt(1, 500_000), {}, 1)
         assert value(engine, "vllm:num_requests_waiting") == 0
@@ -225,20 +213,10 @@ def test_the_engine_process_admits_through_its_window() -> None:
 
 
 def test_a_quick_run_of_the_live_bench_prints_its_table() -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "batch_window_live.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    text = done.stdout
-    assert "| phase (by arrival) | requests | P99 TTFT ms: fixed 200 ms | adaptive | fixed / adaptive |" in text
-    rows = re.findall(r"^\| (before|spike|after)[^|]*\| (\d+) \| ([\d,]+) \| ([\d,]+) \| (\d+\.\d\d)× \|", text, re.M)
+    text, rows = quick_bench("batch_window_live.py")
     assert [r[0] for r in rows] == ["before", "spike", "after", "after"]
     for _, count, fixed, adaptive, ratio in rows:
-        fixed_ms, adaptive_ms = int(fixed.replace(",", "")), int(adaptive.replace(",", ""))
-        assert int(count) > 0
-        assert float(ratio) == pytest.approx(fixed_ms / adaptive_ms, rel=0.02, abs=0.01)  # of the unrounded P99s
+        assert count > 0
+        assert ratio == pytest.approx(fixed / adaptive, rel=0.02, abs=0.01)  # of the unrounded P99s
     assert re.search(r"^breaker transitions read from the adaptive engine's /metrics: ", text, re.M)
     assert "failed requests: fixed 0, adaptive 0" in text

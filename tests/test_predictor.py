@@ -19,7 +19,7 @@ from prismlb.brain._predictor import (
     PredictorConfig,
     parameter_count,
 )
-from prismlb.brain._trace_replay import MOONCAKE_CONVERSATION, ReplayConfig, read_mooncake, replay
+from prismlb.sim._trace_replay import MOONCAKE_CONVERSATION, ReplayConfig, read_mooncake, replay
 from prismlb.wire import MAX_VECTOR_BYTES, ModalityLatency, NodeMetrics, NodeVector, decode, encode
 
 needs_trace = pytest.mark.skipif(not MOONCAKE_CONVERSATION.exists(), reason=f"trace not found: {MOONCAKE_CONVERSATION}")

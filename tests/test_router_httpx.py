@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -32,10 +32,12 @@ from prismlb.router._httpx import describe, prompt_cost
 from prismlb.semantics import MODALITY_HEADER
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
+from ._helpers_http import QuietHandler
+
 DOCUMENT = "Quarterly report. " * 300  # 5,400 bytes: a first turn longer than the key's window
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(QuietHandler):
     """POST /v1/chat/completions: answers which server it is and what it saw; streams when asked to."""
 
     server: NamedServer
@@ -61,15 +63,7 @@ class Handler(BaseHTTPRequestHandler):
                 time.sleep(0.05)
             self.wfile.write(b"data: [DONE]\n\n")
             return
-        payload = json.dumps({"object": "chat.completion", **seen}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+        self.reply(200, json.dumps({"object": "chat.completion", **seen}).encode(), "application/json")
 
 
 class NamedServer(ThreadingHTTPServer):

@@ -9,7 +9,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -30,10 +30,11 @@ from prismlb.router import (
 from prismlb.router._httpx import describe
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
+from ._helpers_http import QuietHandler
 from .conftest import Clock, wait_for
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(QuietHandler):
     """POST /v1/chat/completions as an engine answers it: `status` other than 200 with an OpenAI error body;
     else, once `gate` is set, a completion naming the server, or, streamed, the head at once and the chunks once
     `gate` is set."""
@@ -47,7 +48,7 @@ class Handler(BaseHTTPRequestHandler):
             engine.requests += 1
         if engine.status != 200:
             error = {"error": {"message": f"{engine.name} answers {engine.status}", "type": "engine", "code": None}}
-            self._send(engine.status, "application/json", json.dumps(error).encode())
+            self.reply(engine.status, json.dumps(error).encode(), "application/json")
             return
         if body.get("stream"):
             self.send_response(200)
@@ -77,17 +78,7 @@ class Handler(BaseHTTPRequestHandler):
                 {"index": 0, "message": {"role": "assistant", "content": engine.name}, "finish_reason": "stop"}
             ],
         }
-        self._send(200, "application/json", json.dumps(completion).encode())
-
-    def _send(self, status: int, kind: str, payload: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+        self.reply(200, json.dumps(completion).encode(), "application/json")
 
 
 class Engine(ThreadingHTTPServer):

@@ -28,21 +28,14 @@ from prismlb.sim._slo import Goodput
 from prismlb.sim._workload import scale_to_utilisation
 from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector, RoutingTable
 
+from ._helpers_vectors import node_vector
+
 CONFIG = BrainConfig(admin_port=0, stale_periods=3.0)
 
 
 def vector(node_id: str, seq: int, p99_ms: float | None, **metrics: float) -> NodeVector:
-    return NodeVector(
-        node_id=node_id,
-        host=node_id,
-        endpoint=f"http://{node_id}:8000",
-        zone="z1",
-        seq=seq,
-        sample_time_unix_s=1000.0 + seq,
-        period_s=1.0,
-        metrics=NodeMetrics(**metrics),  # type: ignore[arg-type]
-        latency={} if p99_ms is None else {"engine": ModalityLatency(requests=10, ttft_p99_ms=p99_ms)},
-    )
+    latency = {} if p99_ms is None else {"engine": ModalityLatency(requests=10, ttft_p99_ms=p99_ms)}
+    return node_vector(node_id, seq, zone="z1", metrics=NodeMetrics(**metrics), latency=latency)  # type: ignore[arg-type]
 
 
 def _goodput(trace: str, policy: str, utilisation: float) -> Goodput:

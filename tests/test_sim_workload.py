@@ -20,6 +20,7 @@ from prismlb.sim import (
     infinite_cache_hit_rate,
     load,
     mooncake_conversation,
+    mooncake_tokens,
     offered_utilisation,
     scale_to_utilisation,
     servegen_mm,
@@ -80,6 +81,22 @@ def test_mooncake_keeps_hash_ids_and_its_infinite_cache_bound(workloads: dict[st
     assert w.requests[0].blocks[:3] == (0, 1, 2)
     assert all(r.blocks[0] == 0 and r.session is None for r in w.requests)
     assert infinite_cache_hit_rate(w) == pytest.approx(0.374, abs=0.001)  # the traces README's bound
+
+
+def test_mooncake_tokens_derive_each_blocks_tokens_from_its_id() -> None:
+    tokens = mooncake_tokens([7, 9], BLOCK_TOKENS + 3)
+    assert len(tokens) == BLOCK_TOKENS + 3
+    assert tokens[:2] == [7 * BLOCK_TOKENS, 7 * BLOCK_TOKENS + 1]
+    assert tokens[BLOCK_TOKENS - 1 :] == [
+        8 * BLOCK_TOKENS - 1,
+        9 * BLOCK_TOKENS,
+        9 * BLOCK_TOKENS + 1,
+        9 * BLOCK_TOKENS + 2,
+    ]
+    other = mooncake_tokens([7, 3], 2 * BLOCK_TOKENS)
+    assert other[:BLOCK_TOKENS] == tokens[:BLOCK_TOKENS]  # a shared block id: the same tokens
+    assert not set(other[BLOCK_TOKENS:]) & set(tokens[BLOCK_TOKENS:])
+    assert mooncake_tokens([7], 0) == []
 
 
 @pytest.mark.parametrize("name", ["azure-code", "azure-conv"])

@@ -14,6 +14,8 @@ from prismlb.semantics import ENGINE_LATENCY_KEY, Slice
 from prismlb.sim._ablations import NodeMaxPredictionBrain
 from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector, RoutingTable
 
+from ._helpers_vectors import node_vector
+
 SMALL = PredictorConfig(steps=4, history=12, holdout=4, min_evaluation_samples=4, batch_size=16)
 PERIOD_S = 5.0
 WINDOWS = 20  # past the predictor's 16-window input sequence
@@ -22,15 +24,12 @@ LABELS = {"gpu": "l40s", "nvlink": "yes", "hbm3": "yes", "cuda_graphs": "yes"}
 
 
 def _vector(node_id: str, seq: int, latency: dict[str, float]) -> NodeVector:
-    return NodeVector(
-        node_id=node_id,
-        host=node_id,
-        endpoint=f"http://{node_id}:8000",
+    return node_vector(
+        node_id,
+        seq,
+        period_s=PERIOD_S,
         zone="z1",
         labels=LABELS,
-        seq=seq,
-        sample_time_unix_s=1000.0 + seq * PERIOD_S,
-        period_s=PERIOD_S,
         metrics=NodeMetrics(requests_running=4, requests_waiting=1),
         latency={key: ModalityLatency(requests=20, ttft_p99_ms=ms) for key, ms in latency.items()},
     )

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
 
 from ._codec import MAX_TABLE_BYTES, decode, encode
 from ._exceptions import OversizedError
@@ -48,43 +51,44 @@ def _chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)] or [[]]
 
 
+_TABLE_WIDE = tuple(f.name for f in msgspec.structs.fields(TableHead) if f.name != "slices")
+"""What a head carries of its table, taken from the table and given back to it: every field but the slices."""
+
+
+def _table_wide(message: RoutingTable | TableHead) -> dict[str, Any]:
+    return {name: getattr(message, name) for name in _TABLE_WIDE}
+
+
 def _head(table: RoutingTable, versions: dict[str, int]) -> TableHead:
     return TableHead(
-        brain_id=table.brain_id,
-        priority=table.priority,
-        epoch=table.epoch,
-        version=table.version,
-        issued_unix_s=table.issued_unix_s,
+        **_table_wide(table),
         slices=[
             SliceHead(name=s.name, version=versions[s.name], entries=len(s.nodes), fallback=s.fallback)
             for s in table.slices
         ],
-        experiments=table.experiments,
-        shed_classes=table.shed_classes,
-        guardian=table.guardian,
-        drained=table.drained,
-        zones=table.zones,
     )
 
 
 def _updates(
-    table: RoutingTable,
+    brain: RoutingTable | TableHead,
+    version: int,
     name: str,
     base_version: int,
     upserts: list[TableNode],
     removes: list[EntryRef],
     chunk: int,
 ) -> list[SliceUpdate]:
-    """One slice's change in parts of at most `chunk` upserts and `chunk` removals each."""
+    """One slice's change to `version` (its full state when `base_version` is 0) in parts of at most `chunk`
+    upserts and `chunk` removals each; `brain` names the brain and epoch."""
     upsert_parts, removal_parts = _chunks(upserts, chunk), _chunks(removes, chunk)
     count = max(len(upsert_parts), len(removal_parts))
     upsert_parts += [[] for _ in range(count - len(upsert_parts))]
     removal_parts += [[] for _ in range(count - len(removal_parts))]
     return [
         SliceUpdate(
-            brain_id=table.brain_id,
-            epoch=table.epoch,
-            version=table.version,
+            brain_id=brain.brain_id,
+            epoch=brain.epoch,
+            version=version,
             slice=name,
             base_version=base_version,
             part=i,
@@ -141,7 +145,10 @@ class TableEncoder:
                 upserts = [n for key, n in entries.items() if before.entries.get(key) != n]
                 removes = [EntryRef(node_id=k[0], gpu=k[1]) for k in before.entries if k not in entries]
             messages.extend(
-                _fitted(lambda chunk: _updates(table, slice_table.name, base, upserts, removes, chunk), self._chunk)
+                _fitted(
+                    lambda chunk: _updates(table, table.version, slice_table.name, base, upserts, removes, chunk),
+                    self._chunk,
+                )
             )
             slices[slice_table.name] = _Published(table.version, entries)
         head = _head(table, {name: published.version for name, published in slices.items()})
@@ -160,28 +167,13 @@ class TableEncoder:
                 continue
             if published.full is None:
                 head = self.head
-                published.full = _fitted(lambda chunk: _updates_for_snapshot(head, name, published, chunk), self._chunk)
+                nodes = list(published.entries.values())
+                published.full = _fitted(
+                    lambda chunk: _updates(head, published.version, name, 0, nodes, [], chunk), self._chunk
+                )
             messages.extend(published.full)
         messages.append(self._head_frames)
         return messages
-
-
-def _updates_for_snapshot(head: TableHead, name: str, published: _Published, chunk: int) -> list[SliceUpdate]:
-    nodes = list(published.entries.values())
-    return [
-        SliceUpdate(
-            brain_id=head.brain_id,
-            epoch=head.epoch,
-            version=published.version,
-            slice=name,
-            base_version=0,
-            part=i,
-            parts=len(parts),
-            upserts=part,
-        )
-        for parts in [_chunks(nodes, chunk)]
-        for i, part in enumerate(parts)
-    ]
 
 
 def _fitted(make: Callable[[int], list[SliceUpdate]], chunk: int) -> list[Frames]:
@@ -291,16 +283,4 @@ class TableAssembler:
                 nodes = [copy.entries[key] for key in sorted(copy.entries, key=_sort_key)]
                 copy.table = SliceTable(name=slice_head.name, nodes=nodes, fallback=slice_head.fallback)
             slices.append(copy.table)
-        return RoutingTable(
-            epoch=head.epoch,
-            version=head.version,
-            issued_unix_s=head.issued_unix_s,
-            brain_id=head.brain_id,
-            priority=head.priority,
-            slices=slices,
-            experiments=head.experiments,
-            shed_classes=head.shed_classes,
-            guardian=head.guardian,
-            drained=head.drained,
-            zones=head.zones,
-        )
+        return RoutingTable(**_table_wide(head), slices=slices)

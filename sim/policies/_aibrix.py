@@ -58,6 +58,7 @@ import random
 from collections import OrderedDict
 
 from .._types import ClusterView, Policy, SimRequest
+from ._fallback import first_not_excluded
 from ._readiness import Readiness
 from ._sglang import CHARS_PER_TOKEN, WorkerOutcomes, _Worker
 
@@ -167,7 +168,7 @@ class AIBrixPrefixCache(WorkerOutcomes, Policy):
     def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
         ready = [n for n in self.names if n in self.ready and n not in exclude]
         if not ready:
-            return next((n for n in self.names if n not in exclude), self.names[0])
+            return first_not_excluded(self.names, exclude)
         load = {n: self.workers[n].load for n in ready}
         fewest = min(load.values())
         candidates = ready

@@ -41,6 +41,7 @@ import random
 
 from .._cluster import KV_EVENT_DELAY_S
 from .._types import ClusterView, Outcome, Policy, SimRequest
+from ._fallback import first_not_excluded
 from ._matches import leading_matches
 
 OVERLAP_SCORE_WEIGHT = 1.0
@@ -184,7 +185,7 @@ class DynamoKvRouter(Policy):
     def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
         candidates = [n for n in self.names if n in self.up and n not in exclude]
         if not candidates:
-            return next((n for n in self.names if n not in exclude), self.names[0])
+            return first_not_excluded(self.names, exclude)
         best = self.sample(self.logits(request, candidates))
         if len(best) == 1:
             return best[0]

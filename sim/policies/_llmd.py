@@ -40,6 +40,7 @@ import random
 from collections import OrderedDict
 
 from .._types import ClusterView, EngineStats, Policy, SimRequest
+from ._fallback import first_not_excluded
 from ._matches import leading_matches
 from ._readiness import Readiness
 
@@ -150,7 +151,7 @@ class LLMDScorer(Policy):
     def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
         candidates = [n for n in self.names if n in self.ready and n not in exclude]
         if not candidates:
-            return next((n for n in self.names if n not in exclude), self.names[0])
+            return first_not_excluded(self.names, exclude)
         scores = self.scores(request, candidates)
         self._rng.shuffle(candidates)
         chosen = max(candidates, key=scores.__getitem__)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from .._types import ClusterView, Outcome, Policy, SimRequest
+from ._fallback import first_not_excluded
 
 MAX_FAILS = 1
 FAIL_TIMEOUT_S = 10.0
@@ -103,7 +104,7 @@ class NginxUpstream(Policy):
     def picked(self, peer: Peer | None, now: float, exclude: frozenset[str]) -> str:
         """Start a probe window on the chosen peer; with none, the first node not excluded (nginx: 502)."""
         if peer is None:
-            return next((p.name for p in self.peers if p.name not in exclude), self.peers[0].name)
+            return first_not_excluded([p.name for p in self.peers], exclude)
         if now - peer.checked > self.fail_timeout_s:
             peer.checked = now
         return peer.name

@@ -42,6 +42,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from .._types import ClusterView, Outcome, Policy, SimRequest
+from ._fallback import first_not_excluded
 
 CACHE_THRESHOLD = 0.3
 BALANCE_ABS_THRESHOLD = 64
@@ -253,7 +254,7 @@ class SGLangCacheAware(WorkerOutcomes, Policy):
         available = [n for n in self.names if self.workers[n].available(now)]
         allowed = [n for n in available if n not in exclude]
         if not allowed:
-            return next((n for n in self.names if n not in exclude), self.names[0])
+            return first_not_excluded(self.names, exclude)
         loads = [self.workers[n].load for n in available]
         high, low = max(loads), min(loads)
         if high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from .._cluster import KV_EVENT_DELAY_S
 from .._types import ClusterView, Policy, SimRequest
+from ._fallback import first_not_excluded
 from ._sglang import HEALTH_CHECK_INTERVAL_S, WorkerOutcomes, _Worker
 
 SPECULATIVE_TTL_S = 2.0
@@ -128,7 +129,7 @@ class VllmKvAware(WorkerOutcomes, Policy):
     def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
         healthy = [n for n in self.names if self.workers[n].available(now) and n not in exclude]
         if not healthy:
-            return next((n for n in self.names if n not in exclude), self.names[0])
+            return first_not_excluded(self.names, exclude)
         if len(healthy) == 1:
             return healthy[0]
         if not request.blocks:

@@ -1,7 +1,8 @@
 """Node vectors derived from a real request trace: a trace-driven queueing approximation, not an engine emulator.
 
-Until the cluster simulator exists, the predictor is trained and evaluated on node vectors replayed from the
-public traces in `../shared/data/traces/` (Azure LLM inference, Mooncake conversation). Each request goes to
+The predictor's trace test and bench (`bench/predictor.py`) train and score it on node vectors replayed from
+the public request traces (Azure LLM inference, Mooncake conversation): thousands of windows per node in
+seconds, where the cluster replay (`_cluster.py`) runs real engine models. Each request goes to
 one of N nodes, chosen uniformly at random with a fixed seed; each node is the following model, evaluated
 request by request in arrival order:
 
@@ -18,12 +19,12 @@ request by request in arrival order:
   per node; leading blocks already cached are not prefilled again. Traces without block hashes report no
   KV miss ratio (absent, as an agent without KV events would).
 
-Per window of `window_s` seconds each node reports a `NodeVector`: requests waiting for prefill, running
-(admitted, not finished) and KV usage (their tokens over the cache size) at the end of the window; arrivals
-per second; GPU utilisation (share of the window with any request admitted); CPU utilisation (a base of 5%
-plus tokenisation of the window's arriving input tokens at `tokenize_tokens_per_s`); prefix-cache miss ratio
-of the blocks admitted in the window; and the TTFT P50/P95/P99 of requests whose first token came in the
-window under the latency key "engine" (as the agent's engine source reports finished requests).
+Per window of `window_s` seconds each node reports a `NodeVector`, made by the agent's own `to_vector`: requests
+waiting for prefill, running (admitted, not finished) and KV usage (their tokens over the cache size) at the end
+of the window; arrivals per second; GPU utilisation (share of the window with any request admitted); CPU
+utilisation (a base of 5% plus tokenisation of the window's arriving input tokens at `tokenize_tokens_per_s`);
+prefix-cache miss ratio of the blocks admitted in the window; and the TTFT P50/P95/P99 of requests whose first
+token came in the window under the latency key "engine" (as the agent's engine source reports finished requests).
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from prismlb.agent._node import NodeState, to_vector
 from prismlb.semantics import ENGINE_LATENCY_KEY, quantile
-from prismlb.sim import BLOCK_TOKENS, MOONCAKE_TRACE, traces_dir
 from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector
+
+from ._traces import traces_dir
+from ._workload import BLOCK_TOKENS, MOONCAKE_TRACE
 
 TRACES = traces_dir()
 AZURE_CONV = TRACES / "azure" / "AzureLLMInferenceTrace_conv.csv"
@@ -216,15 +220,16 @@ def _node_vectors(node_id: str, served: Sequence[_Served], windows: int, config:
             requests_per_s=len(arrived) / w,
         )
         vectors.append(
-            NodeVector(
+            to_vector(
+                NodeState(metrics=metrics, gpus=[], kv=None, latency=latency),
                 node_id=node_id,
                 host=node_id,
                 endpoint=f"http://{node_id}:8000",
+                labels={},
                 seq=k,
                 sample_time_unix_s=hi,
                 period_s=w,
-                metrics=metrics,
-                latency=latency,
+                started_unix_s=None,
             )
         )
     return vectors
