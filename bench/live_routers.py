@@ -1,6 +1,6 @@
 """Live bakeoff: Prism against the real SGLang Model Gateway and the real vLLM router, same cluster, same trace.
 
-Run: .venv/bin/python bench/live_routers.py   (about 4.5 minutes; the first run also installs the peers, ~20 s)
+Run: .venv/bin/python bench/live_routers.py   (about 9 minutes; the first run also installs the peers, ~20 s)
 
 The replay (`prism eval`, docs/results/) compares Prism with re-implementations of the other routers'
 policies. This runs the routers themselves: their released wheels, pinned below, installed by this script
@@ -8,8 +8,9 @@ into their own virtualenv (`--venv`), so a claim against them rests on their cod
 
 For each contender a fresh cluster of four emulated engines (`make demo`'s: h100, 2 × a100, l40s, vLLM-format
 KV events over ZeroMQ, the same `time_scale`) is started with `prismlb.demo.Cluster`, and the demo's load
-generator (`prismlb.demo.Demo`) sends the same requests at the same times: the first `--requests` of the
-Mooncake conversation trace, time-compressed to `--duration` seconds, text only (the SGLang gateway drops
+generator (`prismlb.demo.Demo`) sends the same requests at the same times: the first `--requests` of each trace
+in `--traces` (by default the Mooncake conversation trace, whose turns share prefixes, and Azure's conversation
+trace, whose prompts share nothing), time-compressed to `--duration` seconds, text only (the SGLang gateway drops
 Prism's `X-Modality-Signature` header). Contenders:
 
 - Prism: brain, one agent per engine (eBPF off) and the router in-process, as the demo runs them.
@@ -71,6 +72,7 @@ PINS = {"sglang-router": "0.3.2", "vllm-router": "0.1.17"}
 DEFAULT_VENV = Path.home() / ".cache" / "prism-bench" / "live-routers"
 DEFAULT_REQUESTS = 800
 DEFAULT_DURATION_S = 40.0
+DEFAULT_TRACES = "mooncake,azure-conv"
 INSTALL_LIMIT_S = 600.0
 STARTUP_LIMIT_S = 30.0
 """A router, or Prism's first routing table with every node, must be up within this."""
@@ -291,7 +293,7 @@ def table(outcomes: Sequence[Outcome], nodes: Sequence[str]) -> list[str]:
 
 
 def replay_p99_ms(
-    contenders: Sequence[Contender], requests: int, load: float, *, gpu_labels: bool = False
+    contenders: Sequence[Contender], requests: int, load: float, *, trace: str = "mooncake", gpu_labels: bool = False
 ) -> dict[str, float]:
     """TTFT p99 of each replay model on the same trace prefix, cluster and offered prefill load as the live
     runs (prompts at their trace size, where the live engines shrink them and slow down to match the load).
@@ -306,7 +308,7 @@ def replay_p99_ms(
     from prismlb.sim._workload import load as load_trace
 
     torch.set_num_threads(1)
-    workload = load_trace("mooncake", seed=1, limit=requests)
+    workload = load_trace(trace, seed=1, limit=requests)
     labels = None if gpu_labels else {"gpu": ""}
     nodes = [NodeSpec(f"{gpu}-{i + 1}", gpu, 0, labels) for i, gpu in enumerate(DEFAULT_NODES)]  # type: ignore[arg-type]
     out = {}
@@ -347,11 +349,77 @@ def agreement(outcomes: Sequence[Outcome], replayed: dict[str, float]) -> list[s
     return lines
 
 
+def bakeoff(
+    trace: str,
+    args: argparse.Namespace,
+    contenders: Sequence[Contender],
+    versions: dict[str, str],
+    logs: Path,
+) -> list[Outcome]:
+    """Every contender on the first `args.requests` of `trace`, one after the other; their table and the replay
+    check printed."""
+    requests = load_requests(args.requests, trace)
+    low, high = TIME_SCALE_RANGE
+    time_scale = min(high, max(low, args.load * args.duration / prefill_work_s(requests, DEFAULT_NODES)))
+    print(
+        f"live bakeoff: {len(requests)} {trace} requests (trace 0-{requests[-1].at_s:.0f} s) in "
+        f"{args.duration:.0f} s on {', '.join(DEFAULT_NODES)} at time_scale {time_scale:.2f}; one infinite "
+        f"prefix cache would hit {prefix_cache_bound(requests):.1%}; logs in {logs}",
+        flush=True,
+    )
+    outcomes: list[Outcome] = []
+    for i, contender in enumerate(contenders):
+        label = f"{contender.name} {contender.policy}"
+        version = versions.get(contender.package, "") if contender.package else "this checkout"
+        if version.startswith("!"):
+            outcomes.append(Outcome(contender, PINS.get(contender.package or "", ""), problem=version[2:]))
+            print(f"   {label}: not installed ({version[2:]})", flush=True)
+            continue
+        print(f"   {label}: running", flush=True)
+        outcome = run_one(
+            contender,
+            version,
+            requests,
+            args.duration,
+            time_scale,
+            logs / f"{trace}-{i}-{contender.name}",
+            args.venv / "bin" / "python",
+            args.peer_debug,
+        )
+        outcomes.append(outcome)
+        if outcome.problem:
+            print(f"   {label}: {outcome.problem}", flush=True)
+    nodes = [f"{gpu}-{i + 1}" for i, gpu in enumerate(DEFAULT_NODES)]
+    print(f"\n{trace}:")
+    for line in table(outcomes, nodes):
+        print(line)
+    for o in outcomes:
+        if o.errors:
+            kinds = ", ".join(f"{k} {v}" for k, v in sorted(o.errors.items()))
+            print(f"   {o.contender.name} {o.contender.policy} errors: {kinds}")
+    replayed = replay_p99_ms(contenders, args.requests, args.load, trace=trace)
+    print()
+    for line in agreement(outcomes, replayed):
+        print(line)
+    if "prism" in replayed:
+        prism = [c for c in contenders if c.replay == "prism"]
+        labelled = replay_p99_ms(prism, args.requests, args.load, trace=trace, gpu_labels=True)["prism"]
+        print(
+            f"Replayed Prism with each node labelled with its GPU class, as agents on GPU hosts report it: "
+            f"TTFT p99 {labelled:.0f} ms (unlabelled {replayed['prism']:.0f} ms).\n",
+            flush=True,
+        )
+    return outcomes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
-    parser.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, help="replay seconds")
+    parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, help="requests per trace")
+    parser.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, help="replay seconds per trace")
     parser.add_argument("--load", type=float, default=DEFAULT_LOAD, help="offered share of prefill capacity")
+    parser.add_argument(
+        "--traces", default=DEFAULT_TRACES, help=f"comma-separated text traces to run (default {DEFAULT_TRACES})"
+    )
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the peers' virtualenv")
     parser.add_argument(
         "--only", default="", help="comma-separated contenders to run (prism, sglang, vllm); all by default"
@@ -363,69 +431,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     only = {name for name in args.only.split(",") if name}
     contenders = [c for c in CONTENDERS if not only or c.name in only]
-    requests = load_requests(args.requests)
-    low, high = TIME_SCALE_RANGE
-    time_scale = min(high, max(low, args.load * args.duration / prefill_work_s(requests, DEFAULT_NODES)))
+    traces = [t for t in args.traces.split(",") if t]
     logs = Path(tempfile.mkdtemp(prefix="prism-live-routers-"))
-    print(
-        f"live bakeoff: {len(requests)} Mooncake conversation requests (trace 0-{requests[-1].at_s:.0f} s) in "
-        f"{args.duration:.0f} s on {', '.join(DEFAULT_NODES)} at time_scale {time_scale:.2f}; one infinite "
-        f"prefix cache would hit {prefix_cache_bound(requests):.1%}; logs in {logs}",
-        flush=True,
-    )
-    outcomes: list[Outcome] = []
     status = 0
     with signals_interrupt():
         try:
+            for trace in traces:
+                load_requests(1, trace)  # an unknown or missing trace stops the bench before any peer runs
             packages = sorted({c.package for c in contenders if c.package is not None})
             versions = install_peers(args.venv, packages, logs / "pip.log") if packages else {}
             for package, version in versions.items():
                 print(f"   {package}: {version}", flush=True)
-            for i, contender in enumerate(contenders):
-                label = f"{contender.name} {contender.policy}"
-                version = versions.get(contender.package, "") if contender.package else "this checkout"
-                if version.startswith("!"):
-                    outcomes.append(Outcome(contender, PINS.get(contender.package or "", ""), problem=version[2:]))
-                    print(f"   {label}: not installed ({version[2:]})", flush=True)
-                    continue
-                print(f"   {label}: running", flush=True)
-                outcome = run_one(
-                    contender,
-                    version,
-                    requests,
-                    args.duration,
-                    time_scale,
-                    logs / f"{i}-{contender.name}",
-                    args.venv / "bin" / "python",
-                    args.peer_debug,
-                )
-                outcomes.append(outcome)
-                if outcome.problem:
-                    print(f"   {label}: {outcome.problem}", flush=True)
+            for trace in traces:
+                bakeoff(trace, args, contenders, versions, logs)
         except KeyboardInterrupt:
             print("live bakeoff: interrupted; every process stopped", flush=True)
             status = 130
-    nodes = [f"{gpu}-{i + 1}" for i, gpu in enumerate(DEFAULT_NODES)]
-    print()
-    for line in table(outcomes, nodes):
-        print(line)
-    for o in outcomes:
-        if o.errors:
-            kinds = ", ".join(f"{k} {v}" for k, v in sorted(o.errors.items()))
-            print(f"   {o.contender.name} {o.contender.policy} errors: {kinds}")
-    if status == 0:
-        replayed = replay_p99_ms(contenders, args.requests, args.load)
-        print()
-        for line in agreement(outcomes, replayed):
-            print(line)
-        if "prism" in replayed:
-            labelled = replay_p99_ms(
-                [c for c in contenders if c.replay == "prism"], args.requests, args.load, gpu_labels=True
-            )["prism"]
-            print(
-                f"Replayed Prism with each node labelled with its GPU class, as agents on GPU hosts report it: "
-                f"TTFT p99 {labelled:.0f} ms (unlabelled {replayed['prism']:.0f} ms)."
-            )
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"live bakeoff: {exc}", file=sys.stderr)
+            status = 2
     print(f"   total wall clock {time.monotonic() - started:.0f} s; logs in {logs}")
     return status
 

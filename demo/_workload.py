@@ -1,24 +1,25 @@
-"""The demo's requests: the first requests of the Mooncake conversation trace, shrunk `TOKEN_SCALE` times.
+"""The demo's requests: the first requests of a trace (the Mooncake conversation trace unless another of the
+replay's workloads is named), shrunk `TOKEN_SCALE` times.
 
-A 512-token prefix block of the trace becomes 32 tokens of text, the same text for the same `hash_ids` entry, so
-the trace's prefix reuse reaches the engines' prefix caches.
+A 512-token prefix block of the trace becomes 32 tokens of text, the same text for the same block id, so the
+trace's prefix reuse reaches the engines' prefix caches; a trace without prefix information (Azure) gets blocks
+of its own per request, so its prompts share nothing.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from prismlb.router import prefix_key
-from prismlb.sim import BLOCK_TOKENS, PROFILES, traces_dir
+from prismlb.sim import BLOCK_TOKENS, PROFILES, WORKLOADS, load
 from prismlb.sim._engine import CHARS_PER_TOKEN
 from prismlb.sim._model import KV_BLOCK_TOKENS
 
-TRACE = Path("mooncake") / "conversation_trace.jsonl"
+TRACE = "mooncake"
+"""The demo's trace, by its name among the replay's workloads (`prismlb.sim.WORKLOADS`)."""
 TOKEN_SCALE = 16
 """Each replayed request is its trace request shrunk this many times, prompt and output."""
 BLOCK_CHARS = BLOCK_TOKENS // TOKEN_SCALE * CHARS_PER_TOKEN
@@ -42,7 +43,7 @@ class DemoRequest:
     key: str
     """The affinity key: `prefix_key(text=...)` over the first KEY_PREFIX_TOKENS tokens, as a string."""
     blocks: tuple[int, ...] = ()
-    """The trace's `hash_ids`."""
+    """The trace's prefix block ids (Mooncake's `hash_ids`)."""
 
 
 def _block_text(block_id: int, cache: dict[int, str]) -> str:
@@ -60,26 +61,21 @@ def _block_text(block_id: int, cache: dict[int, str]) -> str:
     return text
 
 
-def load_requests(count: int, path: Path | None = None) -> list[DemoRequest]:
-    """The first `count` requests of the Mooncake conversation trace, shrunk TOKEN_SCALE times."""
-    path = path if path is not None else traces_dir() / TRACE
-    if not path.is_file():
-        raise FileNotFoundError(f"the Mooncake trace is not at {path} (set PRISM_TRACES to the traces folder)")
+def load_requests(count: int, trace: str = TRACE) -> list[DemoRequest]:
+    """The first `count` requests of `trace` (a text workload of `prismlb.sim.WORKLOADS`), shrunk TOKEN_SCALE
+    times. Raises FileNotFoundError where the traces are not (PRISM_TRACES names their folder)."""
+    if trace not in WORKLOADS or trace == "mm":
+        raise ValueError(f"no text trace {trace!r}; known: {', '.join(w for w in WORKLOADS if w != 'mm')}")
     cache: dict[int, str] = {}
     requests: list[DemoRequest] = []
-    with path.open() as f:
-        for line in f:
-            if len(requests) >= count:
-                break
-            row = json.loads(line)
-            tokens = max(1, math.ceil(row["input_length"] / TOKEN_SCALE))
-            text = "".join(_block_text(b, cache) for b in row["hash_ids"])[: tokens * CHARS_PER_TOKEN]
-            key = prefix_key(text=text, prefix_tokens=KEY_PREFIX_TOKENS)
-            max_tokens = max(2, round(row["output_length"] / TOKEN_SCALE))
-            at_s = row["timestamp"] / 1000
-            requests.append(DemoRequest(len(requests), at_s, text, max_tokens, f"{key:016x}", (*row["hash_ids"],)))
+    for r in load(trace, seed=1, limit=count).requests:
+        tokens = max(1, math.ceil(r.input_tokens / TOKEN_SCALE))
+        text = "".join(_block_text(b, cache) for b in r.blocks)[: tokens * CHARS_PER_TOKEN]
+        key = prefix_key(text=text, prefix_tokens=KEY_PREFIX_TOKENS)
+        max_tokens = max(2, round(r.output_tokens / TOKEN_SCALE))
+        requests.append(DemoRequest(len(requests), r.arrival_s, text, max_tokens, f"{key:016x}", r.blocks))
     if not requests:
-        raise ValueError(f"{path} has no requests")
+        raise ValueError(f"the {trace} trace has no requests")
     return requests
 
 

@@ -15,17 +15,18 @@ from prismlb.cli import main
 from prismlb.demo import (
     BLOCK_CHARS,
     TOKEN_SCALE,
-    TRACE,
     load_requests,
     moved_keys,
     prefix_cache_bound,
 )
 from prismlb.router import Router
 from prismlb.semantics import Slice
-from prismlb.sim import block_hashes, prompt_tokens, traces_dir
+from prismlb.sim import MOONCAKE_TRACE, block_hashes, prompt_tokens, traces_dir
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
-needs_trace = pytest.mark.skipif(not (traces_dir() / TRACE).is_file(), reason=f"no Mooncake trace at {traces_dir()}")
+needs_trace = pytest.mark.skipif(
+    not (traces_dir() / MOONCAKE_TRACE).is_file(), reason=f"no Mooncake trace at {traces_dir()}"
+)
 
 
 def table(version: int, weights: dict[str, float]) -> RoutingTable:
@@ -110,6 +111,18 @@ def test_a_reduced_demo_runs_end_to_end() -> None:
         spans = re.search(rf"agent {node}: (\d+) spans received over OTLP, (\d+) KV events", out)
         assert spans and int(spans.group(1)) > 0 and int(spans.group(2)) > 0, out
     assert "logs kept" not in out
+
+
+@pytest.mark.skipif(not (traces_dir() / "azure").is_dir(), reason=f"no Azure traces at {traces_dir()}")
+def test_a_trace_without_prefixes_gives_prompts_that_share_nothing() -> None:
+    requests = load_requests(300, "azure-conv")
+    assert len(requests) == 300 and requests[0].at_s == 0
+    blocks = [b for r in requests for b in r.blocks]
+    assert len(blocks) == len(set(blocks)), "each prompt its own blocks"
+    assert prefix_cache_bound(requests) == 0.0
+    assert len({r.text[:BLOCK_CHARS] for r in requests}) == 300
+    with pytest.raises(ValueError, match="no text trace 'mm'"):
+        load_requests(1, "mm")
 
 
 @needs_trace
