@@ -65,6 +65,7 @@ from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from prismlb.service import reply_bytes
 from prismlb.wire import ConfigError, RejectCounter, WireError
 
 _log = logging.getLogger("prism.agent.otlp")
@@ -558,15 +559,12 @@ class _HttpHandler(BaseHTTPRequestHandler):
 
     def _reply(self, status: HTTPStatus, message: Message, is_json: bool) -> None:
         body = json_format.MessageToJson(message, indent=None).encode() if is_json else message.SerializeToString()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json" if is_json else "application/x-protobuf")
-        self.send_header("Content-Length", str(len(body)))
+        headers: dict[str, str] = {}
         if status == HTTPStatus.SERVICE_UNAVAILABLE:
-            self.send_header("Retry-After", "1")  # OTLP clients wait this long before they retry
+            headers["Retry-After"] = "1"  # OTLP clients wait this long before they retry
         if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
+            headers["Connection"] = "close"
+        reply_bytes(self, status, body, "application/json" if is_json else "application/x-protobuf", headers)
 
     def log_message(self, format: str, *args: Any) -> None:
         _log.debug("OTLP/HTTP %s: " + format, self.client_address[0], *args)

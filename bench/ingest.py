@@ -40,6 +40,7 @@ from multiprocessing.queues import Queue
 from typing import TYPE_CHECKING
 
 import zmq
+from agent_ebpf import cpu_s  # bench/agent_ebpf.py: this script's directory is the first entry of sys.path
 from prometheus_client import CollectorRegistry
 
 from prismlb.brain import BrainConfig
@@ -187,13 +188,6 @@ def per_vector_ingest(brain: Brain) -> Callable[[list[NodeVector], float], None]
     return ingest
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (Linux)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class Result:
     accepted_per_s: float
@@ -235,8 +229,7 @@ def run(nodes: int, path: str, seconds: float, senders: int, workers: int) -> Re
     plans: list[Queue] = [spawn.Queue() for _ in range(senders)]
     results: Queue = spawn.Queue()
     procs = [
-        spawn.Process(target=send, args=(endpoint, k, senders, nodes, ready, plans[k], results))
-        for k in range(senders)
+        spawn.Process(target=send, args=(endpoint, k, senders, nodes, ready, plans[k], results)) for k in range(senders)
     ]
     for p in procs:
         p.start()

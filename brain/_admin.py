@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
+from prismlb.service import reply_json
 from prismlb.wire import ConfigError, RejectCounter
 
 _log = logging.getLogger("prism.brain.admin")
@@ -399,7 +400,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.admin.check(method, self.headers)
             body = self._body()
             result = self.admin.handle(method, path, body)
-            self._reply(HTTPStatus.OK, result)
+            reply_json(self, HTTPStatus.OK, result, default=str)
         except AdminError as exc:
             self._refuse(method, path, exc)
         except (ValueError, KeyError, TypeError) as exc:
@@ -407,7 +408,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _refuse(self, method: str, path: str, exc: AdminError) -> None:
         self.admin.rejects.count(exc.kind, f"{method} {path!r} from {self.client_address[0]}: {exc}")
-        self._reply(exc.status, {"error": str(exc)}, exc.headers)
+        reply_json(self, exc.status, {"error": str(exc)}, exc.headers, default=str)
 
     def _body(self) -> dict[str, Any] | None:
         """The JSON body, refused before any of it is read when its framing is not one sane Content-Length."""
@@ -452,16 +453,6 @@ class _Handler(BaseHTTPRequestHandler):
             self.admin.body_bytes.inc(len(chunk))
         self.connection.settimeout(self.admin.timeout_s)  # the reply gets the full timeout, not what is left
         return bytes(data)
-
-    def _reply(self, status: HTTPStatus, payload: object, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(payload, default=str).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own refusals (malformed request line, oversized headers, unknown method) are counted

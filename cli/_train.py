@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from prismlb.service import whole_number_at_least
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -19,21 +21,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     p.add_argument(
         "--teacher-steps",
-        type=_positive,
+        type=whole_number_at_least(1, "must be at least 1, got {value}"),
         default=None,
         help="environment steps of teacher training (default: the trainer's full budget)",
     )
     p.set_defaults(func=_run)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -1,8 +1,10 @@
-"""What every Prism service shares: settings resolved flag > variable > default, /metrics and its naming,
-systemd notification, logging, signals and the bounded queue worker."""
+"""What every Prism service shares: settings resolved flag > variable > default, command-line numbers, /metrics
+and its naming, whole HTTP replies, systemd notification, logging, signals and the bounded queue worker."""
 
+from ._arguments import whole_number_at_least
 from ._counters import kind_counter
 from ._exposition import MS_TO_S, NODE_FAMILIES, NodeFamily, node_families
+from ._http import reply_bytes, reply_json
 from ._service import MetricsServer, sd_notify, serve_metrics, setup_logging, stop_on_signals, watchdog_interval_s
 from ._settings import (
     BRAIN_INGEST,
@@ -45,9 +47,12 @@ __all__ = [
     "parse_port",
     "parse_text",
     "parse_zmq_endpoint",
+    "reply_bytes",
+    "reply_json",
     "sd_notify",
     "serve_metrics",
     "setup_logging",
     "stop_on_signals",
     "watchdog_interval_s",
+    "whole_number_at_least",
 ]

@@ -53,6 +53,7 @@ from prismlb.otel import (
 )
 from prismlb.router import CONTEXT_HEADER, SESSION_HEADER
 from prismlb.semantics import parse_signature
+from prismlb.service import kind_counter, reply_bytes, reply_json
 
 from ._model import KV_BLOCK_TOKENS, PROFILES, EngineModel, Event, GpuClass, Job, Modality
 from ._spans import EngineSpans
@@ -217,14 +218,11 @@ class _SessionMetrics(Collector):
         registry.register(self)
 
     def collect(self) -> Iterable[Metric]:
-        errors = CounterMetricFamily(
+        yield kind_counter(
             "prism_engine_snapshot_store_errors",
             "The snapshot store's failures by kind (session id out of bounds, write, read, corrupt file, sweep).",
-            labels=["kind"],
+            self._store.rejects.counts(),
         )
-        for kind, count in sorted(self._store.rejects.counts().items()):
-            errors.add_metric([kind], count)
-        yield errors
         yield CounterMetricFamily(
             "prism_engine_snapshot_store_evicted",
             "Snapshots this engine's store removed for its count or age bound.",
@@ -672,17 +670,12 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             path = self.path.split("?")[0]
             if path == "/health":
-                self._empty(200)
+                reply_bytes(self, 200, b"")
                 return
             if path != "/metrics":
-                self._json(404, {"error": {"message": "not found"}})
+                reply_json(self, 404, {"error": {"message": "not found"}})
                 return
-            body = generate_latest(engine.metrics.registry)
-            self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            reply_bytes(self, 200, generate_latest(engine.metrics.registry), CONTENT_TYPE_LATEST)
 
         def do_POST(self) -> None:
             # The body is read whatever the path: a reply before it would leave its bytes on a keep-alive
@@ -690,7 +683,7 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("Content-Length") or 0)
             if length > MAX_BODY_BYTES:
                 self.close_connection = True
-                self._json(413, {"error": {"message": "body too large"}})
+                reply_json(self, 413, {"error": {"message": "body too large"}})
                 return
             raw = self.rfile.read(length)
             path = self.path.split("?")[0]
@@ -701,7 +694,7 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
             elif path == "/v1/chat/completions/render":
                 self._render(raw)
             else:
-                self._json(404, {"error": {"message": "not found"}})
+                reply_json(self, 404, {"error": {"message": "not found"}})
 
         def _tokenize(self, raw: bytes) -> None:
             """vLLM's `/tokenize`: a `prompt` or chat `messages` to the emulated tokenizer's ids."""
@@ -714,11 +707,11 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
                 else:
                     raise ValueError("either prompt (a string) or messages is required")
             except (ValueError, AttributeError, TypeError) as exc:
-                self._json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+                reply_json(self, 400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
                 return
             tokens = prompt_tokens(text)
             answer = {"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens, "token_strs": None}
-            self._json(200, answer)
+            reply_json(self, 200, answer)
 
         def _render(self, raw: bytes) -> None:
             """vLLM's `/v1/chat/completions/render`: the chat request as the generate request it becomes, its
@@ -728,9 +721,10 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
                 text, _ = _content(request.get("messages"))
                 max_tokens = _max_tokens(request)
             except (ValueError, AttributeError, TypeError) as exc:
-                self._json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+                reply_json(self, 400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
                 return
-            self._json(
+            reply_json(
+                self,
                 200,
                 {
                     "request_id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -753,7 +747,7 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
                 session, signature = self.headers.get(SESSION_HEADER), self.headers.get(CONTEXT_HEADER)
                 seq = engine.submit(text, parts, _max_tokens(request), session, signature)
             except (ValueError, AttributeError, TypeError) as exc:
-                self._json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+                reply_json(self, 400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
                 return
             modality, _ = parse_signature(self.headers.get("X-Modality-Signature"))
             rid = f"chatcmpl-emulated-{uuid.uuid4().hex}"
@@ -795,7 +789,8 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
             for _ in engine.stream_tokens(seq):
                 pass
             engine.snapshot(seq)
-            self._json(
+            reply_json(
+                self,
                 200,
                 {
                     "id": rid,
@@ -825,20 +820,5 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
                     local=self.connection.getsockname(),
                     media=parts,
                 )
-
-        def _empty(self, status: int) -> None:
-            self.send_response(status)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def _json(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(data)
 
     return Handler

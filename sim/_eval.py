@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from prismlb.service import whole_number_at_least
+
 from ._cluster import Degrade, Kill, NodeSpec, Simulation
 from ._families import PRESETS, family_workload
 from ._model import PROFILES
@@ -274,27 +276,6 @@ def _levels(text: str) -> list[float]:
     return levels
 
 
-def _whole_number(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-
-
-def _limit(text: str) -> int:
-    value = _whole_number(text)
-    if value < 10:
-        raise argparse.ArgumentTypeError(f"a replay needs at least 10 requests, not {value}")
-    return value
-
-
-def _jobs(text: str) -> int:
-    value = _whole_number(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"runs need at least 1 process, not {value}")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval",
@@ -316,7 +297,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=1, help="seed of the multimodal sample (default 1)")
     parser.add_argument(
         "--limit",
-        type=_limit,
+        type=whole_number_at_least(10, "a replay needs at least 10 requests, not {value}"),
         default=None,
         help="requests per workload, at least 10 (default: whole traces, mm 6000, families 4000; "
         f"the goodput search {SEARCH_LIMIT})",
@@ -342,7 +323,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"a few minutes' version: every shared trace and the families {', '.join(QUICK_FAMILIES)}, "
         f"{QUICK_LIMIT} requests each, 80%% load, the kill runs, goodput and ablations; no report files",
     )
-    parser.add_argument("--jobs", type=_jobs, default=min(2, os.cpu_count() or 1))
+    parser.add_argument(
+        "--jobs",
+        type=whole_number_at_least(1, "runs need at least 1 process, not {value}"),
+        default=min(2, os.cpu_count() or 1),
+    )
     parser.add_argument("--out", type=Path, default=Path("docs/results"), help="where the report goes")
     parser.add_argument("--no-report", action="store_true", help="print the tables only")
     parser.add_argument(

@@ -14,17 +14,11 @@ from prismlb.brain._registry import QUALITY_SMOOTHING_S
 from prismlb.semantics import Slice, health
 from prismlb.wire import ConfigError, NodeMetrics, NodeVector
 
+from ._helpers_vectors import node_vector
+
 
 def vec(node_id: str, seq: int, period_s: float = 1.0, **metrics: float) -> NodeVector:
-    return NodeVector(
-        node_id=node_id,
-        host="h",
-        endpoint=f"http://{node_id}:8000",
-        seq=seq,
-        sample_time_unix_s=1000.0 + seq,
-        period_s=period_s,
-        metrics=NodeMetrics(**metrics),
-    )
+    return node_vector(node_id, seq, period_s=period_s, metrics=NodeMetrics(**metrics))
 
 
 def test_health_is_neutral_without_dimensions() -> None:

@@ -50,24 +50,22 @@ MIN_RECOVERY_VECTORS = 3  # the first while timers armed in the drop fire, then 
 _SERVER = """
 import http.server, sys
 
+sys.path.insert(0, sys.argv[4])  # the repository, for the tests' helpers
+from tests._helpers_http import QuietHandler
+
 BODY = b"x" * int(sys.argv[2])
 
 
-class Handler(http.server.BaseHTTPRequestHandler):
+class Handler(QuietHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as between a router and an engine
 
     def do_GET(self):
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(BODY)))
-        self.end_headers()
-        self.wfile.write(BODY)
-
-    def log_message(self, *args):
-        pass
+        self.reply(200, BODY)
 
 
 http.server.ThreadingHTTPServer((sys.argv[1], int(sys.argv[3])), Handler).serve_forever()
 """
+REPO = Path(__file__).resolve().parent.parent
 
 # What reaches the node's server port: the requests and the peers' ACKs, lost as on a bad link. (A drop on the
 # node's own output would not do: its TCP sees that as a local transmit failure and sends the data again as
@@ -110,7 +108,7 @@ def _nodes(count: int) -> Iterator[list[_Node]]:
         nodes = []
         for i in range(count):
             ns = stack.enter_context(host_veth())
-            server = ns.popen([sys.executable, "-c", _SERVER, ns.address, str(BODY_BYTES), str(PORT)])
+            server = ns.popen([sys.executable, "-c", _SERVER, ns.address, str(BODY_BYTES), str(PORT), str(REPO)])
             nodes.append(_Node(f"node-{'ab'[i]}", ns, server))
         for node in nodes:
             wait_listening(node.ns.address, PORT, 10.0, node.server)

@@ -15,6 +15,8 @@ from prismlb.semantics import Slice
 from prismlb.semantics import health as score
 from prismlb.wire import MAX_MS, MAX_VECTOR_BYTES, InvalidFieldError, NodeMetrics, NodeVector, decode, encode
 
+from ._helpers_vectors import node_vector
+
 ZERO = TcpCounts(0, 0, 0, 0, 0)
 
 
@@ -111,15 +113,7 @@ def test_window_without_length_and_absurd_handshakes_stay_within_the_wire() -> N
 
 
 def _vector(node_id: str, seq: int, period_s: float, **metrics: float) -> NodeVector:
-    return NodeVector(
-        node_id=node_id,
-        host=node_id,
-        endpoint=f"http://{node_id}:8000",
-        seq=seq,
-        sample_time_unix_s=1000.0 + seq * period_s,
-        period_s=period_s,
-        metrics=NodeMetrics(**metrics),
-    )
+    return node_vector(node_id, seq, period_s=period_s, metrics=NodeMetrics(**metrics))
 
 
 def test_fields_travel_and_out_of_range_values_are_refused() -> None:

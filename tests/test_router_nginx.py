@@ -21,6 +21,7 @@ import pytest
 from prismlb.router import render_nginx
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
+from ._helpers_http import QuietHandler
 from .conftest import free_port, wait_for
 from .test_router import Brain
 
@@ -183,18 +184,12 @@ def run_nginx(tmp_path: Path) -> Iterator[Callable[[str, int], None]]:
         proc.wait(timeout=10)
 
 
-class _Echo(http.server.BaseHTTPRequestHandler):
-    """Answers every GET with the name its server was given and the path it was asked for."""
+class _Echo(QuietHandler):
+    """Answers every GET with the name its server was given and the path it was asked for (quietly: a unix
+    socket peer has no address to log)."""
 
     def do_GET(self) -> None:
-        body = f"{self.server.name} {self.path}".encode()  # type: ignore[attr-defined]
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        """Quiet: a unix socket peer has no address to log."""
+        self.reply(200, f"{self.server.name} {self.path}".encode())  # type: ignore[attr-defined]
 
 
 class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

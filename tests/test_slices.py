@@ -9,23 +9,15 @@ import pytest
 from prismlb.brain import Registry, TableBuilder, Tier, capabilities, compute_weights, pools
 from prismlb.brain._slices import fallback, tier
 from prismlb.semantics import Slice, parse_signature
-from prismlb.wire import GpuState, NodeMetrics, NodeVector, RoutingTable
+from prismlb.wire import GpuState, NodeVector, RoutingTable
+
+from ._helpers_vectors import node_vector
 
 ALL = tuple(Slice)
 
 
 def node(node_id: str, labels: dict[str, str] | None = None, gpus: Sequence[GpuState] = ()) -> NodeVector:
-    return NodeVector(
-        node_id=node_id,
-        host=node_id,
-        endpoint=f"http://{node_id}:8000",
-        labels=labels or {},
-        seq=1,
-        sample_time_unix_s=1000.0,
-        period_s=1.0,
-        metrics=NodeMetrics(),
-        gpus=list(gpus),
-    )
+    return node_vector(node_id, 1, labels=labels, gpus=gpus)
 
 
 def gpu(index: int, name: str, peers: Sequence[int] = ()) -> GpuState:

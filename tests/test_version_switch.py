@@ -24,17 +24,10 @@ from prismlb.sim import EmulatedEngine
 from prismlb.sim._engine import BLOCK_SIZE_TOKENS, MODEL_NAME
 from prismlb.wire import Experiment, ExperimentArm, RoutingTable, SliceTable, TableNode
 
-from .conftest import load_bench, wait_for
+from .conftest import Clock, load_bench, wait_for
 
-
-class Clock:
-    """A wall clock the test moves."""
-
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+UNIX_NOW_S = 1_800_000_000.0
+"""Where the stores' fake clock starts: their clock is a wall clock (file times are set from it)."""
 
 
 def snapshot(session: str, at: float, blocks: int = 4, offset: int = 100) -> SessionSnapshot:
@@ -77,7 +70,7 @@ def test_another_process_view_of_the_directory_reads_the_same_snapshots(tmp_path
 
 
 def test_the_memory_store_evicts_the_least_recently_saved_and_the_expired() -> None:
-    clock = Clock()
+    clock = Clock(UNIX_NOW_S)
     store = MemorySnapshotStore(max_sessions=3, max_age_s=60.0, clock=clock)
     for name in "abc":
         store.save(snapshot(name, clock.now))
@@ -89,7 +82,7 @@ def test_the_memory_store_evicts_the_least_recently_saved_and_the_expired() -> N
 
 
 def test_a_sweep_removes_old_files_then_the_least_recently_written_past_the_bound(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = Clock(UNIX_NOW_S)
     store = DirectorySnapshotStore(tmp_path, max_sessions=5, max_age_s=600.0, sweep_every=1000, clock=clock)
     names = [f"s{i}" for i in range(8)]
     for age, name in zip(range(len(names), 0, -1), names, strict=True):  # s0 the oldest

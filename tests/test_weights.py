@@ -20,12 +20,13 @@ from prismlb.wire import (
     GpuState,
     ModalityLatency,
     NodeMetrics,
-    NodeVector,
     RoutingTable,
     TableNode,
     decode,
     encode,
 )
+
+from ._helpers_vectors import node_vector
 
 
 class Cluster:
@@ -45,18 +46,15 @@ class Cluster:
         **metrics: float,
     ) -> None:
         self.seq += 1
-        vector = NodeVector(
-            node_id=node_id,
-            host=node_id,
-            endpoint=f"http://{node_id}:8000",
-            zone="z1",
-            labels=labels or {},
-            seq=self.seq,
-            sample_time_unix_s=1000.0 + self.seq,
+        vector = node_vector(
+            node_id,
+            self.seq,
             period_s=period_s,
+            zone="z1",
+            labels=labels,
             metrics=NodeMetrics(**metrics),  # type: ignore[arg-type]
             latency={k: ModalityLatency(requests=10, ttft_p99_ms=v) for k, v in (latency or {}).items()},
-            gpus=list(gpus),
+            gpus=gpus,
         )
         self.registry.update(vector, now=float(self.seq))
 

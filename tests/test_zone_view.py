@@ -16,21 +16,19 @@ from prismlb.brain._zone_view import STEP, quantised
 from prismlb.router import Request, Router, Settings
 from prismlb.wire import NodeMetrics, NodeVector, RouterLoad
 
+from ._helpers_vectors import node_vector
 from .conftest import Clock
 
 ZONES = {"a1": "a", "a2": "a", "b1": "b", "b2": "b"}
 
 
 def vector(node_id: str, seq: int, zone: str | None = None) -> NodeVector:
-    return NodeVector(
-        node_id=node_id,
-        host=node_id,
-        endpoint=f"http://{node_id}:8000",
+    return node_vector(
+        node_id,
+        seq,
         zone=ZONES[node_id] if zone is None else zone,
-        seq=seq,
-        sample_time_unix_s=time.time() - 5 + seq * 1e-3,
-        period_s=1.0,
         metrics=NodeMetrics(requests_waiting=1),
+        sample_time_unix_s=time.time() - 5 + seq * 1e-3,
     )
 
 
