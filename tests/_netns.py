@@ -23,10 +23,11 @@ import itertools
 import os
 import socket
 import subprocess
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any, ParamSpec, TypeVar
+
+from .conftest import wait_for
 
 _CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -140,12 +141,15 @@ def host_veth() -> Iterator[Namespace]:
 def wait_listening(address: str, port: int, limit_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     """Return once something accepts TCP connections at `address:port`; RuntimeError after `limit_s`, or as soon as
     `proc`, the server meant to listen there, has exited."""
-    deadline = time.monotonic() + limit_s
-    while True:
+
+    def listening() -> bool:
         try:
             socket.create_connection((address, port), timeout=1).close()
-            return
+            return True
         except OSError:
-            if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
-                raise RuntimeError(f"nothing listens at {address}:{port}") from None
-            time.sleep(0.1)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"nothing listens at {address}:{port}: its server exited") from None
+            return False
+
+    if not wait_for(listening, limit_s):
+        raise RuntimeError(f"nothing listens at {address}:{port}")

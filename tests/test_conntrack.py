@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,20 +26,11 @@ from prismlb.agent import Connection, ConnectionTracer
 from prismlb.agent._clock import UnixClock, measure_offset_ns
 
 from ._netns import Namespace, veth_pair
-from .conftest import require_ebpf
+from .conftest import require_ebpf, wait_for
 
 pytestmark = pytest.mark.ebpf
 
 FourTuple = tuple[str, int, str, int]
-
-
-def _wait(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @dataclass
@@ -59,7 +50,7 @@ class _Seen:
         """The single event of `kind` for this connection, waiting for it."""
         seen = self.established if kind == "established" else self.closed
         key = (role, four_tuple)
-        assert _wait(lambda: key in seen, timeout_s), f"no {kind} event for {role} {four_tuple}"
+        assert wait_for(lambda: key in seen, timeout_s), f"no {kind} event for {role} {four_tuple}"
         events = seen[key]
         assert len(events) == 1, events
         return events[0]
@@ -394,9 +385,17 @@ def test_no_map_entries_leak_after_ten_thousand_connections() -> None:
             total += len(held) + _syn_sent_and_unaccepted(350)
         server.close()
         assert total == 10_000
-        assert _wait(lambda: tracer.live_entries() <= baseline, 10.0), (tracer.live_entries(), baseline)
+        assert wait_for(lambda: tracer.live_entries() <= baseline), (tracer.live_entries(), baseline)
     finally:
         tracer.close()
+
+
+def _listen_overflows() -> int:
+    """SYNs this network namespace's kernel dropped because a listener's accept queue was full (TcpExt
+    ListenOverflows): one more for each SYN the listener in `_syn_sent_and_unaccepted` turns away."""
+    with open("/proc/net/netstat") as netstat:
+        names, values = (line.split() for line in netstat if line.startswith("TcpExt:"))
+    return int(values[names.index("ListenOverflows")])
 
 
 def _syn_sent_and_unaccepted(count: int) -> int:
@@ -406,13 +405,14 @@ def _syn_sent_and_unaccepted(count: int) -> int:
         listener.bind(("127.0.0.1", 0))
         listener.listen(0)
         queued = socket.create_connection(listener.getsockname(), timeout=5)
+        overflows = _listen_overflows()
         pending = []
         for _ in range(count - 1):
             sock = socket.socket()
             sock.setblocking(False)
             assert sock.connect_ex(listener.getsockname()) == errno.EINPROGRESS
             pending.append(sock)
-        time.sleep(0.05)
+        wait_for(lambda: _listen_overflows() - overflows >= count - 1, what="the kernel to drop every pending SYN")
         for sock in pending:
             with pytest.raises(OSError):
                 sock.getpeername()  # not connected: still in SYN_SENT
@@ -431,14 +431,15 @@ def test_port_filter_keeps_only_the_chosen_port() -> None:
     with socket.create_server(("127.0.0.1", 0)) as wanted, socket.create_server(("127.0.0.1", 0)) as other:
         wanted_port, other_port = wanted.getsockname()[1], other.getsockname()[1]
         with _polled(_open(ports=(wanted_port,))) as seen:
-            for listener in (other, wanted, other):
+            # The last connection to the wanted port marks the end: the tracer's ring buffer keeps the kernel's
+            # order, so once its closes are read, any event of an earlier connection to the other port would be too.
+            for listener in (other, wanted, other, wanted):
                 with socket.create_connection(listener.getsockname(), timeout=5) as sock:
                     peer, _ = listener.accept()
                     with peer:
                         sock.sendall(b"x")
                         peer.recv(1)
-            _wait(lambda: len(seen.closed) >= 2)
-            time.sleep(0.2)
+            assert wait_for(lambda: len(seen.closed) >= 4), seen.closed
         assert seen.roles_for_port(wanted_port) == {"client", "server"}
         assert seen.roles_for_port(other_port) == set()
         assert all(wanted_port in key[1] for key in [*seen.established, *seen.closed])
@@ -494,7 +495,7 @@ def test_lost_events_are_counted_and_tracing_goes_on() -> None:
             seen.one("closed", "client", four_tuple)
             # per connection: the client's ESTABLISHED and CLOSED; the server's side was never read or written
             expected = 2 * (count + 1)
-            assert _wait(lambda: tracer.events_total + tracer.lost_events == expected), (
+            assert wait_for(lambda: tracer.events_total + tracer.lost_events == expected), (
                 tracer.events_total,
                 tracer.lost_events,
                 expected,
@@ -515,7 +516,7 @@ def test_a_server_connection_never_read_or_written_is_counted_without_events() -
                 assert sock.recv(1) == b""
                 four_tuple = _tuple(sock)
             assert seen.one("closed", "client", four_tuple).bytes_received == 0
-            assert _wait(lambda: tracer.tcp_counts().ended - before.ended == 2), tracer.tcp_counts()
+            assert wait_for(lambda: tracer.tcp_counts().ended - before.ended == 2), tracer.tcp_counts()
             assert tracer.tcp_counts().opened - before.opened == 2
         assert seen.roles_for_port(listener.getsockname()[1]) == {"client"}
         assert tracer.events_total == 2 and tracer.lost_events == 0

@@ -34,7 +34,7 @@ from prismlb.wire import (
     start_authenticator,
 )
 
-from .conftest import free_port
+from .conftest import free_port, wait_for
 
 LOG = logging.getLogger("test")
 
@@ -61,10 +61,18 @@ def table() -> RoutingTable:
 
 
 def subscribed_tables(
-    ctx: zmq.Context, keys: Path, curve: ServerCurve, names: tuple[str, ...], *, heartbeat: bool = False
+    ctx: zmq.Context,
+    keys: Path,
+    curve: ServerCurve,
+    names: tuple[str, ...],
+    refusals: CurveRefusals,
+    *,
+    heartbeat: bool = False,
 ) -> dict[str, list[RoutingTable]]:
-    """Publish `table()` under `curve` for 2 s to a subscriber per key name in `names` (snapshots served,
-    heartbeats sent with `heartbeat`), and return the tables each got."""
+    """Publish `table()` under `curve` to a subscriber per key name in `names` (snapshots served, heartbeats sent
+    with `heartbeat`) until a subscriber has the table and `refusals` has counted two refused handshakes (a refused
+    key's SUB and DEALER: libzmq does not retry a refused key, so nothing reaches it after that), and return the
+    tables each got."""
     address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG), curve=curve)
     publisher.publish(table())
@@ -81,12 +89,14 @@ def subscribed_tables(
     ]
     for s in subscribers:
         s.start()
-    deadline = time.monotonic() + 2
-    while time.monotonic() < deadline:
+
+    def served() -> bool:
         publisher.serve_snapshots()
         if heartbeat:
             publisher.heartbeat()
-        time.sleep(0.02)
+        return any(got.values()) and sum(refusals.counts().values()) >= 2
+
+    wait_for(served)
     for s in subscribers:
         s.stop()
     publisher.close()
@@ -189,11 +199,13 @@ def test_an_agent_refused_before_its_key_is_filed_gets_in_later(ctx: zmq.Context
 
 def test_tables_reach_only_authorised_routers(ctx: zmq.Context, keys: Path) -> None:
     server = ServerCurve(keys / "brain.key_secret", keys / "authorized")
-    auth = start_authenticator(ctx, server)
-    got = subscribed_tables(ctx, keys, server, ("good", "evil"))
+    refusals = CurveRefusals()
+    auth = start_authenticator(ctx, server, refusals=refusals)
+    got = subscribed_tables(ctx, keys, server, ("good", "evil"), refusals)
     auth.stop()
     assert [t.order for t in got["good"]] == [(1, 1)]
     assert got["evil"] == []
+    assert refusals.counts()[server.domain] >= 2  # the evil key's SUB and DEALER
 
 
 def test_missing_key_files_are_a_config_error(tmp_path: Path, ctx: zmq.Context) -> None:
@@ -248,8 +260,9 @@ def test_a_router_key_cannot_push_vectors(
 def test_an_agent_key_cannot_subscribe_to_tables(ctx: zmq.Context, keys: Path) -> None:
     agents, routers = roles(keys)
     registry = CollectorRegistry()
-    auth = start_authenticator(ctx, agents, routers, refusals=CurveRefusals(registry))
-    got = subscribed_tables(ctx, keys, routers, ("good", "router"), heartbeat=True)
+    refusals = CurveRefusals(registry)
+    auth = start_authenticator(ctx, agents, routers, refusals=refusals)
+    got = subscribed_tables(ctx, keys, routers, ("good", "router"), refusals, heartbeat=True)
     auth.stop()
     assert [t.order for t in got["router"]] == [(1, 1)]
     assert got["good"] == []  # the agent's key is refused on the table and snapshot sockets

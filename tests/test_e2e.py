@@ -6,7 +6,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -149,14 +148,17 @@ def test_only_the_killed_nodes_keys_move(cluster: Cluster) -> None:
 
 
 def test_router_keeps_last_table_when_brain_is_gone(cluster: Cluster) -> None:
-    with Router.connect(cluster.address) as router:
+    with Router.connect(cluster.address, brain_timeout_s=1.0) as router:
         wait_for(lambda: router.table is not None, 10, "a table")
         cluster.brain.send_signal(signal.SIGTERM)
         assert cluster.brain.wait(timeout=10) == 0, "the brain exits cleanly on SIGTERM"
-        time.sleep(0.3)  # a table the brain sent just before it stopped is still on loopback
+        # A table the brain sent just before it stopped crosses loopback in well under 0.3 s.
+        wait_for(lambda: (router.last_heard_age_s or 0) > 0.3, 10, "0.3 s without a message from the brain")
         table = router.table
         assert table is not None
-        time.sleep(1.5)
+        wait_for(
+            lambda: not any(b["live"] for b in router.brains().values()), 10, "the router to find the brain silent"
+        )
         assert router.table is table
         assert router.route("prefix-1").node_id in node_ids(table)
         age = router.last_heard_age_s

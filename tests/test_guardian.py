@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import psutil
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -289,8 +290,15 @@ def test_hook_failures_are_counted_and_checks_go_on(
         assert s.step(SLOW) is D  # the machine moves on whatever the hook does
         assert wait_for(lambda: s.hook("failed") == 1)
         assert s.hook("ok") == 0
-    time.sleep(1.5)
+    # The background subshell would touch the marker after 1 s; once no process names the marker it either
+    # did (and the group was not killed) or never will.
+    assert wait_for(lambda: not _running(str(marker)))
     assert not marker.exists()  # the timed-out command's whole process group was killed
+
+
+def _running(mark: str) -> bool:
+    """Whether a live process's command line mentions `mark` (a zombie's is empty)."""
+    return any(mark in arg for proc in psutil.process_iter(["cmdline"]) for arg in proc.info["cmdline"] or ())
 
 
 def test_hooks_raise_clear_errors() -> None:

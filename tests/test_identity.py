@@ -38,6 +38,8 @@ from prismlb.wire import (
     start_authenticator,
 )
 
+from .conftest import wait_for
+
 LOG = logging.getLogger("test.identity")
 
 
@@ -102,16 +104,16 @@ class Ingest:
         self, sends: list[tuple[str, str] | tuple[str, str, str]], until: Callable[[], bool], timeout_s: float = 5.0
     ) -> bool:
         """Send (key, claimed node id[, endpoint]) and drain until `until()` holds or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def step() -> bool:
             for key, node_id, *endpoint in sends:
                 self._seq += 1
                 self.senders[key].send(vector(node_id, self._seq, *endpoint))
             self.receiver.socket.poll(20)
             self.got.extend(self.receiver.drain())
-            if until():
-                return True
-        return False
+            return until()
+
+        return wait_for(step, timeout_s)
 
     def close(self) -> None:
         for sender in self.senders.values():
@@ -145,14 +147,18 @@ def test_a_node_claiming_another_nodes_id_is_rejected_and_counted(
 def test_kv_blocks_are_taken_only_under_their_nodes_key(ingest: Ingest) -> None:
     """A node's KV blocks carry no endpoint: the key must be filed under the node id they claim (`check_node`)."""
     kv: list[KvBlocks] = []
-    deadline = time.monotonic() + 5.0
-    seq = 0
-    while time.monotonic() < deadline and not (kv and ingest.rejects.counts().get("spoofed_identity", 0) >= 3):
-        seq += 1
-        ingest.senders["node-a"].send(KvBlocks(node_id="node-a", seq=seq, stored=[seq]))
-        ingest.senders["node-a"].send(KvBlocks(node_id="node-b", seq=seq, stored=[seq]))
+    sent = 0
+
+    def step() -> bool:
+        nonlocal sent
+        sent += 1
+        ingest.senders["node-a"].send(KvBlocks(node_id="node-a", seq=sent, stored=[sent]))
+        ingest.senders["node-a"].send(KvBlocks(node_id="node-b", seq=sent, stored=[sent]))
         ingest.receiver.socket.poll(20)
         ingest.receiver.drain(kv=kv)
+        return bool(kv) and ingest.rejects.counts().get("spoofed_identity", 0) >= 3
+
+    wait_for(step, 5.0)
     assert kv and {message.node_id for message in kv} == {"node-a"}
     assert set(ingest.rejects.counts()) == {"spoofed_identity"}
 
@@ -213,7 +219,7 @@ def file_endpoints(keys: Path, name: str, text: str) -> None:
 
 def test_an_endpoint_outside_the_nodes_list_is_rejected_and_counted(ingest: Ingest, keys: Path) -> None:
     file_endpoints(keys, "node-a", "10.0.0.7:8000  # the GPU host\nnode-a.cluster\n")
-    time.sleep(0.1)  # past the folder's reload interval
+    wait_for(lambda: ingest.authorized.endpoints_of("node-a") is not None, what="the folder to be reloaded")
     allowed = {"http://10.0.0.7:8000", "https://node-a.cluster", "http://node-a.cluster:9000"}
     sends = [("node-a", "node-a", url) for url in (*allowed, "http://attacker:80", "http://10.0.0.7:9000", LOCAL)]
     assert ingest.pump(sends, lambda: ingest.rejects.counts().get("endpoint_not_allowed", 0) >= 9)
@@ -275,12 +281,15 @@ def test_the_brains_ingest_refuses_a_router_key(ctx: zmq.Context, keys: Path, en
         "node-a": VectorSender(ctx, endpoint, curve=ClientCurve(keys / "node-a.key_secret", keys / "brain.key")),
     }
     got: list[NodeVector] = []
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not (got and senders["router-1"].refused):
+
+    def step() -> bool:
         for name, sender in senders.items():
             sender.send(vector(name))
         receiver.socket.poll(50)
         got.extend(receiver.drain())
+        return bool(got) and senders["router-1"].refused > 0
+
+    wait_for(step, 5)
     for closable in (receiver, *senders.values()):
         closable.close()
     assert auth is not None

@@ -15,6 +15,8 @@ from prismlb.brain import Brain, BrainConfig
 from prismlb.brain._shards import ShardedReceiver
 from prismlb.wire import MAX_VECTOR_BYTES, NodeMetrics, NodeVector, VectorReceiver, VectorSender
 
+from .conftest import wait_for
+
 LOG = logging.getLogger("test.ingest")
 STARTED = 1_700_000_000.0
 
@@ -30,13 +32,6 @@ def vector(seq: int, node_id: str = "node-a", started: float = STARTED) -> NodeV
         started_unix_s=started,
         metrics=NodeMetrics(cpu_util_ratio=0.5),
     )
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture
@@ -65,13 +60,13 @@ def endpoint(receiver: Receiver) -> str:
 
 def pump(brain: Brain, receiver: Receiver, done: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     """Drain into the brain until `done` holds or the time is up."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def drained() -> bool:
         if receiver.socket.poll(50):
             brain.ingest(receiver.drain(), time.monotonic())
-        if done():
-            return True
-    return False
+        return done()
+
+    return wait_for(drained, timeout_s)
 
 
 def lost(brain: Brain) -> float:
@@ -123,14 +118,17 @@ def test_a_sender_beyond_the_receivers_hwm_is_counted_on_the_brains_side(ctx: zm
         while sender.dropped < 50:  # the brain does not read: both queues and the socket buffers fill up
             sender.send(vector(seq))  # like an agent, a dropped vector still uses its sequence number
             seq += 1
-        deadline = time.monotonic() + 10
-        while receiver.backlog == 0 and time.monotonic() < deadline:  # the I/O thread moves the queue along
+
+        def backlogged() -> bool:  # the I/O thread moves the queue along
             receiver.socket.poll(100)
             brain.ingest(receiver.drain(limit=5), time.monotonic())
+            return receiver.backlog != 0
+
+        wait_for(backlogged)
         assert receiver.backlog == 1  # stopped at its limit with more waiting
         dropped = sender.dropped
-        while not sender.send(vector(seq)):  # one more after the drops: the gap is behind a received vector
-            time.sleep(0.01)
+        # one more after the drops: the gap is behind a received vector
+        wait_for(lambda: sender.send(vector(seq)), what="the sender's queue to take one more vector")
         assert pump(brain, receiver, lambda: accepted(brain) == sender.sent, timeout_s=20)
     assert receiver.backlog == 0
     assert lost(brain) == dropped

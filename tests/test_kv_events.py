@@ -45,7 +45,7 @@ from prismlb.sim import block_hashes as engine_hashes
 from prismlb.sim._model import EngineModel
 from prismlb.wire import KvSummary
 
-from .conftest import free_port
+from .conftest import free_port, wait_for
 
 TOPIC = b"kv-events"
 Hash = int | bytes
@@ -215,10 +215,12 @@ def subscribe(ctx: zmq.Context, engine: Engine, endpoint: str, replay: str | Non
 
 
 def poll_until(subscriber: KvEventSubscriber, done: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, f"timed out: {subscriber.stats()}"
-        subscriber.poll(50)
+    def polled() -> bool:
+        if not done():
+            subscriber.poll(50)
+        return done()
+
+    assert wait_for(polled, timeout_s), f"timed out: {subscriber.stats()}"
 
 
 def held(subscriber: KvEventSubscriber, hashes: list[Hash]) -> list[bool]:
@@ -393,10 +395,7 @@ def test_background_thread(ctx: zmq.Context, engine: Engine, endpoint: str, repl
             sub.start()
         for block in range(100):
             engine.publish(stored([block]))
-        deadline = time.monotonic() + 5.0
-        while sub.stats().batches < 100:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        assert wait_for(lambda: sub.stats().batches >= 100, 5.0), sub.stats()
         assert sub.stats().blocks == 100
     finally:
         sub.stop()
@@ -506,12 +505,16 @@ def join(engine: EmulatedEngine, sub: KvEventSubscriber) -> list[str]:
     """Send one-block prompts until the subscriber gets a batch (a SUB socket misses what is published before it
     joined, and the emulator's PUB cannot tell when it has); returns the prompts sent."""
     sent: list[str] = []
-    deadline = time.monotonic() + 10
-    while sub.stats().batches == 0:
-        assert time.monotonic() < deadline, "the subscriber never joined"
+
+    def joined() -> bool:
+        if sub.stats().batches:
+            return True
         sent.append(f"warm-up prompt number {len(sent)}: ".ljust(64, "."))
         chat(engine, sent[-1])
         sub.poll(100)
+        return False
+
+    wait_for(joined, 10, "the subscriber to join")
     return sent
 
 

@@ -124,6 +124,17 @@ def brains() -> Iterator[Callable[[], Brain]]:
         brain.close()
 
 
+def hear_the_brain(router: Router, messages: int = 2) -> None:
+    """Return once the router has heard from the brain it follows `messages` more times. After every batch of
+    messages it receives, the router's subscriber offers the leader's latest table, so by the second message at
+    the latest (the first may share a batch with what came before it) everything before has been offered."""
+    subscriber = router._subscriber
+    assert subscriber is not None
+    for _ in range(messages):
+        since = time.monotonic()
+        wait_for(lambda since=since: (subscriber.last_heard_monotonic or 0.0) > since, what="a message from the brain")
+
+
 def test_late_joiner_gets_the_table_by_snapshot_then_follows_updates(brains: Callable[[], Brain]) -> None:
     brain = brains()
     brain.publish(make_table(1, 1, ["a0", "a1", "a2"]))
@@ -149,7 +160,8 @@ def test_a_table_dropping_most_nodes_is_held_back_then_taken(brains: Callable[[]
     with Router.connect(brain.address, settings=settings) as router:
         assert router.wait_for_table(1.0)
         brain.publish(make_table(1, 2, []))  # every node gone at once
-        time.sleep(0.5)
+        assert wait_for(lambda: router.rejects.counts().get("mass_drop") == 1)
+        hear_the_brain(router, 3)  # offered again after each
         assert router.table is not None and router.table.order == (1, 1)
         assert router.route("k").node_id.startswith("a")
         assert router.rejects.counts().get("mass_drop") == 1, "counted once per table, however often offered"
@@ -174,10 +186,10 @@ def test_keeps_routing_on_the_last_table_when_the_brain_goes_away(brains: Callab
         heard = router.last_heard_age_s
         age = router.table_age_s
         assert heard is not None and age is not None
-        time.sleep(0.3)
-        later = router.last_heard_age_s
-        assert later is not None and later >= heard + 0.25
-        assert router.table_age_s is not None and router.table_age_s >= age + 0.25
+        # Both ages run on the real monotonic clock (`Router.connect` takes no clock): they must grow by 0.25 s.
+        assert wait_for(
+            lambda: (router.last_heard_age_s or 0.0) >= heard + 0.25 and (router.table_age_s or 0.0) >= age + 0.25
+        ), (router.last_heard_age_s, router.table_age_s)
         assert [router.route(k) for k in KEYS] == before
         assert router.table is not None and router.table.order == (4, 9)
 
@@ -195,7 +207,8 @@ def test_two_brains_fail_over_to_the_live_one_and_back(brains: Callable[[], Brai
     with Router.connect([first.address, second.address], brain_timeout_s=0.5) as router:
         assert wait_for(lambda: router.table is not None and router.table.brain_id == "b")
         first.publish(named(make_table(7, 6, [*nodes, "n3"]), "a"))
-        time.sleep(0.3)
+        assert wait_for(lambda: router.brains()["a"]["order"] == (7, 6))
+        hear_the_brain(router)
         assert router.table is not None and router.table.order == (2, 1), "the follower's tables are not used"
         brains_seen = router.brains()
         assert set(brains_seen) == {"a", "b"} and brains_seen["b"]["following"] and brains_seen["a"]["live"]
@@ -257,12 +270,14 @@ def test_hostile_frames_are_counted_and_routing_goes_on(brains: Callable[[], Bra
     router = Router.connect([brain.address, BrainAddress(hostile_updates, unbound_snapshot)], registry=registry)
     try:
         assert router.wait_for_table(1.0)
-        deadline = time.monotonic() + 3.0
-        while not kinds <= set(router.rejects.counts()) and time.monotonic() < deadline:
+
+        def rejected_every_kind() -> bool:  # sent again until the router's SUB has joined the hostile PUB
             for frames in garbage:
                 hostile.send_multipart(frames)
             assert router.route("k").node_id in {"a0", "a1"}
-            time.sleep(0.02)
+            return kinds <= set(router.rejects.counts())
+
+        wait_for(rejected_every_kind, 3.0)
         assert set(router.rejects.counts()) == kinds
         assert registry.get_sample_value("prism_rejected_messages_total", {"receiver": "router", "kind": "frames"})
 
@@ -276,9 +291,12 @@ def test_hostile_frames_are_counted_and_routing_goes_on(brains: Callable[[], Bra
                 slices=[SliceHead(name="default", version=2, entries=1)],
             )
         )
+        cut_off = router.rejects.counts()["frames"]
         for _ in range(5):
             hostile.send_multipart(orphan)
-            time.sleep(0.02)
+        hostile.send_multipart(garbage[0])  # after the orphans on one socket: once it is counted, they were read
+        assert wait_for(lambda: router.rejects.counts()["frames"] > cut_off)
+        hear_the_brain(router)
         assert router.table is not None and router.table.order == (1, 1)
 
         brain.publish(make_table(1, 3, ["a0", "b1"]))
@@ -553,7 +571,8 @@ def test_a_slice_larger_than_the_c_probe_routes_on_the_python_path() -> None:
     """A fleet of per-GPU entries: 140,000 entries, more than the C probe's bitmap; every key still routes,
     under bounded load too (the probe then runs in Python)."""
     nodes = [
-        TableNode(node_id=f"host{i // 8:05d}", endpoint=f"h{i // 8}:8000", weight=1.0, gpu=i % 8) for i in range(140_000)
+        TableNode(node_id=f"host{i // 8:05d}", endpoint=f"h{i // 8}:8000", weight=1.0, gpu=i % 8)
+        for i in range(140_000)
     ]
     table = RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="av", nodes=nodes)])
     router = Router.from_table(table, settings=Settings(max_ring_points=150_000))

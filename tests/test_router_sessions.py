@@ -9,6 +9,8 @@ from prismlb.router import CONTEXT_HEADER, SESSION_HEADER, Outcome, Request, Rou
 from prismlb.semantics import assign_arm
 from prismlb.wire import Experiment, ExperimentArm, RoutingTable, SliceTable, TableNode
 
+from .conftest import Clock
+
 NODES = {"a0": "v1", "a1": "v1", "a2": "v1", "b0": "v2", "b1": "v2"}
 
 
@@ -39,14 +41,15 @@ def test_a_session_sticks_to_its_endpoint_whatever_its_keys() -> None:
 
 
 def test_a_session_is_forgotten_after_its_ttl() -> None:
-    router = Router.from_table(table(1), settings=Settings(session_ttl_s=0.2))
+    clock = Clock()
+    router = Router.from_table(table(1), settings=Settings(session_ttl_s=0.2), clock=clock)
     key = next(f"k{i}" for i in range(1000) if router.route(f"k{i}").node_id != router.route("first").node_id)
     sticky = router.route(Request(key="first", session="s")).node_id
-    time.sleep(0.1)
+    clock.now += 0.1
     assert router.route(Request(key=key, session="s")).node_id == sticky  # used: its TTL starts again
-    time.sleep(0.15)
+    clock.now += 0.15
     assert router.route(Request(key=key, session="s")).node_id == sticky
-    time.sleep(0.25)
+    clock.now += 0.25
     assert router.route(Request(key=key, session="s")).node_id == router.route(key).node_id
 
 

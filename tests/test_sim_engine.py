@@ -100,6 +100,12 @@ def test_image_part_adds_encoder_time() -> None:
     assert with_image - text > 0.3  # two images (45 ms each) and a video (350 ms) on an L40S
 
 
+def requests_running(engine: EmulatedEngine) -> float | None:
+    """The engine's running-requests gauge, read from its registry (the collector's own scrapes are the test's)."""
+    labels = dict(zip(("model_name", "engine"), engine.metrics.values, strict=True))
+    return engine.metrics.registry.get_sample_value("vllm:num_requests_running", labels)
+
+
 def test_metrics_detected_as_vllm(engine: EmulatedEngine) -> None:
     collector = EngineCollector(engine.url + "/metrics")
     first = collector.sample()
@@ -110,7 +116,7 @@ def test_metrics_detected_as_vllm(engine: EmulatedEngine) -> None:
             pool.submit(httpx.post, engine.url + "/v1/chat/completions", json=body(f"q{i}", 200), timeout=30)
             for i in range(4)
         ]
-        time.sleep(0.3)
+        wait_for(lambda: requests_running(engine) == 4, what="the four requests to run")
         busy = collector.sample()
         assert all(f.result().status_code == 200 for f in futures)
     assert busy.requests_running == 4
@@ -126,12 +132,12 @@ def test_kv_events_seen_by_subscriber() -> None:
     with EmulatedEngine("h100", kv_events_endpoint=endpoint, time_scale=SCALE) as e:
         with KvEventSubscriber(endpoint) as subscriber:
             subscriber.start()
-            time.sleep(0.3)  # the SUB socket joins
+            # The SUB socket joins; the subscriber shows no sign of it, and warm-up prompts would move the
+            # first batch's sequence number, which is checked below.
+            time.sleep(0.3)
             text = "the same system prompt " * 40
             httpx.post(e.url + "/v1/chat/completions", json=body(text, 1), timeout=10)
-            deadline = time.monotonic() + 3
-            while subscriber.stats().blocks == 0 and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_for(lambda: subscriber.stats().blocks > 0, 3)
             hashes = block_hashes(prompt_tokens(text))
             stats = subscriber.stats()
             summary = subscriber.summary()
@@ -178,14 +184,20 @@ def test_tokenize_answers_as_vllm(engine: EmulatedEngine) -> None:
 
 @contextlib.contextmanager
 def kv_events(endpoint: str) -> Iterator[zmq.Socket]:
-    """A SUB socket on an engine's KV-event `endpoint`, taking every topic, each receive waiting 3 s at most."""
+    """A SUB socket on an engine's KV-event `endpoint`, taking every topic, each receive waiting 3 s at most;
+    given once its handshake with the engine's PUB has succeeded: its subscription follows at once on that
+    connection, well ahead of what a request sent then makes the engine publish."""
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVTIMEO, 3000)
-    sub.connect(endpoint)
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     try:
+        sub.connect(endpoint)
+        assert monitor.poll(10_000), "no handshake with the engine's KV-event publisher"
         yield sub
     finally:
+        sub.disable_monitor()
+        monitor.close(linger=0)
         sub.close(linger=0)
 
 
@@ -194,7 +206,6 @@ def test_render_gives_the_token_ids_the_kv_events_carry() -> None:
     text = "the same system prompt " * 40
     with EmulatedEngine("a100", kv_events_endpoint=endpoint, time_scale=SCALE) as e:
         with kv_events(endpoint) as sub:
-            time.sleep(0.3)  # the SUB socket joins
             payload = {**body(text, 5, stream=True), "stream_options": {"include_usage": True}}
             rendered = httpx.post(e.url + "/v1/chat/completions/render", json=payload, timeout=10).json()
             httpx.post(e.url + "/v1/chat/completions", json=body(text, 1), timeout=10)
@@ -213,7 +224,7 @@ def test_block_stored_carries_lora_name_and_the_agent_still_accepts_it() -> None
     with EmulatedEngine("h100", kv_events_endpoint=endpoint, time_scale=SCALE) as e:
         with kv_events(endpoint) as sub, KvEventSubscriber(endpoint) as subscriber:
             subscriber.start()
-            time.sleep(0.3)
+            time.sleep(0.3)  # the subscriber's SUB socket joins: it shows no sign of it (`kv_events` waits for its own)
             httpx.post(e.url + "/v1/chat/completions", json=body("a shared prefix " * 30, 1), timeout=10)
             _, _, frame = sub.recv_multipart()
             wait_for(lambda: subscriber.stats().blocks > 0, 3)

@@ -20,7 +20,7 @@ from prismlb.otel._spans import request_span_name
 from prismlb.sim import EmulatedEngine
 from prismlb.sim._engine import MODEL_NAME
 
-from .conftest import free_port
+from .conftest import free_port, wait_for
 
 
 class Received:
@@ -40,13 +40,13 @@ class Received:
                     self.spans.extend((resource, span) for span in ss.spans)
 
     def wait(self, count: int, timeout_s: float = 10.0) -> list[tuple[dict[str, Any], Span]]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def arrived() -> bool:
             with self._lock:
-                if len(self.spans) >= count:
-                    return list(self.spans)
-            time.sleep(0.02)
-        raise AssertionError(f"the receiver got {len(self.spans)} spans, expected {count}")
+                return len(self.spans) >= count
+
+        assert wait_for(arrived, timeout_s), f"the receiver got {len(self.spans)} spans, expected {count}"
+        with self._lock:
+            return list(self.spans)
 
 
 def _value(value: Any) -> Any:

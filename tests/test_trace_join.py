@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,15 +78,24 @@ def attributes(span: Span) -> dict[str, object]:
     return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}
 
 
-def spans_of(requests: list[ExportTraceServiceRequest], kind: int) -> list[dict[str, object]]:
-    return [
-        attributes(span)
+def each_span(requests: list[ExportTraceServiceRequest], kind: int) -> Iterator[Span]:
+    return (
+        span
         for request in list(requests)
         for rs in request.resource_spans
         for ss in rs.scope_spans
         for span in ss.spans
         if span.kind == kind
-    ]
+    )
+
+
+def spans_of(requests: list[ExportTraceServiceRequest], kind: int) -> list[dict[str, object]]:
+    return [attributes(span) for span in each_span(requests, kind)]
+
+
+def has_spans(requests: list[ExportTraceServiceRequest], kind: int, count: int) -> bool:
+    """Whether `requests` hold `count` spans of `kind`: cheap enough to poll while the agent works."""
+    return sum(1 for _ in each_span(requests, kind)) >= count
 
 
 def server_spans(requests: list[ExportTraceServiceRequest]) -> list[dict[str, object]]:
@@ -95,13 +103,10 @@ def server_spans(requests: list[ExportTraceServiceRequest]) -> list[dict[str, ob
 
 
 def wait_for_spans(running: Running, count: int, timeout_s: float = 30) -> list[dict[str, object]]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        spans = server_spans(running.upstream)
-        if len(spans) >= count:
-            return spans
-        time.sleep(0.1)
-    raise AssertionError(f"upstream got {len(server_spans(running.upstream))} of {count} server spans")
+    arrived = wait_for(lambda: has_spans(running.upstream, Span.SpanKind.SPAN_KIND_SERVER, count), timeout_s)
+    spans = server_spans(running.upstream)
+    assert arrived, f"upstream got {len(spans)} of {count} server spans"
+    return spans
 
 
 def check_join(running: Running, client_tuples: list[list[object]], server_address: str, server_port: int) -> None:
@@ -151,9 +156,7 @@ def test_loopback_server_spans_join_with_the_right_four_tuple(agent: Running) ->
         server.wait(timeout=15)
     assert len(tuples) == REQUESTS
     check_join(agent, tuples, "127.0.0.1", port)
-    deadline = time.monotonic() + 20
-    while len(spans_of(agent.upstream, Span.SpanKind.SPAN_KIND_CLIENT)) < REQUESTS and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(lambda: has_spans(agent.upstream, Span.SpanKind.SPAN_KIND_CLIENT, REQUESTS), 20)
     clients = spans_of(agent.upstream, Span.SpanKind.SPAN_KIND_CLIENT)
     assert len(clients) == REQUESTS
     joined = [s for s in clients if s.get("prism.net.join") == "peer+pid"]
@@ -226,9 +229,7 @@ def test_without_ebpf_spans_are_still_received_and_forwarded_unchanged(monkeypat
         server.shutdown()
         server.server_close()
         provider.shutdown()
-        deadline = time.monotonic() + 20
-        while len(server_spans(upstream_requests)) < 20 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: has_spans(upstream_requests, Span.SpanKind.SPAN_KIND_SERVER, 20), 20)
         spans = server_spans(upstream_requests)
         assert len(spans) == 20
         assert not any(key.startswith("prism.net.") for span in spans for key in span)

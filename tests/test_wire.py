@@ -49,7 +49,7 @@ from prismlb.wire import (
 )
 from prismlb.wire._codec import topic_prefix
 
-from .conftest import free_port
+from .conftest import free_port, wait_for
 
 LOG = logging.getLogger("test")
 
@@ -171,10 +171,13 @@ def test_vector_receiver_survives_fuzz_and_counts_everything(ctx: zmq.Context, e
         push.send_multipart(frames)
     push.send_multipart(encode(vector(seq=1000)))
     got: list[NodeVector] = []
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and (rejects.total < sent_bad or len(got) < accepted_by_codec + 1):
+
+    def drained() -> bool:
         receiver.socket.poll(100)
         got.extend(receiver.drain())
+        return rejects.total >= sent_bad and len(got) >= accepted_by_codec + 1
+
+    wait_for(drained, 5)
     assert rejects.total == sent_bad
     assert len(got) == accepted_by_codec + 1
     assert got[-1].seq == 1000
@@ -186,15 +189,22 @@ def test_oversized_frames_are_dropped_by_the_socket(ctx: zmq.Context, endpoint: 
     receiver = VectorReceiver(ctx, endpoint, RejectCounter("brain", LOG))
     sender = VectorSender(ctx, endpoint)
     push = ctx.socket(zmq.PUSH)
+    monitor = push.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     push.connect(endpoint)
-    push.send_multipart([b"prism.node", b"1", b"\x00" * (4 * MAX_VECTOR_BYTES)])
-    time.sleep(0.2)
+    # Beyond the multiple of the limit the receiver's socket takes (to count it), libzmq cuts the connection.
+    push.send_multipart([b"prism.node", b"1", b"\x00" * ((VectorReceiver.OVERSIZE_COUNTED + 1) * MAX_VECTOR_BYTES)])
+    assert monitor.poll(5000), "the receiver kept the connection that sent the oversized frame"
+    push.disable_monitor()
+    monitor.close(linger=0)
     assert sender.send(vector(seq=5))
     got: list[NodeVector] = []
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not got:
+
+    def drained() -> bool:
         receiver.socket.poll(100)
         got.extend(receiver.drain())
+        return bool(got)
+
+    wait_for(drained, 5)
     assert [v.seq for v in got] == [5]
     for closable in (receiver, sender, push):
         closable.close()
@@ -220,7 +230,13 @@ def test_table_subscriber_survives_fuzz_and_counts_everything(ctx: zmq.Context) 
     pub.bind(updates)
     subscriber = TableSubscriber(ctx, [BrainAddress(updates, snapshot)], lambda t: got.append(t) is None, rejects)
     subscriber.start()
-    time.sleep(0.5)
+    joined = Heartbeat(epoch=0, version=0, issued_unix_s=time.time())  # a brain at no table: nothing to take
+
+    def heard() -> bool:  # a SUB socket misses what is published before it joins
+        pub.send_multipart(encode(joined))
+        return subscriber.last_heard_monotonic is not None
+
+    wait_for(heard, what="the subscriber to join the PUB socket")
     rng = random.Random(11)
     bad = 0
     for i in range(300):
@@ -234,9 +250,7 @@ def test_table_subscriber_survives_fuzz_and_counts_everything(ctx: zmq.Context) 
             pub.send_multipart(frames)
     for frames in TableEncoder().update(table(1, 1)):
         pub.send_multipart(frames)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and (rejects.total < bad or not got):
-        time.sleep(0.05)
+    wait_for(lambda: rejects.total >= bad and bool(got), 5)
     subscriber.stop()
     pub.close()
     assert rejects.total == bad
@@ -254,19 +268,19 @@ def test_clone_pattern_late_joiner_follows_the_leading_brain(ctx: zmq.Context) -
     publishers[1].publish(named(table(6, 1, ("new",)), "brain-a"))
     got: list[RoutingTable] = []
     subscriber = TableSubscriber(ctx, addresses, lambda t: got.append(t) is None, RejectCounter("router", LOG))
-    started = time.monotonic()
     subscriber.start()
-    while time.monotonic() - started < 3 and subscriber.current_order != (5, 3):
+
+    def served() -> bool:
         for p in publishers:
             p.serve_snapshots()
             p.heartbeat()
-        time.sleep(0.01)
+        return subscriber.current_order == (5, 3)
+
+    wait_for(served, 3)
     assert subscriber.current_order == (5, 3) and subscriber.following == "brain-b"
     publishers[1].publish(named(table(6, 2, ("new", "newer")), "brain-a"))
     publishers[0].publish(named(table(5, 4, ("old", "older")), "brain-b"))
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and subscriber.current_order != (5, 4):
-        time.sleep(0.01)
+    wait_for(lambda: subscriber.current_order == (5, 4), 3)
     subscriber.stop()
     orders = [(t.brain_id, t.order) for t in got]
     # Before it has heard the leader, a late joiner may take the other brain's table (it is all it knows);
@@ -285,8 +299,10 @@ def test_heartbeat_ahead_of_us_triggers_a_new_snapshot(ctx: zmq.Context) -> None
     got: list[RoutingTable] = []
     subscriber = TableSubscriber(ctx, [address], lambda t: got.append(t) is None, RejectCounter("router", LOG))
     subscriber.start()
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and subscriber.current_order != (1, 2):
+
+    def caught_up() -> bool:
+        if subscriber.current_order == (1, 2):
+            return True
         if subscriber.current_order == (1, 1) and publisher.current is not None and publisher.current.version == 1:
             # Version 2 goes out while the PUB socket is cut off (as if dropped at a full queue): only the
             # heartbeat tells the subscriber it is behind, and it must fetch the snapshot.
@@ -294,7 +310,9 @@ def test_heartbeat_ahead_of_us_triggers_a_new_snapshot(ctx: zmq.Context) -> None
             publisher.current = table(1, 2, ("a", "b", "c"))
         publisher.heartbeat()
         publisher.serve_snapshots()
-        time.sleep(0.05)
+        return False
+
+    wait_for(caught_up, 3)
     subscriber.stop()
     assert [t.order for t in got] == [(1, 1), (1, 2)]
     assert [len(t.slices[0].nodes) for t in got] == [2, 3]
@@ -352,11 +370,13 @@ def test_a_table_the_callback_refuses_is_not_taken(ctx: zmq.Context) -> None:
 
     subscriber = TableSubscriber(ctx, [address], refuse_then_crash, RejectCounter("router", LOG))
     subscriber.start()
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and len(calls) < 3:
+
+    def asked_again() -> bool:
         publisher.heartbeat()  # each heartbeat shows the subscriber it is still behind
         publisher.serve_snapshots()
-        time.sleep(0.05)
+        return len(calls) >= 3
+
+    wait_for(asked_again, 3)
     subscriber.stop()
     publisher.close()
     assert subscriber.current_order == (-1, -1)
@@ -411,7 +431,6 @@ def test_vector_with_gpus_latency_and_kv_round_trips() -> None:
 
     v = msgspec.structs.replace(
         vector(seq=3, gpu_count=1, kv_cache_usage_ratio=0.4),
-        alarms=["kv_cache_miss_ratio"],
         latency={"llm": ModalityLatency(requests=10, ttft_p99_ms=120.0)},
         gpus=[GpuState(index=0, uuid="GPU-1", mem_used_bytes=1, mem_total_bytes=2, numa_node=0, nvlink_peers=[1, 2])],
         kv=KvSummary(blocks=3, bloom=b"\x00" * 64, bloom_hashes=4),
@@ -442,15 +461,15 @@ def test_subscribers_on_one_context_share_one_thread_and_release_the_context() -
     for s in subscribers:
         s.start()
     assert loops() == loops_before + 1  # one loop thread for all five
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and not all(got.values()):
+
+    def served() -> bool:
         publisher.serve_snapshots()
-        time.sleep(0.01)
+        return all(got.values())
+
+    wait_for(served, 3)
     subscribers[0].stop()  # one leaves; the others go on receiving
     publisher.publish(table(1, 2))
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and not all(got[i][-1:] == [(1, 2)] for i in range(1, 5)):
-        time.sleep(0.01)
+    wait_for(lambda: all(got[i][-1:] == [(1, 2)] for i in range(1, 5)), 3)
     assert got[0] == [(1, 1)] and all(got[i] == [(1, 1), (1, 2)] for i in range(1, 5))
     for s in subscribers[1:]:
         s.stop()
@@ -552,14 +571,20 @@ def test_vector_receiver_takes_kv_blocks_only_when_asked_and_counts_bad_ones(ctx
         push.send_multipart([KINDS[KvBlocks], b"1", bad])
         got: list[NodeVector] = []
         kv: list[KvBlocks] = []
-        deadline = time.monotonic() + 5
-        while len(got) + len(kv) + rejects.total < 3 and time.monotonic() < deadline:
+
+        def drained_with_kv() -> bool:
             receiver.socket.poll(100)
-            got += receiver.drain(kv=kv)
+            got.extend(receiver.drain(kv=kv))
+            return len(got) + len(kv) + rejects.total >= 3
+
+        def drained_plain() -> bool:  # the plain drain refuses it
+            receiver.socket.poll(100)
+            got.extend(receiver.drain())
+            return rejects.total >= 2
+
+        wait_for(drained_with_kv, 5)
         push.send_multipart(encode(good))
-        while rejects.total < 2 and time.monotonic() < deadline:  # the plain drain refuses it
-            receiver.socket.poll(100)
-            got += receiver.drain()
+        wait_for(drained_plain, 5)
         assert [v.seq for v in got] == [1] and kv == [good]
         assert rejects.counts() == {"invalid_field": 1, "unknown_kind": 1}
     finally:
