@@ -40,8 +40,12 @@ from pathlib import Path
 import zmq
 
 from prismlb.router import Router
-from prismlb.sim._live import Agents, Keys, LiveBrain, Routes, nodes_of, poison, samples, vector, wait_for
+from prismlb.service import wait_until
+from prismlb.sim._live import Agents, Keys, LiveBrain, Routes, nodes_of, poison, samples, vector
 from prismlb.wire import encode
+
+POLL_S = 0.05
+"""How often a condition is asked: several ask a brain's /metrics over HTTP, which a tighter loop would load."""
 
 STEP_S = 4.0
 
@@ -110,7 +114,7 @@ def main() -> int:
     rejects: dict[tuple[str, int], Counter[str]] = {}
     poison_seen: set[str] = set()
     try:
-        if not all(wait_for(lambda r=r: nodes_of(r) == set(honest), 60.0) for r in routers):
+        if not all(wait_until(lambda r=r: nodes_of(r) == set(honest), 60.0, POLL_S) for r in routers):
             print("the routers never got a full table; see the logs in", root, file=sys.stderr)
             return 1
         probes = [Routes(r) for r in routers]

@@ -1,5 +1,6 @@
 """What every Prism service shares: settings resolved flag > variable > default, command-line numbers, /metrics
-and its naming, whole HTTP replies, systemd notification, logging, signals and the bounded queue worker."""
+and its naming, whole HTTP replies, systemd notification, logging, signals, the bounded queue worker and waiting
+on a condition."""
 
 from ._arguments import whole_number_at_least
 from ._counters import kind_counter
@@ -22,17 +23,18 @@ from ._settings import (
     parse_text,
     parse_zmq_endpoint,
 )
+from ._wait import wait_until
 from ._worker import BoundedWorker, QueueEntry
 
 __all__ = [
     "BRAIN_INGEST",
     "BRAIN_SNAPSHOT",
     "BRAIN_UPDATES",
-    "BoundedWorker",
     "CURVE_SECRET",
     "MS_TO_S",
-    "MetricsServer",
     "NODE_FAMILIES",
+    "BoundedWorker",
+    "MetricsServer",
     "NodeFamily",
     "QueueEntry",
     "ResolvedSettings",
@@ -53,6 +55,7 @@ __all__ = [
     "serve_metrics",
     "setup_logging",
     "stop_on_signals",
+    "wait_until",
     "watchdog_interval_s",
     "whole_number_at_least",
 ]

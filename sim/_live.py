@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -304,15 +304,6 @@ def poison(node: str, identity: bool) -> list[list[bytes]]:
         cases += [{"endpoint": "http://attacker:80"}, {"node_id": "n0", "endpoint": "http://attacker:80"}]
     frames = [[b"prism.node", b"1", msgspec.msgpack.encode({**honest, **case})] for case in cases]
     return [*frames, [b"prism.node"], [b"prism.node", b"1", b"\xc1junk"], [b"prism.nope", b"1", b""]]
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def nodes_of(router: Router) -> set[str]:

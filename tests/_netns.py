@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any, ParamSpec, TypeVar
 
-from .conftest import wait_for
+from prismlb.service import wait_until
 
 _CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -151,5 +151,5 @@ def wait_listening(address: str, port: int, limit_s: float, proc: subprocess.Pop
                 raise RuntimeError(f"nothing listens at {address}:{port}: its server exited") from None
             return False
 
-    if not wait_for(listening, limit_s):
+    if not wait_until(listening, limit_s):
         raise RuntimeError(f"nothing listens at {address}:{port}")

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -20,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import zmq
 from prometheus_client import CollectorRegistry
+
+from prismlb.service import wait_until
 
 if TYPE_CHECKING:
     from prismlb.agent import Agent, AgentConfig
@@ -65,12 +66,7 @@ def load_bench(stem: str) -> ModuleType:
 def wait_for(check: Callable[[], object], timeout_s: float = 10.0, what: str | None = None) -> bool:
     """Poll `check` every 5 ms until it holds or `timeout_s` passes; its last answer (assert on it), or with `what`
     an AssertionError naming what never came."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.005)
-    if check():
+    if wait_until(check, timeout_s):
         return True
     if what is not None:
         raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")

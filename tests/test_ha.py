@@ -14,7 +14,11 @@ import pytest
 import zmq
 
 from prismlb.router import Router
-from prismlb.sim._live import Agents, LiveBrain, Routes, nodes_of, poison, wait_for
+from prismlb.service import wait_until
+from prismlb.sim._live import Agents, LiveBrain, Routes, nodes_of, poison
+
+POLL_S = 0.05
+"""How often a condition is asked: several ask a brain's /metrics over HTTP, which a tighter loop would load."""
 
 
 @pytest.fixture
@@ -41,7 +45,7 @@ def test_poison_vectors_are_refused_and_the_brain_keeps_publishing(live: Callabl
     agents = Agents(ctx, [brain.ingest], ["n0", "n1"])
     router = Router.connect(brain.address)
     try:
-        assert wait_for(lambda: nodes_of(router) == {"n0", "n1"}, 30.0), "the brain publishes both nodes"
+        assert wait_until(lambda: nodes_of(router) == {"n0", "n1"}, 30.0, POLL_S), "the brain publishes both nodes"
         routes = Routes(router)
 
         def refused(kind: str) -> float:
@@ -49,9 +53,9 @@ def test_poison_vectors_are_refused_and_the_brain_keeps_publishing(live: Callabl
 
         for round_ in range(1, 6):  # each round once the brain has refused the one before, between honest vectors
             agents.inject(poison("n1", identity=False))
-            assert wait_for(lambda: refused("future_sample") >= round_, 10.0), f"round {round_} refused"
+            assert wait_until(lambda: refused("future_sample") >= round_, 10.0, POLL_S), f"round {round_} refused"
         taken = brain.metric("prism_brain_vectors_total") or 0.0
-        assert wait_for(lambda: (brain.metric("prism_brain_vectors_total") or 0.0) >= taken + 8, 10.0), (
+        assert wait_until(lambda: (brain.metric("prism_brain_vectors_total") or 0.0) >= taken + 8, 10.0, POLL_S), (
             "honest vectors are taken after the poison"
         )
         routes.close()
@@ -75,17 +79,19 @@ def test_a_restarted_brain_holds_its_first_table_until_its_nodes_report(live: Ca
     agents = Agents(ctx, [brain.ingest], nodes)
     router = Router.connect(brain.address)
     try:
-        assert wait_for(lambda: nodes_of(router) == set(nodes), 30.0)
+        assert wait_until(lambda: nodes_of(router) == set(nodes), 30.0, POLL_S)
         routes = Routes(router)
         brain.kill()
         agents.paused.set()  # the agents reach the restarted brain late
         brain.start()
-        assert wait_for(lambda: (brain.metric("prism_brain_cycles_total") or 0) >= 10, 30.0), "the new brain cycles"
+        assert wait_until(lambda: (brain.metric("prism_brain_cycles_total") or 0) >= 10, 30.0, POLL_S), (
+            "the new brain cycles"
+        )
         if brain.metric("prism_brain_holding") == 1:  # vectors queued before the kill may reach it and release it
             assert brain.metric("prism_brain_tables_published_total") == 0, "holding, it publishes nothing"
         assert nodes_of(router) == set(nodes), "no empty table from the restarted brain"
         agents.paused.clear()
-        assert wait_for(lambda: router.table is not None and router.table.epoch == 2, 20.0), "its first table"
+        assert wait_until(lambda: router.table is not None and router.table.epoch == 2, 20.0, POLL_S), "its first table"
         routes.close()
         assert nodes_of(router) == set(nodes)
         assert routes.failed == [], f"{len(routes.failed)} of {routes.attempted} routes failed"
@@ -102,17 +108,17 @@ def test_two_brains_fail_over_when_the_leader_is_killed(live: Callable[..., Live
     agents = Agents(ctx, [low.ingest, high.ingest], ["n0", "n1", "n2"])
     router = Router.connect([low.address, high.address])
     try:
-        assert wait_for(lambda: router.table is not None and router.table.brain_id == "brain-b", 30.0)
-        assert wait_for(lambda: nodes_of(router) == {"n0", "n1", "n2"}, 10.0)
+        assert wait_until(lambda: router.table is not None and router.table.brain_id == "brain-b", 30.0, POLL_S)
+        assert wait_until(lambda: nodes_of(router) == {"n0", "n1", "n2"}, 10.0, POLL_S)
         routes = Routes(router)
         high.kill()
-        assert wait_for(lambda: router.brains().get("brain-a", {}).get("following") is True, 15.0)
+        assert wait_until(lambda: router.brains().get("brain-a", {}).get("following") is True, 15.0, POLL_S)
         brains = router.brains()
         assert brains["brain-b"]["live"] is False and brains["brain-a"]["following"] is True
         heard = router.last_heard_age_s
         assert heard is not None and heard < router.brains()["brain-b"]["age_s"], "the followed brain's age"
         agents.nodes.remove("n2")  # a node leaves after the failover: the new leader's table drops it
-        assert wait_for(lambda: nodes_of(router) == {"n0", "n1"}, 20.0)
+        assert wait_until(lambda: nodes_of(router) == {"n0", "n1"}, 20.0, POLL_S)
         routes.close()
         assert routes.failed == [], f"{len(routes.failed)} of {routes.attempted} routes failed"
         assert "n2" not in {router.route(f"key-{i}").node_id for i in range(200)}
