@@ -13,7 +13,9 @@ in `--traces` (by default the Mooncake conversation trace, whose turns share pre
 trace, whose prompts share nothing), time-compressed to `--duration` seconds, text only (the SGLang gateway drops
 Prism's `X-Modality-Signature` header). Contenders:
 
-- Prism: brain, one agent per engine (eBPF off) and the router in-process, as the demo runs them.
+- Prism: brain, one agent per engine (eBPF off) and the router in-process, as the demo runs them, with the
+  library's default settings as every peer runs with its own (not the demo's 0.3 s slow first token, which
+  opens a busy node's circuit under a burst of long prompts).
 - SGLang Model Gateway (`sglang-router`), policies `cache_aware` and `power_of_two`.
 - vLLM router (`vllm-router`), `kv_aware` fed by the engines' KV events (`--kv-event-source`,
   `--kv-event-model`), and `cache_aware`.
@@ -46,7 +48,6 @@ from prismlb.demo import (
     DEFAULT_LOAD,
     DEFAULT_NODES,
     DRAIN_LIMIT_S,
-    SLOW_S,
     TIME_SCALE_RANGE,
     UNFINISHED,
     Cluster,
@@ -219,7 +220,7 @@ def run_one(
         router: Router | None = None
         client: httpx.AsyncClient | None = None
         if contender.package is None:
-            router = stack.enter_context(Router.connect(cluster.address, settings=Settings(slow_s=SLOW_S * time_scale)))
+            router = stack.enter_context(Router.connect(cluster.address, settings=Settings()))
             wanted = {n.node_id for n in cluster.nodes}
             ready_by = time.monotonic() + STARTUP_LIMIT_S
             while {n.node_id for n in llm_nodes(router.table)} != wanted:
