@@ -75,6 +75,10 @@ DEFAULT_REQUESTS = 800
 DEFAULT_DURATION_S = 40.0
 DEFAULT_TRACES = "mooncake,azure-conv"
 INSTALL_LIMIT_S = 600.0
+TIME_SCALE_MAX = 32.0
+"""The slowest the engines may run (wall seconds per emulated second). The demo stops at 4; a trace of short
+prompts (Azure's, shrunk 16 times) needs its engines about 23 times slower to be offered 60% of their prefill,
+and a uniformly slower engine keeps its profile's ratio of prefill to decode."""
 STARTUP_LIMIT_S = 30.0
 """A router, or Prism's first routing table with every node, must be up within this."""
 
@@ -240,8 +244,10 @@ def run_one(
             timeout = httpx.Timeout(60.0, connect=2.0)
             client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=timeout, limits=limits)
         with (logs / "replay.log").open("w") as out:
-            deadline = time.monotonic() + duration_s + DRAIN_LIMIT_S + 5.0
-            demo = Demo(cluster, router, requests, duration_s, None, out, False, deadline)
+            # engines slowed past the demo's range decode slower too: their last requests get as much longer
+            drain_s = DRAIN_LIMIT_S * max(1.0, time_scale / TIME_SCALE_RANGE[1])
+            deadline = time.monotonic() + duration_s + drain_s + 5.0
+            demo = Demo(cluster, router, requests, duration_s, None, out, False, deadline, drain_s)
             demo.start = time.monotonic()
             try:
                 asyncio.run(demo.run(client))
@@ -360,11 +366,12 @@ def bakeoff(
     """Every contender on the first `args.requests` of `trace`, one after the other; their table and the replay
     check printed."""
     requests = load_requests(args.requests, trace)
-    low, high = TIME_SCALE_RANGE
-    time_scale = min(high, max(low, args.load * args.duration / prefill_work_s(requests, DEFAULT_NODES)))
+    work_s = prefill_work_s(requests, DEFAULT_NODES)
+    time_scale = min(TIME_SCALE_MAX, max(TIME_SCALE_RANGE[0], args.load * args.duration / work_s))
     print(
         f"live bakeoff: {len(requests)} {trace} requests (trace 0-{requests[-1].at_s:.0f} s) in "
-        f"{args.duration:.0f} s on {', '.join(DEFAULT_NODES)} at time_scale {time_scale:.2f}; one infinite "
+        f"{args.duration:.0f} s on {', '.join(DEFAULT_NODES)} at time_scale {time_scale:.2f} "
+        f"({time_scale * work_s / args.duration:.0%} of their prefill offered); one infinite "
         f"prefix cache would hit {prefix_cache_bound(requests):.1%}; logs in {logs}",
         flush=True,
     )

@@ -54,6 +54,7 @@ class Demo:
         out: IO[str],
         live: bool,
         deadline: float,
+        drain_s: float = DRAIN_LIMIT_S,
     ) -> None:
         self.cluster = cluster
         self.router = router
@@ -63,6 +64,8 @@ class Demo:
         self.victim = victim
         self.view = LiveView(out, live)
         self.deadline = deadline
+        self.drain_s = drain_s
+        """How long requests still running when the replay ends may take to finish (at most; the deadline too)."""
         self.stats = {n.node_id: NodeStats() for n in cluster.nodes}
         self.results: list[Result] = []
         self.sent = 0
@@ -150,7 +153,7 @@ class Demo:
     async def _replay(self, client: Any) -> None:
         tasks: set[asyncio.Task[None]] = set()
         loop_start = self.now()
-        replay_cap = self.deadline - DRAIN_LIMIT_S
+        replay_cap = self.deadline - self.drain_s
         for req in self.requests:
             at = loop_start + req.at_s / self.speedup
             if self.start + at > replay_cap:
@@ -167,7 +170,7 @@ class Demo:
         self.replay_end = self.now()
         if tasks:
             _, pending = await asyncio.wait(
-                set(tasks), timeout=max(0.5, min(DRAIN_LIMIT_S, self.deadline - time.monotonic()))
+                set(tasks), timeout=max(0.5, min(self.drain_s, self.deadline - time.monotonic()))
             )
             for task in pending:
                 task.cancel()
