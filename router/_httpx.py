@@ -1,15 +1,18 @@
-"""httpx transports that send each request to the endpoint a Router picks, so an OpenAI-compatible client
-routes through Prism unchanged: `httpx.Client(transport=PrismTransport(router))` as its `http_client`.
+"""httpx transports that send each request to the endpoint a Router picks, so an OpenAI-compatible client routes
+through Prism unchanged: `httpx.Client(transport=PrismTransport(router))` as its `http_client`.
 
-The affinity key is the `X-Prism-Affinity-Key` header, else `prefix_key` of the JSON body's conversation
-(chat `messages` in order, or a completion `prompt`); the modality is the `X-Modality-Signature` header, else
-the kinds of the messages' content parts; the cost (what `load="prefill"` balances) is the prompt's tokens, or
-the conversation's estimated tokens (`prompt_cost`); the block hashes (`Request.blocks`, which the router
-matches against its prefix index) are `block_hashes` of a prompt given as token ids, which match the engines'
-KV events, else `text_block_hashes` of the conversation, which match this router's own placements (media parts
-stand in as digests of themselves, so they hash by content); session, context signature and request class come
-from their headers. The request goes to the endpoint's scheme, host and port (its path prefix, if any, before the
-request's path).
+The affinity key is the `X-Prism-Affinity-Key` header, else `prefix_key` of the JSON body's conversation (chat
+`messages` in order, or a completion `prompt`); the modality is the `X-Modality-Signature` header, else the kinds of
+the messages' content parts; the cost (what `load="prefill"` balances) is the prompt's tokens, or the conversation's
+estimated tokens (`prompt_cost`); the block hashes (`Request.blocks`, which the router matches against its prefix
+index) are `block_hashes` of a prompt given as token ids, or of the ids the transport's `tokenize` gives for the
+body (the model's tokenizer and chat template, as the engine applies them), which match the engines' KV events; else
+`text_block_hashes` of the conversation, which match this router's own placements (media parts stand in as digests
+of themselves, so they hash by content). A `tokenize` that raises or gives no token ids leaves that request on the
+text fallback, counted (`tokenize` in the router's rejects); media parts' blocks carry the engine's extra keys,
+which token ids alone do not, so with media the ids match up to the first media part only. Session, context
+signature and request class come from their headers. The request goes to the endpoint's scheme, host and port (its
+path prefix, if any, before the request's path).
 
 A response's status is the endpoint's outcome: a 5xx or a 429 is a failure (passive health), any other status a
 success (a 4xx is the caller's fault). A request whose connection was refused, or that got a 503 or 429 back (the
@@ -24,11 +27,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Generic, TypeVar
 
 import httpx
+
+from prismlb.wire import RejectCounter
 
 from ._attempts import Attempts
 from ._health import Outcome
@@ -91,8 +96,19 @@ def _conversation(body: Any) -> tuple[str | None, set[str]]:
     return "".join(pieces), kinds
 
 
-def describe(request: httpx.Request, block_size: int, prefix_tokens: int) -> tuple[Request, bool]:
-    """The router's view of an HTTP request (body already read), and whether it asks for a streamed response."""
+Tokenize = Callable[[dict[str, Any]], Sequence[int]]
+"""A JSON request body's prompt token ids as the engine computes them."""
+
+
+def describe(
+    request: httpx.Request,
+    block_size: int,
+    prefix_tokens: int,
+    tokenize: Tokenize | None = None,
+    rejects: RejectCounter | None = None,
+) -> tuple[Request, bool]:
+    """The router's view of an HTTP request (body already read), and whether it asks for a streamed response;
+    `tokenize` failures are counted in `rejects`."""
     body: Any = None
     if request.content and "json" in request.headers.get("content-type", ""):
         try:
@@ -103,8 +119,12 @@ def describe(request: httpx.Request, block_size: int, prefix_tokens: int) -> tup
     modality = described.modality
     streamed = isinstance(body, dict) and body.get("stream") is True
     tokens = _prompt_tokens(body)
+    if tokens is None and tokenize is not None and isinstance(body, dict):
+        tokens = _tokenized(tokenize, body, rejects)
     key: Key | None
-    if tokens is not None:  # a completions prompt as token ids: its blocks are the ones the engine's events name
+    if tokens is not None:  # the prompt as token ids: its blocks are the ones the engine's events name
+        _, kinds = _conversation(body)
+        modality = modality or ("+".join(sorted(kinds)) if kinds else None)
         key = (
             described.key
             if described.key is not None
@@ -122,6 +142,20 @@ def describe(request: httpx.Request, block_size: int, prefix_tokens: int) -> tup
         cost = prompt_cost(text)
     described = replace(described, key=key, modality=modality, cost=cost, blocks=tuple(blocks), block_size=block_size)
     return described, streamed
+
+
+def _tokenized(tokenize: Tokenize, body: dict[str, Any], rejects: RejectCounter | None) -> list[int] | None:
+    """`tokenize(body)` as a list of token ids; None (counted) when it raises or gives anything else."""
+    try:
+        tokens = list(tokenize(body))
+        if tokens and all(type(t) is int and 0 <= t < 2**32 for t in tokens):
+            return tokens
+        problem = "no token ids" if not tokens else "ids that are not 32-bit unsigned integers"
+    except Exception as exc:  # the caller's tokenizer: whatever it raises, the request goes on as text
+        problem = f"{type(exc).__name__}: {exc}"
+    if rejects is not None:
+        rejects.count("tokenize", f"the transport's tokenize gave {problem}; the request's blocks are its text's")
+    return None
 
 
 def _prompt_tokens(body: Any) -> list[int] | None:
@@ -292,7 +326,9 @@ class _AsyncLeaseStream(_LeaseBody[httpx.AsyncByteStream], httpx.AsyncByteStream
 class _Routing(Generic[_Transport]):
     """What both transports hold, and how they start a request's attempts.
 
-    `tries`: attempts per request at most (None: the router's `Settings.connect_tries`)."""
+    `tries`: attempts per request at most (None: the router's `Settings.connect_tries`). `tokenize`: a JSON
+    body's prompt token ids as the engines compute them (see the module docstring); None keys text by its text
+    blocks."""
 
     _default: Callable[[], _Transport]
     """Makes the transport that sends when none is given."""
@@ -305,16 +341,20 @@ class _Routing(Generic[_Transport]):
         block_size: int = BLOCK_SIZE,
         prefix_tokens: int = PREFIX_TOKENS,
         tries: int | None = None,
+        tokenize: Tokenize | None = None,
     ) -> None:
         self._router = router
         self._transport: _Transport = transport or self._default()
         self._block_size = block_size
         self._prefix_tokens = prefix_tokens
         self._tries = tries
+        self._tokenize = tokenize
 
     def _run(self, request: httpx.Request) -> _Run:
         """The attempts of `request`, its body read."""
-        described, streamed = describe(request, self._block_size, self._prefix_tokens)
+        described, streamed = describe(
+            request, self._block_size, self._prefix_tokens, self._tokenize, self._router.rejects
+        )
         return _Run(request, Attempts(self._router, described, self._tries), streamed)
 
 

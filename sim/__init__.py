@@ -4,7 +4,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from ._engine import EmulatedEngine, block_hashes, prompt_tokens
+from ._engine import EmulatedEngine, block_hashes, prompt_tokens, request_tokens
 from ._eval import add_parser as add_eval_parser
 from ._model import PROFILES, EngineModel, GpuProfile, Job
 from ._traces import traces_dir
@@ -65,6 +65,7 @@ __all__ = [
     "mooncake_tokens",
     "offered_utilisation",
     "prompt_tokens",
+    "request_tokens",
     "scale_to_utilisation",
     "servegen_mm",
     "traces_dir",

@@ -637,6 +637,21 @@ def _content(messages: Any) -> tuple[str, Mapping[str, int]]:
     return "\n".join(texts), parts
 
 
+def request_tokens(request: Mapping[str, Any]) -> list[int]:
+    """The prompt token ids the engine computes for an OpenAI request body (chat `messages`, or a completion
+    `prompt` as text): the ids its KV events carry. A caller that tokenizes as the engine does (here, with the
+    emulated tokenizer; on a real cluster, the model's tokenizer and chat template) gives its router block hashes
+    that match the engines' cached blocks (`prismlb.router.PrismTransport(tokenize=...)`). Raises ValueError
+    for a body without a prompt."""
+    if "messages" in request:
+        text, _ = _content(request["messages"])
+    elif isinstance(request.get("prompt"), str):
+        text = request["prompt"]
+    else:
+        raise ValueError("either prompt (a string) or messages is required")
+    return prompt_tokens(text)
+
+
 def _max_tokens(request: Mapping[str, Any]) -> int:
     """The output length asked for: `max_completion_tokens` (OpenAI's current name, which the SGLang gateway
     sends) before `max_tokens`, as vLLM reads them; 16 when neither is set."""
@@ -699,17 +714,10 @@ def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
         def _tokenize(self, raw: bytes) -> None:
             """vLLM's `/tokenize`: a `prompt` or chat `messages` to the emulated tokenizer's ids."""
             try:
-                request = json.loads(raw)
-                if "messages" in request:
-                    text, _ = _content(request["messages"])
-                elif isinstance(request.get("prompt"), str):
-                    text = request["prompt"]
-                else:
-                    raise ValueError("either prompt (a string) or messages is required")
+                tokens = request_tokens(json.loads(raw))
             except (ValueError, AttributeError, TypeError) as exc:
                 reply_json(self, 400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
                 return
-            tokens = prompt_tokens(text)
             answer = {"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens, "token_strs": None}
             reply_json(self, 200, answer)
 

@@ -30,6 +30,7 @@ from prismlb.router import (
 )
 from prismlb.router._httpx import describe, prompt_cost
 from prismlb.semantics import MODALITY_HEADER
+from prismlb.sim import request_tokens
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
 from ._helpers_http import QuietHandler
@@ -275,3 +276,28 @@ def test_the_transport_describes_chat_and_completion_bodies_by_cost_key_and_bloc
     assert by_chat.cost == prompt_cost(conversation) and by_chat.blocks == tuple(text_block_hashes(conversation, 16))
     assert len(by_chat.blocks) == 5 and by_chat.key == prefix_key(text=conversation, block_size=16, prefix_tokens=64)
     assert by_text.blocks[0] != by_chat.blocks[0] != by_ids.blocks[0]
+
+
+def test_a_tokenize_gives_the_blocks_the_engines_kv_events_name_and_a_failing_one_falls_back_counted() -> None:
+    """With the engines' tokenization (here the emulated engine's, `prismlb.sim.request_tokens`, the ids its KV
+    events carry: tests/test_kv_events.py shows the agent's re-hash of those events equals `block_hashes` of them)
+    a chat body's blocks are the engines' blocks, not its text's."""
+    url = "http://prism.invalid/v1/chat/completions"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Once upon a time, " * 20}]
+    body = {"model": "m", "messages": messages, "stream": True}
+    ids = request_tokens(body)
+    assert len(ids) >= 2 * 16
+    router = make_router({"gpu-a": "127.0.0.1:1"})
+    by_ids, streamed = describe(httpx.Request("POST", url, json=body), 16, 64, request_tokens, router.rejects)
+    assert streamed and by_ids.blocks == tuple(block_hashes(ids, 16)) and by_ids.cost == len(ids)
+    assert by_ids.key == prefix_key(ids, block_size=16, prefix_tokens=64) and by_ids.modality == "text"
+    by_text, _ = describe(httpx.Request("POST", url, json=body), 16, 64)
+    assert by_text.blocks != by_ids.blocks, "without a tokenize: the text fallback"
+
+    def broken(_body: dict[str, object]) -> list[int]:
+        raise RuntimeError("no tokenizer loaded")
+
+    for tokenize in (broken, lambda _body: [], lambda _body: [1, -2, 3]):
+        fallback, _ = describe(httpx.Request("POST", url, json=body), 16, 64, tokenize, router.rejects)
+        assert fallback.blocks == by_text.blocks and fallback.cost == by_text.cost
+    assert router.rejects.counts().get("tokenize") == 3
