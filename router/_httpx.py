@@ -39,7 +39,7 @@ from ._attempts import Attempts
 from ._health import Outcome
 from ._keys import BLOCK_SIZE, PREFIX_TOKENS, TEXT_BYTES_PER_TOKEN, block_hashes, prefix_key, text_block_hashes
 from ._lease import Lease
-from ._request import Key, Request
+from ._request import Request
 from ._router import Router
 
 _Stream = TypeVar("_Stream", httpx.SyncByteStream, httpx.AsyncByteStream)
@@ -116,28 +116,21 @@ def describe(
         except ValueError:
             body = None
     described = Request.from_headers(request.headers)
-    modality = described.modality
     streamed = isinstance(body, dict) and body.get("stream") is True
+    text, kinds = _conversation(body)
+    modality = described.modality or ("+".join(sorted(kinds)) if kinds else None)
     tokens = _prompt_tokens(body)
-    if tokens is None and tokenize is not None and isinstance(body, dict):
+    if tokens is None and tokenize is not None and text is not None:
         tokens = _tokenized(tokenize, body, rejects)
-    key: Key | None
+    key = described.key
     if tokens is not None:  # the prompt as token ids: its blocks are the ones the engine's events name
-        _, kinds = _conversation(body)
-        modality = modality or ("+".join(sorted(kinds)) if kinds else None)
-        key = (
-            described.key
-            if described.key is not None
-            else prefix_key(tokens, block_size=block_size, prefix_tokens=prefix_tokens)
-        )
+        if key is None:
+            key = prefix_key(tokens, block_size=block_size, prefix_tokens=prefix_tokens)
         blocks = block_hashes(tokens, block_size)
         cost = max(1, len(tokens))
     else:
-        text, kinds = _conversation(body)
-        key = described.key
         if key is None and text is not None:
             key = prefix_key(text=text, block_size=block_size, prefix_tokens=prefix_tokens)
-        modality = modality or ("+".join(sorted(kinds)) if kinds else None)
         blocks = text_block_hashes(text, block_size) if text else []
         cost = prompt_cost(text)
     described = replace(described, key=key, modality=modality, cost=cost, blocks=tuple(blocks), block_size=block_size)
