@@ -128,7 +128,9 @@ class StructureRouter(Router):
         anchor, anchor_expected = super()._by_ttft(group, request, depths, key, exclude, now)
         if anchor is None or self.vector is None:
             return anchor, anchor_expected
-        expected = self._expected_ttft(group, request, depths, key, exclude, now)
+        expected = {
+            i: ttft for i, (ttft, _) in self._expected_ttft(group, request, depths, key, exclude, now)[0].items()
+        }
         node_of = {i: group.entries[i][4].node_id for i in expected}
         if self.mode == "tie-break":
             depth = depths.get(node_of[anchor], 0)

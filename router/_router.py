@@ -45,6 +45,9 @@ from ._settings import Settings
 from ._snapshot import Endpoint, Group, InFlight, SliceRoute, Snapshot, build
 
 _log = logging.getLogger("prism.router")
+ECHO_ALPHA = 0.1
+"""Weight of the newest sums in the averages of this router's and its peers' queued work behind `echo`
+(`Router.apply_cluster_load`): about the last ten sums that had any, a second or two of a busy cluster."""
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
 _BARE_KEYS = (str, bytes, int)
 """The exact types `route()` takes as a bare affinity key without building a Request (a subclass builds one)."""
@@ -82,6 +85,18 @@ def _key_bytes(key: Key) -> bytes:
     if isinstance(key, int):
         return (key & _M64).to_bytes(8, "big")
     return key
+
+
+def _spread(expected: Mapping[int, tuple[float, float]], copies: int, draw: int) -> int:
+    """One of the entries that `copies` requests like this one would fill, the least expected time first (a copy
+    on an entry adds its own part there: `expected` holds (expected time, own part) per entry), picked by `draw`
+    (32 bits: the prompt's hash). Routers placing a burst at the same moment from the same figures would otherwise
+    all take the one least-loaded entry; with `copies` 1 it is that entry."""
+    level = {i: ttft for i, (ttft, _) in expected.items()}
+    for _ in range(draw * copies >> 32):
+        i = min(level, key=level.__getitem__)
+        level[i] += expected[i][1]
+    return min(level, key=level.__getitem__)
 
 
 class Router:
@@ -128,6 +143,7 @@ class Router:
         self._peer_at = -math.inf  # when `_peer_load` arrived
         self._echo = 0.0  # work peers are taken to place per unit this router places (`apply_cluster_load`)
         self._fresh: dict[str, float] = {}  # prefill units this router placed per node since the peers' sums arrived
+        self._shares: tuple[float, float] | None = None  # averages of this router's and its peers' queued work
         self._placed_out: collections.deque[tuple[str, Sequence[int]]] = collections.deque(maxlen=MAX_PENDING_PLACED)
         """Placements not reported yet: (node, blocks the node did not hold), appended by any caller's thread."""
         self.index = PrefixIndex(self.settings.placed_ttl_s)
@@ -342,8 +358,11 @@ class Router:
         Until the next sums, peers' placements are unseen: routers that all see the same figures would all pick the
         same least-loaded node for a burst arriving at once (with four routers on the Mooncake trace, median TTFT
         1.7× one router's). So each unit this router places on a node counts, until then, as `echo` units of its
-        peers' too, `echo` being the peers' queued work over this router's own (at most one per peer): what peers
-        sharing the traffic alike place meanwhile, and nothing when this router carries the traffic alone."""
+        peers' too, and the expected-TTFT choice draws among the entries `1 + echo` such requests would fill
+        (`_spread`). `echo` is the peers' queued work over this router's own, each averaged over the sums that had
+        any (`ECHO_ALPHA`), at most one per peer: what peers sharing the traffic alike place meanwhile, and nothing
+        when this router carries the traffic alone. An idle cluster keeps the last averages, since the burst that
+        ends the lull reaches every router at once."""
         now = self.clock()
         for placement in placed:
             if placement.router_id != self.router_id:
@@ -356,8 +375,21 @@ class Router:
                 peers[node_id] = rest
         mine = sum(own.values())
         theirs = sum(peers.values())
+        if mine > 0 or theirs > 0:
+            if self._shares is None:
+                self._shares = (mine, theirs)
+            else:
+                avg_mine, avg_theirs = self._shares
+                self._shares = (
+                    avg_mine + ECHO_ALPHA * (mine - avg_mine),
+                    avg_theirs + ECHO_ALPHA * (theirs - avg_theirs),
+                )
         ceiling = max(0, routers - 1)
-        self._echo = min(ceiling, theirs / mine) if mine > 0 else (ceiling if theirs > 0 else 0.0)
+        if self._shares is None or not ceiling:
+            self._echo = 0.0
+        else:
+            avg_mine, avg_theirs = self._shares
+            self._echo = min(ceiling, avg_theirs / avg_mine) if avg_mine > 0 else float(ceiling)
         self._fresh = {}
         self._peer_load, self._peer_at = peers, now
 
@@ -662,21 +694,39 @@ class Router:
         entry is available.
 
         The entry holding the longest prefix wins while its expected time (`_expected_ttft`) is within
-        `cache_affinity` times the least one, else the entry with the least. Ties go to the first in the key's
-        probe order, so an idle group places keys as the ring does."""
+        `cache_affinity` times the least one, else the entry with the least. Ties go to the first in the key's probe
+        order, so an idle group places keys as the ring does.
+
+        While peer routers place at the same time (`echo`, `apply_cluster_load`), the choice is drawn instead from
+        the entries that `1 + echo` requests like this one would fill (`_spread`), a shallower prefix than the
+        choice's weighing `cache_affinity` times its time there: routers deciding a burst from the same figures
+        otherwise all take the same entry, and the draw keeps what the cache rule prefers."""
         best: int | None = None
         best_expected = math.inf
         deep: int | None = None
         deep_key = (0, math.inf)
         entries = group.entries
-        for i, expected in self._expected_ttft(group, request, depths, key, exclude, now).items():
-            if expected < best_expected:
-                best, best_expected = i, expected
+        expected, echo = self._expected_ttft(group, request, depths, key, exclude, now)
+        for i, (ttft, _) in expected.items():
+            if ttft < best_expected:
+                best, best_expected = i, ttft
             depth = depths.get(entries[i][4].node_id, 0)
-            if depth and (-depth, expected) < deep_key:
-                deep, deep_key = i, (-depth, expected)
+            if depth and (-depth, ttft) < deep_key:
+                deep, deep_key = i, (-depth, ttft)
+        if best is None:
+            return None, math.inf
         if deep is not None and deep_key[1] <= self.settings.cache_affinity * best_expected:
-            return deep, deep_key[1]
+            best, best_expected = deep, deep_key[1]
+        copies = min(len(expected), 1 + round(echo))
+        if copies > 1:
+            depth = depths.get(entries[best][4].node_id, 0)
+            affinity = self.settings.cache_affinity
+            weighed = {
+                i: (ttft, own) if depths.get(entries[i][4].node_id, 0) >= depth else (ttft * affinity, own * affinity)
+                for i, (ttft, own) in expected.items()
+            }
+            best = _spread(weighed, copies, position(request.blocks[-1]))
+            best_expected = expected[best][0]
         return best, best_expected
 
     def _expected_ttft(
@@ -687,8 +737,9 @@ class Router:
         key: Key | None,
         exclude: Collection[str],
         now: float,
-    ) -> dict[int, float]:
-        """Each available candidate entry's expected time to first token, in the key's probe order.
+    ) -> tuple[dict[int, tuple[float, float]], float]:
+        """Each available candidate entry's (expected time to first token, the request's own part of it: its tokens
+        the entry's cache lacks), in the key's probe order; and the `echo` in force (0 without fresh peers' sums).
 
         It is the entry's queued prefill work (what this router and, through the brain, its peer routers sent there
         that has no first token yet: `apply_cluster_load`) plus the request's tokens its cache lacks, over its prefill
@@ -709,7 +760,7 @@ class Router:
         cost = request.cost
         peers = self._peer_load if now - self._peer_at <= self.settings.peer_load_ttl_s else None
         echo, fresh = (self._echo, self._fresh) if peers is not None else (0.0, {})
-        out: dict[int, float] = {}
+        out: dict[int, tuple[float, float]] = {}
         for i in candidates:
             state, _, _, _, endpoint = entries[i]
             if (state.gated and not state.admits(now)) or (exclude and state.label in exclude):
@@ -720,8 +771,9 @@ class Router:
                 queued += peers[node_id] / len(group.by_node[node_id])
             if echo and node_id in fresh:
                 queued += echo * fresh[node_id] / len(group.by_node[node_id])
-            out[i] = (queued + cost - self._cached(request, depths.get(node_id, 0))) / group.rates[i] * group.stretch[i]
-        return out
+            own = cost - self._cached(request, depths.get(node_id, 0))
+            out[i] = ((queued + own) / group.rates[i] * group.stretch[i], own / group.rates[i] * group.stretch[i])
+        return out, echo
 
     def _remembered(
         self, group: Group, memory: PrefixMemory, key: Key, cost: int, exclude: Collection[str], now: float

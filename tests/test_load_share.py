@@ -8,6 +8,7 @@ import zmq
 
 from prismlb.brain import LoadRelay
 from prismlb.router import Request, Router, Settings, block_hashes
+from prismlb.router._router import _spread
 from prismlb.sim._cluster import Simulation
 from prismlb.sim._eval import TEXT_CLUSTER, capacity
 from prismlb.sim._families import family_workload
@@ -213,6 +214,72 @@ def test_new_sums_replace_the_echo_of_placements() -> None:
     assert r.route(_prompt(2)).node_id == "b", "a: 6,000 + 1,000 + 3 × 1,000 echoed + 1,000 over b's 9,500"
     r.apply_cluster_load(sums, routers=4)  # the next sums: the peers placed nothing meanwhile after all
     assert r.route(_prompt(2)).node_id == "a", "a: 8,000 with the echo gone"
+
+
+def test_spread_takes_the_entry_each_copy_of_a_burst_would_fill() -> None:
+    # (expected time, the request's own part) per entry: copies fill 0 (1 -> 2), then 1 (1.5 -> 2.5), then 0 again.
+    expected = {0: (1.0, 1.0), 1: (1.5, 1.0), 2: (10.0, 1.0)}
+    slot = 1 << 32
+    assert _spread(expected, 1, slot - 1) == 0, "one copy: the least expected time, whatever the draw"
+    assert [_spread(expected, 3, k * slot // 3 + 1) for k in range(3)] == [0, 1, 0]
+    assert all(_spread(expected, 3, d) != 2 for d in range(0, slot, slot // 97)), "never past the burst's fill"
+
+
+def _burst(routers: int, queued: dict[str, float]) -> list[list[str]]:
+    """Where four routers, each told the same sums for `routers` routers, put two new prompts each before the
+    next sums: every router's picks, in order."""
+    names = sorted(queued)
+    picks = []
+    for k in range(4):
+        r = Router.from_table(table(*names), clock=Clock())
+        r.apply_cluster_load(queued, routers=routers)
+        mine = []
+        for n in range(2):
+            lease = r.request(_prompt(10 * k + n))
+            lease.begin()
+            mine.append(lease.node_id)
+        picks.append(mine)
+    return picks
+
+
+def test_routers_placing_a_burst_at_once_spread_it_over_the_emptiest_nodes() -> None:
+    queued = {f"n{i}": 100.0 * i for i in range(8)}  # n0 empty, n7 700 tokens behind: less than one prompt apart
+    alone = _burst(1, queued)
+    assert [p[0] for p in alone] == ["n0"] * 4, "a router alone takes the least expected time"
+    shared = _burst(4, queued)
+    firsts = [p[0] for p in shared]
+    assert len(set(firsts)) > 1, f"four routers' first picks all on one node: {firsts}"
+    placed = [node for p in shared for node in p]
+    assert max(placed.count(node) for node in placed) <= 3 and set(placed) <= {"n0", "n1", "n2", "n3", "n4"}, placed
+
+
+def test_a_burst_sharing_a_cached_prefix_stays_with_the_node_that_holds_it() -> None:
+    # 'a' holds 60 of a 64-block context and has 1,000 tokens queued; 'b'...'d' are idle and hold nothing. Each prompt
+    # adds a different tail to the context: on 'a' its 4 new blocks, elsewhere all 68.
+    context = list(range(64 * BLOCK))
+    held = tuple(block_hashes(context, BLOCK))[:60]
+    picks = []
+    for k in range(4):
+        r = Router.from_table(table("a", "b", "c", "d"), clock=Clock())
+        r.apply_kv("a", True, held, ())
+        r.apply_cluster_load({"a": 1000.0}, routers=4)
+        for n in range(2):
+            tokens = context + [2_000_000 + 100 * k + 10 * n + t for t in range(4 * BLOCK)]
+            lease = r.request(Request(blocks=tuple(block_hashes(tokens, BLOCK)), cost=len(tokens), block_size=BLOCK))
+            lease.begin()
+            picks.append(lease.node_id)
+    assert picks == ["a"] * 8, "the draw stays within what the cache rule prefers"
+
+
+def test_a_lull_keeps_the_peers_share() -> None:
+    r = Router.from_table(table("a", "b"), clock=Clock())
+    r.apply_cluster_load({"a": 3000.0}, routers=4)  # three busy peers, this router idle
+    assert r._echo == 3.0
+    r.apply_cluster_load({}, routers=4)  # the cluster went idle: the next burst still comes from every router
+    assert r._echo == 3.0
+    alone = Router.from_table(table("a", "b"), clock=Clock())
+    alone.apply_cluster_load({"a": 3000.0}, routers=1)
+    assert alone._echo == 0.0, "no peers, no echo"
 
 
 # --- over ZeroMQ, through the brain service -----------------------------------------------------------------
