@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import bisect
 import zlib
-from collections.abc import Mapping
 
 from prismlb.router import nginx_ring_points as ring_points
 
 from .._types import ClusterView, SimRequest
-from ._round_robin import FAIL_TIMEOUT_S, MAX_FAILS, NginxUpstream
+from ._round_robin import NginxUpstream
 
 MAX_TRIES = 20
 
@@ -36,16 +35,9 @@ class NginxConsistentHash(NginxUpstream):
     """nginx `hash $http_x_modality_signature consistent` with max_fails=1 fail_timeout=10s."""
 
     name = "nginx-hash"
-
-    def __init__(
-        self,
-        weights: Mapping[str, int] | None = None,
-        max_fails: int = MAX_FAILS,
-        fail_timeout_s: float = FAIL_TIMEOUT_S,
-    ) -> None:
-        super().__init__(weights, max_fails, fail_timeout_s)
-        self.ring: list[tuple[int, str]] = []
-        self._hashes: list[int] = []
+    ring: list[tuple[int, str]]
+    """(point, server) in point order, built at `start` from the upstream's peers and weights."""
+    _hashes: list[int]
 
     def start(self, view: ClusterView, now: float) -> None:
         super().start(view, now)
