@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from prismlb.semantics import quantile
 from prismlb.service import whole_number_at_least
 
 from ._cluster import Degrade, Kill, NodeSpec, Simulation
 from ._families import PRESETS, family_workload
 from ._model import PROFILES
-from ._slo import Goodput, Probe, attainment, format_goodput, pool_classes, search, slo_s
+from ._slo import Goodput, Probe, attainment, format_goodput, pool_classes, search, slo_s, ttft_floors_s
 from ._tracefile import load_trace
 from ._types import Policy, RunResult, Workload
 from ._workload import LEVELS, WORKLOADS, infinite_cache_hit_rate, load, offered_utilisation, scale_to_utilisation
@@ -132,10 +133,18 @@ def run_case(case: Case) -> RunResult:
     logging.getLogger("prism").setLevel(logging.ERROR)
     workload, bound = _workload(case.trace, case.seed, case.limit)
     nodes = cluster_for(case.trace, workload)
+    floor = _p99_floor_ms(case.trace, case.seed, case.limit)
     kill = Kill(nodes[len(nodes) // 2 - 1].name) if case.kill else None
     degrade = gray_failure(nodes) if case.degraded else ()
     result = replay(workload, case.policy, nodes, case.utilisation, seed=case.seed, kill=kill, degrade=degrade)
-    return dataclasses.replace(result, kv_hit_bound=bound)
+    return dataclasses.replace(result, kv_hit_bound=bound, ttft_p99_floor_ms=floor)
+
+
+@lru_cache(maxsize=32)
+def _p99_floor_ms(trace: str | Path, seed: int, limit: int | None) -> float:
+    """The TTFT p99 no policy can beat on the workload's cluster (`_slo.ttft_floors_s`), in ms."""
+    workload, _ = _workload(trace, seed, limit)
+    return 1000 * quantile(list(ttft_floors_s(workload, cluster_for(trace, workload)).values()), 0.99)
 
 
 def gray_failure(nodes: Sequence[NodeSpec]) -> tuple[Degrade, ...]:

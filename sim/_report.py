@@ -154,6 +154,12 @@ def _table(key: _GroupKey, runs: Sequence[RunResult]) -> str:
         *(["recovery s"] if kill else []),
     ]
     note = MISSING if best is None else f"{best.policy} (TTFT p99 {format_ms(_p99(best))} ms)"
+    floor = next((r.ttft_p99_floor_ms for r in runs if not math.isnan(r.ttft_p99_floor_ms)), None)
+    if floor is not None:
+        note += (
+            f". TTFT p99 floor: {format_ms(floor)} ms (every request alone on an idle node, every prefix seen before"
+            " cached: no policy's p99 is lower)"
+        )
     rows = (_row(r, slices, best, kill) for r in runs)
     return f"{_heading(key)}\n\nBest baseline: {note}.\n\n{_md_table(header, rows)}"
 

@@ -92,6 +92,41 @@ def unloaded_ttft_s(request: SimRequest, gpu_class: GpuClass) -> float:
     return profile.media_s(request.media) + request.input_tokens / profile.prefill_tokens_per_s
 
 
+def ttft_floors_s(workload: Workload, nodes: Sequence[NodeSpec]) -> dict[int, float]:
+    """Each request's least possible TTFT on these nodes, by id: its encoders and its prompt's uncached tokens on an
+    idle node of the quickest class for it, with every block of every request that arrived before it (or at the same
+    moment) cached, as one infinite cache holding everything would have it. Queues, decode interference and evictions
+    only add to it, so no policy's TTFT, and no policy's percentile, is below it: what a tail target can ask for."""
+    profiles = [PROFILES[c] for c in sorted({n.gpu_class for n in nodes})]
+    block = workload.block_tokens
+    seen: set[int] = set()
+    floors: dict[int, float] = {}
+    requests = workload.requests
+    start = 0
+    while start < len(requests):
+        end = start
+        while end < len(requests) and requests[end].arrival_s == requests[start].arrival_s:
+            end += 1
+        moment = requests[start:end]
+        together: dict[int, int] = {}
+        for r in moment:
+            for b in set(r.blocks):
+                together[b] = together.get(b, 0) + 1
+        for r in moment:
+            own = set(r.blocks)
+            hit = 0
+            for b in r.blocks:
+                if b not in seen and together[b] - (b in own) < 1:
+                    break
+                hit += 1
+            uncached = r.input_tokens - min(r.input_tokens - r.media_tokens, hit * block)
+            floors[r.id] = min(p.media_s(r.media) + uncached / p.prefill_tokens_per_s for p in profiles)
+        for r in moment:
+            seen.update(r.blocks)
+        start = end
+    return floors
+
+
 def slo_s(request: SimRequest, classes: Mapping[Slice, frozenset[GpuClass]]) -> float:
     """The request's TTFT SLO in seconds, given the pool classes of the cluster (`pool_classes`)."""
     slice_ = slice_of(request)

@@ -184,3 +184,6 @@ class RunResult:
     ttft_s: Mapping[int, float] = field(default_factory=dict)
     """TTFT in seconds of each request that completed, by request id: per-request SLOs (`_slo`) need each
     request's own value; a request that failed or broke off after its first token is absent."""
+    ttft_p99_floor_ms: float = float("nan")
+    """P99 of the requests' least possible TTFTs on the cluster (`_slo.ttft_floors_s`): no policy's TTFT p99 is
+    below it (NaN: not computed)."""

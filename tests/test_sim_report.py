@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -85,6 +86,13 @@ def test_numbers_are_formatted_consistently() -> None:
         "–",
     ]
     assert format_pct(0.4567) == "45.7" and format_pct(1.0) == "100.0"
+
+
+def test_the_tables_name_the_p99_floor_when_the_runs_carry_it() -> None:
+    floored = [dataclasses.replace(r, ttft_p99_floor_ms=123.4) if r.trace == "mooncake" else r for r in results()]
+    text = format_table(floored)
+    assert "Best baseline: least-conn (TTFT p99 500 ms). TTFT p99 floor: 123 ms (" in text
+    assert "floor" not in text.split("## azure-code", 1)[1], "runs without a floor say nothing of it"
 
 
 def test_table_values_ratios_and_best_baseline() -> None:

@@ -18,6 +18,7 @@ from prismlb.sim._slo import (
     pool_classes,
     search,
     slo_s,
+    ttft_floors_s,
 )
 from prismlb.sim._types import SimRequest, Workload
 
@@ -73,6 +74,31 @@ def test_a_run_carries_the_ttft_of_each_completed_request() -> None:
     workload, _ = _workload("mooncake", 1, 30)
     assert len(result.ttft_s) == result.completed == len(workload.requests)
     assert all(t > 0 for t in result.ttft_s.values())
+
+
+def test_the_floor_counts_what_an_infinite_cache_would_hold_on_the_quickest_class() -> None:
+    block = 16
+    first = SimRequest(0, 0.0, 48, 10, (1, 2, 3))
+    same_moment = SimRequest(1, 0.0, 40, 10, (1, 2, 9))  # shares blocks 1, 2 with a request of its moment
+    later = SimRequest(2, 1.0, 64, 10, (1, 2, 3, 4))  # 3 of its 4 blocks were seen
+    image = SimRequest(3, 2.0, 50, 10, (1, 5), signature="image+text", media={"image": 1}, media_tokens=20)
+    floors = ttft_floors_s(Workload("hand", [first, same_moment, later, image], block, "test"), MM_CLUSTER)
+    h100 = 20_000.0  # the quickest class of the multimodal cluster
+    assert floors[0] == pytest.approx(16 / h100), "blocks 1, 2 from the other request of its moment"
+    assert floors[1] == pytest.approx(8 / h100), "40 tokens, 32 of them in blocks 1, 2"
+    assert floors[2] == pytest.approx(16 / h100)
+    # block 1 cached (16 tokens); block 5 new; media tokens are never cached; one image at 15 ms on an H100
+    assert floors[3] == pytest.approx(0.015 + 34 / h100)
+
+
+@pytest.mark.parametrize("trace", ["tenants:1", "mm"])
+def test_no_policy_beats_the_floor_on_any_request(trace: str) -> None:
+    workload, _ = _workload(trace, 1, 200)
+    floors = ttft_floors_s(workload, cluster_for(trace, workload))
+    for policy in ("prism", "least-conn", "sglang"):
+        result = run_case(Case(trace, policy, 0.8, 1, 200))
+        assert result.ttft_s and all(t >= floors[i] - 1e-9 for i, t in result.ttft_s.items()), policy
+        assert result.ttft_p99_floor_ms <= result.slices["all"].ttft_p99_ms
 
 
 def test_search_brackets_the_edge_of_a_step() -> None:
