@@ -39,6 +39,10 @@ VARIANTS: dict[str, dict[str, object]] = {
     "slow first token 60 s": {"slow_s": 60.0},
     "slow first token 120 s": {"slow_s": 120.0},
     "300 ms, open circuits uncapped": {"slow_s": 0.3, "max_open_share": 1.0},
+    "cache affinity 1 (off)": {"cache_affinity": 1.0},
+    "cache affinity 1.5": {"cache_affinity": 1.5},
+    "cache affinity 2": {"cache_affinity": 2.0},
+    "cache affinity 5": {"cache_affinity": 5.0},
 }
 """Each variant's changes to `Settings()`."""
 
