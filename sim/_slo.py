@@ -25,6 +25,7 @@ GOODPUT_TARGET of the requests meet their SLO, searched per policy by bisection 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,10 +87,12 @@ def pool_classes(nodes: Sequence[NodeSpec]) -> dict[Slice, frozenset[GpuClass]]:
     return out
 
 
-def unloaded_ttft_s(request: SimRequest, gpu_class: GpuClass) -> float:
-    """The request's TTFT alone on an idle node of the class: encoders plus the whole prompt's prefill."""
+def unloaded_ttft_s(request: SimRequest, gpu_class: GpuClass, uncached: int | None = None) -> float:
+    """The request's TTFT alone on an idle node of the class: encoders plus the prefill of its `uncached` prompt
+    tokens (default: the whole prompt)."""
     profile = PROFILES[gpu_class]
-    return profile.media_s(request.media) + request.input_tokens / profile.prefill_tokens_per_s
+    tokens = request.input_tokens if uncached is None else uncached
+    return profile.media_s(request.media) + tokens / profile.prefill_tokens_per_s
 
 
 def ttft_floors_s(workload: Workload, nodes: Sequence[NodeSpec]) -> dict[int, float]:
@@ -97,18 +100,13 @@ def ttft_floors_s(workload: Workload, nodes: Sequence[NodeSpec]) -> dict[int, fl
     idle node of the quickest class for it, with every block of every request that arrived before it (or at the same
     moment) cached, as one infinite cache holding everything would have it. Queues, decode interference and evictions
     only add to it, so no policy's TTFT, and no policy's percentile, is below it: what a tail target can ask for."""
-    profiles = [PROFILES[c] for c in sorted({n.gpu_class for n in nodes})]
+    classes = sorted({n.gpu_class for n in nodes})
     block = workload.block_tokens
     seen: set[int] = set()
     floors: dict[int, float] = {}
-    requests = workload.requests
-    start = 0
-    while start < len(requests):
-        end = start
-        while end < len(requests) and requests[end].arrival_s == requests[start].arrival_s:
-            end += 1
-        moment = requests[start:end]
-        together: dict[int, int] = {}
+    for _, arriving in itertools.groupby(workload.requests, key=lambda r: r.arrival_s):
+        moment = list(arriving)
+        together: dict[int, int] = {}  # requests of this moment holding each block
         for r in moment:
             for b in set(r.blocks):
                 together[b] = together.get(b, 0) + 1
@@ -120,10 +118,9 @@ def ttft_floors_s(workload: Workload, nodes: Sequence[NodeSpec]) -> dict[int, fl
                     break
                 hit += 1
             uncached = r.input_tokens - min(r.input_tokens - r.media_tokens, hit * block)
-            floors[r.id] = min(p.media_s(r.media) + uncached / p.prefill_tokens_per_s for p in profiles)
+            floors[r.id] = min(unloaded_ttft_s(r, c, uncached) for c in classes)
         for r in moment:
             seen.update(r.blocks)
-        start = end
     return floors
 
 
