@@ -22,7 +22,7 @@ apt_install() {
     say "installing ${missing[*]} (apt)"
     if ! { DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null &&
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; }; then
-        say "apt-get could not install ${missing[*]}; what needs them (the eBPF probe, nft) stays off"
+        say "apt-get could not install ${missing[*]}; what needs them (the eBPF probe, nft, the nginx tests) stays off"
         return 1
     fi
 }
@@ -62,7 +62,7 @@ system_setup() {
         say "no apt-get: install bcc (python3-bpfcc), kernel headers and nftables yourself; the eBPF probe may stay off"
         return 0
     fi
-    apt_install python3-bpfcc bpfcc-tools gcc nftables iproute2 python3-venv systemd || true
+    apt_install python3-bpfcc bpfcc-tools gcc nftables iproute2 python3-venv systemd nginx || true
     kernel_headers
     mount_tracefs
 }

@@ -132,6 +132,9 @@ def test_ctrl_c_stops_every_process_of_the_demo() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # As from a terminal: a suite started in the background by a shell without job control inherits SIGINT
+        # ignored, and the demo would inherit that too.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdout is not None
     children: list[psutil.Process] = []

@@ -6,6 +6,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -290,6 +291,72 @@ def test_clone_pattern_late_joiner_follows_the_leading_brain(ctx: zmq.Context) -
     assert all(order == ("brain-a", (6, 1)) for order in orders[: len(orders) - len(led)]), orders
     for p in publishers:
         p.close()
+
+
+def test_a_snapshot_answer_read_after_a_newer_table_does_not_take_the_router_back(ctx: zmq.Context) -> None:
+    # Driven by hand, on this thread, so that the order the sockets are read in is the test's, not the loop's.
+    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG))
+    publisher.publish(table(5, 3))
+    got: list[RoutingTable] = []
+    subscriber = TableSubscriber(ctx, [address], lambda t: got.append(t) is None, RejectCounter("router", LOG))
+    sub, dealer = subscriber.open()
+
+    def answered() -> bool:
+        subscriber.tick(time.monotonic())
+        publisher.serve_snapshots()
+        return dealer.poll(50) != 0
+
+    def read_answer() -> bool:
+        if dealer.poll(50):
+            subscriber.readable(dealer)
+        return subscriber.current_order == (5, 3)
+
+    wait_for(answered, 3)
+    wait_for(read_answer, 3)
+    wait_for(lambda: (publisher.heartbeat(), sub.poll(50))[1] != 0, 3, what="the SUB socket to join")
+    subscriber.readable(sub)
+    subscriber._ask_all()  # asked again (as after a gap), and answered with (5, 3) ...
+    wait_for(answered, 3)
+    publisher.publish(table(5, 4, ("a", "b", "c")))  # ... but version 4 is read first
+
+    def read_update() -> bool:
+        if sub.poll(50):
+            subscriber.readable(sub)
+        return subscriber.current_order == (5, 4)
+
+    wait_for(read_update, 3)
+    subscriber.readable(dealer)  # the older answer: not a restart
+    assert subscriber.current_order == (5, 4)
+    assert [t.order for t in got] == [(5, 3), (5, 4)]
+    subscriber.close()
+    publisher.close()
+
+
+def test_a_brain_restarted_without_its_state_is_followed_from_its_first_table(ctx: zmq.Context) -> None:
+    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG))
+    publisher.publish(table(1, 7))
+    got: list[RoutingTable] = []
+    subscriber = TableSubscriber(ctx, [address], lambda t: got.append(t) is None, RejectCounter("router", LOG))
+    subscriber.start()
+
+    def following(p: TablePublisher, order: tuple[int, int]) -> Callable[[], bool]:
+        def check() -> bool:
+            p.heartbeat()
+            p.serve_snapshots()
+            return subscriber.current_order == order
+
+        return check
+
+    wait_for(following(publisher, (1, 7)), 3)
+    publisher._encoder = TableEncoder()  # the brain restarted on the same addresses, its tables' state lost ...
+    publisher.publish(table(1, 1, ("c",)))  # ... and its epoch too: no state directory kept it
+    wait_for(following(publisher, (1, 1)), 3)
+    subscriber.stop()
+    publisher.close()
+    assert [t.order for t in got] == [(1, 7), (1, 1)]
+    assert [n.node_id for n in got[-1].slices[0].nodes] == ["c"]
 
 
 def test_heartbeat_ahead_of_us_triggers_a_new_snapshot(ctx: zmq.Context) -> None:

@@ -718,7 +718,11 @@ class TableSubscriber:
         return view
 
     def _announce(self, view: BrainView, order: tuple[int, int]) -> None:
-        """A brain's heartbeat or head says it is at `order`; lower than before means it restarted."""
+        """A brain's heartbeat or head on the update stream says it is at `order`; lower than before means it
+        restarted. Snapshot answers do not announce: the stream is in order, they are not. One asked for before a
+        newer table was published can be read after it (a false restart would take the router back to the older
+        table), and one answered before a restart can be read after it (ahead of all the stream now says: it is
+        dropped, and a later heartbeat asks again if the router is behind)."""
         if order < view.announced:
             _log.warning(
                 "brain %s went back from %d.%d to %d.%d: restarted without its state; following its new tables",
@@ -764,7 +768,10 @@ class TableSubscriber:
                 view.assembler.slice_update(msg)
                 continue
             view = self._view(msg.brain_id, msg.priority, now)
-            self._announce(view, msg.order)
+            if not dealer:
+                self._announce(view, msg.order)
+            elif (-1, -1) < view.announced < msg.order:  # ahead of the stream: sent before the brain restarted
+                continue
             held = (-1, -1) if view.latest is None else view.latest.order
             if isinstance(msg, Heartbeat):
                 behind = behind or msg.order > held
