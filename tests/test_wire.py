@@ -222,6 +222,21 @@ def table(epoch: int, version: int, nodes: tuple[str, ...] = ("a", "b")) -> Rout
     )
 
 
+def brain_and_router(
+    ctx: zmq.Context, first: RoutingTable
+) -> tuple[TablePublisher, TableSubscriber, list[RoutingTable]]:
+    """A brain that has published `first`, a router subscribed to it (not started), and the tables it hands on."""
+    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG))
+    publisher.publish(first)
+    got: list[RoutingTable] = []
+    return (
+        publisher,
+        TableSubscriber(ctx, [address], lambda t: got.append(t) is None, RejectCounter("router", LOG)),
+        got,
+    )
+
+
 def test_table_subscriber_survives_fuzz_and_counts_everything(ctx: zmq.Context) -> None:
     updates = f"tcp://127.0.0.1:{free_port()}"
     snapshot = f"tcp://127.0.0.1:{free_port()}"
@@ -295,11 +310,7 @@ def test_clone_pattern_late_joiner_follows_the_leading_brain(ctx: zmq.Context) -
 
 def test_a_snapshot_answer_read_after_a_newer_table_does_not_take_the_router_back(ctx: zmq.Context) -> None:
     # Driven by hand, on this thread, so that the order the sockets are read in is the test's, not the loop's.
-    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
-    publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG))
-    publisher.publish(table(5, 3))
-    got: list[RoutingTable] = []
-    subscriber = TableSubscriber(ctx, [address], lambda t: got.append(t) is None, RejectCounter("router", LOG))
+    publisher, subscriber, got = brain_and_router(ctx, table(5, 3))
     sub, dealer = subscriber.open()
 
     def answered() -> bool:
@@ -334,11 +345,7 @@ def test_a_snapshot_answer_read_after_a_newer_table_does_not_take_the_router_bac
 
 
 def test_a_brain_restarted_without_its_state_is_followed_from_its_first_table(ctx: zmq.Context) -> None:
-    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
-    publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG))
-    publisher.publish(table(1, 7))
-    got: list[RoutingTable] = []
-    subscriber = TableSubscriber(ctx, [address], lambda t: got.append(t) is None, RejectCounter("router", LOG))
+    publisher, subscriber, got = brain_and_router(ctx, table(1, 7))
     subscriber.start()
 
     def following(p: TablePublisher, order: tuple[int, int]) -> Callable[[], bool]:
@@ -360,11 +367,7 @@ def test_a_brain_restarted_without_its_state_is_followed_from_its_first_table(ct
 
 
 def test_heartbeat_ahead_of_us_triggers_a_new_snapshot(ctx: zmq.Context) -> None:
-    address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
-    publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG))
-    publisher.publish(table(1, 1))
-    got: list[RoutingTable] = []
-    subscriber = TableSubscriber(ctx, [address], lambda t: got.append(t) is None, RejectCounter("router", LOG))
+    publisher, subscriber, got = brain_and_router(ctx, table(1, 1))
     subscriber.start()
 
     def caught_up() -> bool:
