@@ -111,10 +111,9 @@ def ttft_floors_s(workload: Workload, nodes: Sequence[NodeSpec]) -> dict[int, fl
             for b in set(r.blocks):
                 together[b] = together.get(b, 0) + 1
         for r in moment:
-            own = set(r.blocks)
             hit = 0
             for b in r.blocks:
-                if b not in seen and together[b] - (b in own) < 1:
+                if b not in seen and together[b] < 2:  # neither seen before nor held by another of its moment
                     break
                 hit += 1
             uncached = r.input_tokens - min(r.input_tokens - r.media_tokens, hit * block)
