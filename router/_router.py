@@ -530,11 +530,13 @@ class Router:
         home = self._arm(target, request.session or key)
         spill = target.overflow if (home is target.group or target.zones) and self.settings.overflow else None
         session = self._sessions.get(request.session, now) if request.session else None
-        group, index = self._sticky(home, spill, session, exclude, now)
+        held = self._sticky(home, spill, session, exclude, now)
         blocks = request.blocks if self.settings.prefix_index else ()
         depths = self.index.match(blocks, now) if blocks else {}
-        if index is None:
-            group, index = self._by_prefix(home, spill, request, key, blocks, depths, exclude, remember, now)
+        if held is not None and not blocks:
+            group, index = held
+        else:
+            group, index = self._by_prefix(home, spill, request, key, blocks, depths, exclude, remember, now, held)
         if index is None:
             pos = position(key) if key is not None else random.getrandbits(32)
             group, index = self._on_ring(snapshot, target, home, pos, exclude, now)
@@ -563,19 +565,21 @@ class Router:
 
     def _sticky(
         self, home: Group, spill: Group | None, session: Session | None, exclude: Collection[str], now: float
-    ) -> tuple[Group, int | None]:
+    ) -> tuple[Group, int] | None:
         """The session's last entry, in the arm's group or the slice's overflow entries, while it is available and
-        not excluded: a conversation's next turn finds its context cached there. Else (`home`, None)."""
+        not excluded: a conversation's next turn finds its context cached there. A request without block hashes
+        goes there; one with them weighs it as the holder of its prefix in the expected-time choice (`_by_ttft`), so
+        that a turn does not wait behind its node's queue however long it is."""
         if session is None:
-            return home, None
+            return None
         group, index = home, home.index.get(session.label)
         if index is None and spill is not None:
             group, index = spill, spill.index.get(session.label)
         if index is None:
-            return home, None
+            return None
         state = group.entries[index][0]
         if state.label in exclude or (state.gated and not state.admits(now)):
-            return home, None
+            return None
         return group, index
 
     def _by_prefix(
@@ -589,25 +593,35 @@ class Router:
         exclude: Collection[str],
         remember: bool,
         now: float,
+        held: tuple[Group, int] | None = None,
     ) -> tuple[Group, int | None]:
         """Where the prompt's prefix is cached, or is worth computing. A keyed request being sent whose blocks no
-        node is known to hold goes where the prefix memory last sent its key (it outlives the index's claims of
-        this router's own placements); a request with blocks takes the expected-TTFT choice (`_by_ttft`), which
-        goes to the slice's overflow entries while they are `Settings.overflow` times faster. Else (`home`, None):
-        the ring decides."""
+        node is known to hold, and that has no session entry (`held`), goes where the prefix memory last sent its key
+        (it outlives the index's claims of this router's own placements); a request with blocks takes the
+        expected-TTFT choice (`_by_ttft`, its session's entry weighed as its prefix's holder), which goes to the
+        slice's overflow entries while they are `Settings.overflow` times faster. Else (`home`, None): the ring
+        decides."""
         memory = self._memory if remember else None
-        if memory is not None and key is not None and not depths:
+        if memory is not None and key is not None and not depths and held is None:
             index = self._remembered(home, memory, key, request.cost, exclude, now)
             if index is not None:
                 return home, index
         if not blocks:
             return home, None
-        index, expected = self._by_ttft(home, request, depths, key, exclude, now)
+        index, expected = self._by_ttft(home, request, depths, key, exclude, now, held)
         if spill is not None:
-            other, detour = self._by_ttft(spill, request, depths, key, exclude, now)
-            if other is not None and detour * self.settings.overflow < expected:
+            other, detour = self._by_ttft(spill, request, depths, key, exclude, now, held)
+            if other is not None and detour * self._detour_price(spill, other, held) < expected:
                 return spill, other
         return home, index
+
+    def _detour_price(self, spill: Group, index: int, held: tuple[Group, int] | None) -> float:
+        """What an overflow entry's expected time is multiplied by against the pool's best: `Settings.overflow`
+        for a request new there; for the session's own entry, the cache rule's 1 / `cache_affinity`, since a turn
+        that stays adds little work to the other slice's queue and leaves its context where it is."""
+        if held is not None and held[0] is spill and held[1] == index:
+            return 1.0 / self.settings.cache_affinity
+        return self.settings.overflow
 
     def _on_ring(
         self, snapshot: Snapshot, target: SliceRoute, group: Group, pos: int, exclude: Collection[str], now: float
@@ -689,12 +703,14 @@ class Router:
         key: Key | None,
         exclude: Collection[str],
         now: float,
+        held: tuple[Group, int] | None = None,
     ) -> tuple[int | None, float]:
         """The entry for a request with block hashes and its expected time to first token; (None, inf) when no
         entry is available.
 
-        The entry holding the longest prefix wins while its expected time (`_expected_ttft`) is within
-        `cache_affinity` times the least one, else the entry with the least. Ties go to the first in the key's probe
+        The entry holding the longest prefix (the session's entry, `held`, when it is in this group: the node
+        holding the conversation) wins while its expected time (`_expected_ttft`) is within `cache_affinity` times
+        the least one, else the entry with the least. Ties go to the first in the key's probe
         order, so an idle group places keys as the ring does.
 
         While peer routers place at the same time (`echo`, `apply_cluster_load`), the choice is drawn instead from
@@ -706,7 +722,8 @@ class Router:
         deep: int | None = None
         deep_key = (0, math.inf)
         entries = group.entries
-        expected, echo = self._expected_ttft(group, request, depths, key, exclude, now)
+        kept = held[1] if held is not None and held[0] is group else None
+        expected, echo = self._expected_ttft(group, request, depths, key, exclude, now, kept)
         for i, (ttft, _) in expected.items():
             if ttft < best_expected:
                 best, best_expected = i, ttft
@@ -715,6 +732,8 @@ class Router:
                 deep, deep_key = i, (-depth, ttft)
         if best is None:
             return None, math.inf
+        if kept is not None and kept in expected:
+            deep, deep_key = kept, (0, expected[kept][0])
         if deep is not None and deep_key[1] <= self.settings.cache_affinity * best_expected:
             best, best_expected = deep, deep_key[1]
         copies = min(len(expected), 1 + round(echo))
@@ -737,6 +756,7 @@ class Router:
         key: Key | None,
         exclude: Collection[str],
         now: float,
+        kept: int | None = None,
     ) -> tuple[dict[int, tuple[float, float]], float]:
         """Each available candidate entry's (expected time to first token, the request's own part of it: its tokens
         the entry's cache lacks), in the key's probe order; and the `echo` in force (0 without fresh peers' sums).
@@ -745,7 +765,8 @@ class Router:
         that has no first token yet: `apply_cluster_load`) plus the request's tokens its cache lacks, over its prefill
         speed, stretched by its weight (`Group.stretch`): the queue is weighed by each node's speed, so the
         equal-share bounded-load limit does not apply. In a group larger than `ttft_candidates` only the nodes
-        holding the prefix and the first entries along the key's probe order are weighed."""
+        holding the prefix, the `kept` entry (the session's) and the first entries along the key's probe order are
+        weighed."""
         entries = group.entries
         pos = position(key) if key is not None else position(request.blocks[0])
         candidates: list[int] = []
@@ -757,6 +778,8 @@ class Router:
         if len(entries) > limit:
             taken = set(candidates)
             candidates += [i for node in depths for i in group.by_node.get(node, ()) if i not in taken]
+        if kept is not None and kept not in candidates:
+            candidates.append(kept)
         cost = request.cost
         peers = self._peer_load if now - self._peer_at <= self.settings.peer_load_ttl_s else None
         echo, fresh = (self._echo, self._fresh) if peers is not None else (0.0, {})

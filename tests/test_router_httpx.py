@@ -153,8 +153,11 @@ def test_headers_pick_the_slice_and_carry_the_session(servers: dict[str, NamedSe
         headers = {MODALITY_HEADER: "image+text"}
         assert client.post("/v1/chat/completions", json=chat(1, 1), headers=headers).json()["node"] == "gpu-a"
         session = {SESSION_HEADER: "user-9", CONTEXT_HEADER: "ctx-9"}
-        replies = [client.post("/v1/chat/completions", json=chat(c, 1), headers=session).json() for c in range(10)]
-    assert len({r["node"] for r in replies}) == 1  # one session, one node, whatever the conversation
+        replies = [client.post("/v1/chat/completions", json=chat(5, t), headers=session).json() for t in range(1, 9)]
+        elsewhere = client.post("/v1/chat/completions", json=chat(1, 1), headers=session).json()
+    assert len({r["node"] for r in replies}) == 1  # one conversation's turns, one node
+    assert elsewhere["node"] == "gpu-a" != replies[0]["node"]  # a prompt cached whole elsewhere goes there
+    replies.append(elsewhere)
     assert {(r["session"], r["context"]) for r in replies} == {("user-9", "ctx-9")}
 
 

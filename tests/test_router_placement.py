@@ -79,6 +79,24 @@ def test_a_busy_holder_keeps_the_request_within_the_affinity_factor() -> None:
         assert r.route(request()).node_id == ("a" if expected_a <= 1.5 * expected_b else "b"), filler
 
 
+def test_a_session_stays_on_its_node_within_the_affinity_factor_and_leaves_a_longer_queue() -> None:
+    for filler in range(12):
+        r, _ = router(node("a"), node("b"), cache_affinity=3.0, balance=0)
+        first = Request(blocks=BLOCKS[:32], cost=COST // 2, block_size=BLOCK, session="s")
+        home = r.request(first, exclude=["b"])
+        home.first_token()
+        home.end()
+        for i in range(filler):  # queued prefill work on the session's node alone
+            r.request(request(tuple(block_hashes([i + 7] * BLOCK, BLOCK)), cost=256), exclude=["b"]).begin()
+        turn = Request(blocks=BLOCKS, cost=COST, block_size=BLOCK, session="s")  # the conversation goes on
+        expected_a = filler * 256 + COST // 2  # its first half cached on a
+        stays = expected_a <= 3.0 * COST
+        lease = r.request(turn)
+        assert lease.node_id == ("a" if stays else "b"), filler
+        assert lease.moved_from == (None if stays else "a")  # a move names the node it left
+    assert not stays, "the queue grew past the factor"
+
+
 def test_equal_queues_and_no_cache_go_to_the_faster_node() -> None:
     r, _ = router(node("slow", rate=6_000), node("fast", rate=20_000), balance=0)
     fresh = [tuple(block_hashes([i] * BLOCK * 4, BLOCK)) for i in range(1, 40)]
@@ -184,5 +202,7 @@ def test_a_session_placed_on_an_overflow_node_stays_there() -> None:
     for n in (1, 2, 3, 4):  # the overflow node gets busy: a new conversation would go to the pool now
         sent(r, Request(blocks=av_request(10 + n).blocks, cost=6000, block_size=BLOCK, slice="llm"))
     assert r.route(av_request(9)).node_id in {"l1", "l2"}
-    follow = Request(blocks=av_request(1).blocks, cost=6000, block_size=BLOCK, modality="audio", session="s1")
+    # The conversation's next turn (its first prompt and more) stays: the overflow node, 1.6 s deep with it, is
+    # within `cache_affinity` times the pool's 1.3 s, and the turn adds little there.
+    follow = Request(blocks=av_request(0, 8000).blocks, cost=8000, block_size=BLOCK, modality="audio", session="s1")
     assert r.route(follow).node_id == "h1"
