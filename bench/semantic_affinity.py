@@ -124,8 +124,9 @@ class StructureRouter(Router):
         key: Key | None,
         exclude: Collection[str],
         now: float,
+        held: tuple[Group, int] | None = None,
     ) -> tuple[int | None, float]:
-        anchor, anchor_expected = super()._by_ttft(group, request, depths, key, exclude, now)
+        anchor, anchor_expected = super()._by_ttft(group, request, depths, key, exclude, now, held)
         if anchor is None or self.vector is None:
             return anchor, anchor_expected
         expected = {
