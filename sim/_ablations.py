@@ -165,8 +165,8 @@ def no_kv_index_flat(block_tokens: int) -> Policy:
 
 
 def no_cache_affinity(block_tokens: int) -> Policy:
-    """The least expected time to first token always (`Settings(cache_affinity=1.0)`): a node holding the prefix
-    gets no preference beyond the tokens it saves."""
+    """The least expected time to first token always (`Settings(cache_affinity=1.0)`): a node holding the prefix,
+    a session's node included, gets no preference beyond the tokens it saves."""
     return PrismPolicy(block_tokens=block_tokens, settings=Settings(cache_affinity=1.0))
 
 
