@@ -30,9 +30,10 @@ class Settings:
     prefill speed, stretched by its weight (docs/router.md). Off: they take the ring like keyed requests."""
     cache_affinity: float = 3.0
     """The node holding the longest prefix of a request keeps it while its expected time to first token is within
-    this factor of the least expected one: sending a prompt where its prefix is not cached costs more than that
-    request's own wait, since it copies the prefix into a second cache and evicts what other prompts would have
-    reused there (1: always the least expected time)."""
+    this factor of the least expected one, for a node holding the whole prompt, and `1 + (factor − 1) × share` for
+    one holding that share of the prompt's blocks: sending a prompt where its prefix is not cached costs more than
+    that request's own wait, since it copies the prefix into a second cache and evicts what other prompts would
+    have reused there, and the more of the prompt the more so (1: always the least expected time)."""
     placed_ttl_s: float = 30.0
     """How long this router's own placement counts a prompt's blocks as cached on the node it went to, until the
     engine's KV events say so (`PrefixIndex`)."""

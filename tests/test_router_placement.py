@@ -67,16 +67,21 @@ def test_the_lease_counts_only_the_tokens_the_chosen_node_must_compute() -> None
     assert r.status()["a"].load == 0
 
 
-def test_a_busy_holder_keeps_the_request_within_the_affinity_factor() -> None:
-    for filler in range(8):
-        r, _ = router(node("a"), node("b"), cache_affinity=1.5, balance=0)
-        r.index.stored("a", BLOCKS[:32])  # half the prompt cached on a: a computes 512 tokens, b all 1024
+@pytest.mark.parametrize("held", [16, 32, 63])
+def test_a_busy_holder_keeps_the_request_within_the_affinity_factor_for_its_share(held: int) -> None:
+    factor = 1 + (3.0 - 1) * held / len(BLOCKS)  # 1.5, 2 and about 3 for a quarter, half and all but one block
+    kept = []
+    for filler in range(16):
+        r, _ = router(node("a"), node("b"), cache_affinity=3.0, balance=0)
+        r.index.stored("a", BLOCKS[:held])  # a computes the blocks it lacks, b all 1024 tokens
         for i in range(filler):  # queued prefill work on a alone
             sent_to = r.request(request(tuple(block_hashes([i + 7] * BLOCK, BLOCK)), cost=256), exclude=["b"])
             sent_to.begin()
-        expected_a = filler * 256 + COST // 2
-        expected_b = COST
-        assert r.route(request()).node_id == ("a" if expected_a <= 1.5 * expected_b else "b"), filler
+        expected_a = filler * 256 + COST - held * BLOCK
+        stays = expected_a <= factor * COST
+        assert r.route(request()).node_id == ("a" if stays else "b"), filler
+        kept.append(stays)
+    assert kept[0] and not kept[-1], "the queue grew past the factor"
 
 
 def test_a_session_stays_on_its_node_within_the_affinity_factor_and_leaves_a_longer_queue() -> None:
@@ -89,8 +94,8 @@ def test_a_session_stays_on_its_node_within_the_affinity_factor_and_leaves_a_lon
         for i in range(filler):  # queued prefill work on the session's node alone
             r.request(request(tuple(block_hashes([i + 7] * BLOCK, BLOCK)), cost=256), exclude=["b"]).begin()
         turn = Request(blocks=BLOCKS, cost=COST, block_size=BLOCK, session="s")  # the conversation goes on
-        expected_a = filler * 256 + COST // 2  # its first half cached on a
-        stays = expected_a <= 3.0 * COST
+        expected_a = filler * 256 + COST // 2  # its first half cached on a: the affinity for half the prompt, 2
+        stays = expected_a <= 2.0 * COST
         lease = r.request(turn)
         assert lease.node_id == ("a" if stays else "b"), filler
         assert lease.moved_from == (None if stays else "a")  # a move names the node it left
@@ -203,6 +208,6 @@ def test_a_session_placed_on_an_overflow_node_stays_there() -> None:
         sent(r, Request(blocks=av_request(10 + n).blocks, cost=6000, block_size=BLOCK, slice="llm"))
     assert r.route(av_request(9)).node_id in {"l1", "l2"}
     # The conversation's next turn (its first prompt and more) stays: the overflow node, 1.6 s deep with it, is
-    # within `cache_affinity` times the pool's 1.3 s, and the turn adds little there.
+    # within the affinity for three quarters of the prompt (2.5) times the pool's 1.3 s.
     follow = Request(blocks=av_request(0, 8000).blocks, cost=8000, block_size=BLOCK, modality="audio", session="s1")
     assert r.route(follow).node_id == "h1"
