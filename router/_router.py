@@ -103,8 +103,10 @@ class Router:
     """Places requests on the newest routing table it has seen; with no brain it keeps the last one.
 
     Placement: the request's slice (named, or from its modality; an empty slice goes to its fallback), the
-    experiment arm of its session, its session's endpoint while that is available, else the first endpoint
-    in the key's probe order on the weighted ring that is available and under the bounded-load limit.
+    experiment arm of its session; for a request with block hashes, the least expected time to first token over
+    the prefix index, its prefix's holder (its session's endpoint, for a session) kept within the cache affinity;
+    without them, its session's endpoint while that is available, else the first endpoint in the key's probe
+    order on the weighted ring that is available and under the bounded-load limit.
     `route()` reads one immutable snapshot and never locks or does I/O; `request()` also counts the request
     in flight and reports its outcome. `Router()` starts empty and without network (feed it with `apply`);
     `Router.connect` follows one or more brains.
