@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,11 @@ _NVLINK_FIELDS = [
     (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
 ]
 _LINK_UP = {pynvml.NVML_NVLINK_STATE_ACTIVE, pynvml.NVML_NVLINK_STATE_SLEEP}  # a sleeping link wakes on traffic
+_PCIE_FIELDS = [(pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, 0), (pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, 0)]
+# The PCIe byte counters are 32 bits wide on the H200s measured (bench/gpu_check.py): at 60 GB/s they wrap every
+# 72 ms, so they are read twice this far apart (all devices within one wait), the window nvmlDeviceGetPcieThroughput
+# counts over too, which blocks about as long per call and direction.
+PCIE_WINDOW_S = 0.02
 _KIB = 1024
 _PCIE_KB = 1000  # nvmlDeviceGetPcieThroughput reports KB/s
 _GB = 1e9
@@ -123,7 +129,8 @@ class GpuTopology:
 
 @dataclass(frozen=True)
 class _Reading:
-    """One cumulative counter value (KiB) and NVML's timestamp of it (µs)."""
+    """One cumulative counter value (KiB for NVLink, bytes for PCIe), NVML's timestamp of it (µs) and the value
+    past which it wraps."""
 
     value: int
     timestamp_us: int
@@ -195,10 +202,12 @@ def _node_metrics(devices: Sequence[GpuState]) -> GpuNodeMetrics:
 
 
 class GpuCollector:
-    """Reads every GPU of this host through NVML; `nvml` is the pynvml module (or a stand-in for it)."""
+    """Reads every GPU of this host through NVML; `nvml` is the pynvml module (or a stand-in for it), `sleep` waits
+    out the PCIe counters' window."""
 
-    def __init__(self, nvml: Any) -> None:
+    def __init__(self, nvml: Any, sleep: Callable[[float], None] = time.sleep) -> None:
         self._nvml = nvml
+        self._sleep = sleep
         self._logged: set[tuple[int, str, str]] = set()
         self._devices: list[_Device] = []
         self._numa: dict[int, int | None] = {}
@@ -206,7 +215,7 @@ class GpuCollector:
         self._closed = False
 
     @classmethod
-    def open(cls, nvml: Any = pynvml) -> tuple[GpuCollector | None, str]:
+    def open(cls, nvml: Any = pynvml, sleep: Callable[[float], None] = time.sleep) -> tuple[GpuCollector | None, str]:
         """A collector over every GPU NVML shows and a line saying what it found, or None and one line saying
         why not and how to fix it."""
         try:
@@ -214,7 +223,7 @@ class GpuCollector:
         except pynvml.NVMLError as exc:
             what, fix = _INIT_FAILURES.get(type(exc), ("NVML unavailable", "check nvidia-smi on this host"))
             return None, f"{what} ({exc}): GPU dimensions stay absent; {fix}"
-        collector = cls(nvml)
+        collector = cls(nvml, sleep)
         try:
             driver = nvml.nvmlSystemGetDriverVersion()
             count = nvml.nvmlDeviceGetCount()
@@ -299,10 +308,11 @@ class GpuCollector:
 
     def sample(self) -> GpuSample:
         """Every device's state now and the node's aggregates; a device whose memory NVML cannot read is left out."""
-        devices = [state for device in self._devices if (state := self._state(device)) is not None]
+        pcie = self._pcie_ratios()
+        devices = [state for device in self._devices if (state := self._state(device, pcie)) is not None]
         return GpuSample(devices=devices, node=_node_metrics(devices))
 
-    def _state(self, device: _Device) -> GpuState | None:
+    def _state(self, device: _Device, pcie: dict[int, float | None]) -> GpuState | None:
         nvml, index, handle = self._nvml, device.index, device.handle
         memory = self._read(index, "memory", nvml.nvmlDeviceGetMemoryInfo, handle, pynvml.nvmlMemory_v2)
         if memory is None:
@@ -316,12 +326,39 @@ class GpuCollector:
             mem_total_bytes=memory.total,
             util_ratio=min(1.0, rates.gpu / 100) if rates is not None else None,
             nvlink_util_ratio=self._nvlink_ratio(device),
-            pcie_util_ratio=self._pcie_ratio(device),
+            pcie_util_ratio=pcie.get(index),
             numa_node=self._numa.get(index),
             nvlink_peers=self._peers.get(index, []),
         )
 
-    def _pcie_ratio(self, device: _Device) -> float | None:
+    def _pcie_ratios(self) -> dict[int, float | None]:
+        """Each device's busier PCIe direction over the link's maximum bandwidth, in `PCIE_WINDOW_S`: from the byte
+        counters read before and after one wait shared by every device, or, where the driver lacks them, from
+        nvmlDeviceGetPcieThroughput (the same window, but one blocking call per device and direction)."""
+        measured = [device for device in self._devices if device.pcie_bytes_per_s is not None]
+        first = {device.index: self._counters(device, "pcie counters", _PCIE_FIELDS) for device in measured}
+        if any(first.values()):
+            self._sleep(PCIE_WINDOW_S)
+        ratios: dict[int, float | None] = {}
+        for device in measured:
+            before = first[device.index]
+            ratios[device.index] = (
+                self._throughput_ratio(device) if before is None else self._pcie_counter_ratio(device, before)
+            )
+        return ratios
+
+    def _pcie_counter_ratio(self, device: _Device, before: tuple[_Reading, _Reading]) -> float | None:
+        capacity = device.pcie_bytes_per_s
+        after = self._counters(device, "pcie counters", _PCIE_FIELDS)
+        if after is None or capacity is None:
+            return None
+        tx, rx = (_rate(then, now, capacity * _PLAUSIBLE) for then, now in zip(before, after, strict=True))
+        if tx is None or rx is None:
+            self._absent(device.index, "pcie interval", "counter went backwards or clock stood still: skipped")
+            return None
+        return min(1.0, max(tx, rx) / capacity)
+
+    def _throughput_ratio(self, device: _Device) -> float | None:
         """The busier direction's throughput (NVML counts it over 20 ms) over the link's maximum bandwidth."""
         if device.pcie_bytes_per_s is None:
             return None
@@ -336,7 +373,7 @@ class GpuCollector:
         """The busier direction's data throughput since the last sample over the active links' bandwidth."""
         if device.nvlink_bytes_per_s is None:
             return None
-        counters = self._nvlink_counters(device)
+        counters = self._counters(device, "nvlink throughput", _NVLINK_FIELDS)
         previous, device.counters = device.counters, counters
         if counters is None or previous is None:
             return None
@@ -347,20 +384,19 @@ class GpuCollector:
             return None
         return min(1.0, max(tx, rx) * _KIB / device.nvlink_bytes_per_s)
 
-    def _nvlink_counters(self, device: _Device) -> tuple[_Reading, _Reading] | None:
-        """The cumulative TX and RX data counters (KiB, all links) from field values."""
-        values = self._read(
-            device.index, "nvlink throughput", self._nvml.nvmlDeviceGetFieldValues, device.handle, _NVLINK_FIELDS
-        )
+    def _counters(self, device: _Device, name: str, fields: list[tuple[int, int]]) -> tuple[_Reading, _Reading] | None:
+        """The cumulative TX and RX counters `fields` names (NVLink data in KiB over all links, or PCIe bytes) from
+        field values; None, logged once as `name`, where the driver lacks either."""
+        values = self._read(device.index, name, self._nvml.nvmlDeviceGetFieldValues, device.handle, fields)
         if values is None:
             return None
         readings: list[_Reading] = []
         for value in values:
             if value.nvmlReturn != pynvml.NVML_SUCCESS:
-                self._absent(device.index, "nvlink throughput", pynvml.NVMLError(value.nvmlReturn))
+                self._absent(device.index, name, pynvml.NVMLError(value.nvmlReturn))
                 return None
             if value.valueType not in _COUNTER_BITS:
-                self._absent(device.index, "nvlink throughput", f"value type {value.valueType} is no counter")
+                self._absent(device.index, name, f"value type {value.valueType} is no counter")
                 return None
             member, bits = _COUNTER_BITS[value.valueType]
             readings.append(_Reading(getattr(value.value, member), value.timestamp, 1 << bits))

@@ -1,7 +1,7 @@
 """Check GPU telemetry on a real NVIDIA GPU: every NVML call the agent's GPU collector makes, on every device,
-timed; the collector end to end under PCIe (and, with two GPUs, NVLink) traffic; and the otel allocator
-fragmentation metrics on torch's real CUDA caching allocator; and gradient offload under static and
-gradient-aware schedules with real pinned-memory copies. Runs in well under a minute.
+timed; the collector end to end under PCIe (and, with two GPUs, NVLink) traffic; PCIe readings through
+sustained copies; the otel allocator fragmentation metrics on torch's real CUDA caching allocator; and gradient
+offload under static and gradient-aware schedules with real pinned-memory copies. Runs in well under a minute.
 
 Run on a GPU host: .venv/bin/python bench/gpu_check.py   (without an NVIDIA GPU/driver: one line, exit code 2)
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pynvml
@@ -162,50 +161,57 @@ def print_table(rows: list[Row]) -> None:
         print(f"{call:<{widths[0]}}  {device:<{widths[1]}}  {micros:>9.1f}  {value}")
 
 
-def start_traffic() -> Callable[[], str]:
-    """Queue about 2 s of host-to-device copies (PCIe) and, with two GPUs, GPU 0 to GPU 1 copies (NVLink) on
-    the CUDA streams; the returned call waits for them and says the throughput torch saw."""
-    import torch
+class Traffic:
+    """About `seconds` of host-to-device copies (PCIe) and, with two GPUs, GPU 0 to GPU 1 copies (NVLink) queued
+    on the CUDA streams; the copy time is measured after a warm-up, so the traffic lasts as long as asked."""
 
-    host = torch.empty(256 * _MIB, dtype=torch.uint8).pin_memory()
-    device = torch.empty_like(host, device="cuda:0")
-    start = time.perf_counter()
-    for _ in range(4):
-        device.copy_(host, non_blocking=True)
-    torch.cuda.synchronize(0)
-    per_copy = (time.perf_counter() - start) / 4
-    copies = max(1, round(2.0 / per_copy))
-    peer = torch.empty_like(device, device="cuda:1") if torch.cuda.device_count() > 1 else None
-    start = time.perf_counter()
-    for _ in range(copies):
-        device.copy_(host, non_blocking=True)
-        if peer is not None:
-            peer.copy_(device, non_blocking=True)
+    def __init__(self, seconds: float) -> None:
+        import torch
 
-    def finish() -> str:
-        for index in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(index)
-        seconds = time.perf_counter() - start
-        gbps = copies * host.numel() / seconds / 1e9
-        peers = ", same volume GPU 0 → GPU 1" if peer is not None else ", one GPU: no NVLink traffic"
-        return f"torch: {copies} × 256 MiB host → GPU 0 in {seconds:.2f} s = {gbps:.1f} GB/s{peers}"
+        self._torch = torch
+        self.host = torch.empty(256 * _MIB, dtype=torch.uint8).pin_memory()
+        device = torch.empty_like(self.host, device="cuda:0")
+        for rounds in (4, 8):  # the first round warms the copy engines up; the second is timed
+            start = time.perf_counter()
+            for _ in range(rounds):
+                device.copy_(self.host, non_blocking=True)
+            torch.cuda.synchronize(0)
+        self.copies = max(1, round(seconds / ((time.perf_counter() - start) / 8)))
+        peer = torch.empty_like(device, device="cuda:1") if torch.cuda.device_count() > 1 else None
+        self.nvlink = peer is not None
+        self.start = time.perf_counter()
+        for _ in range(self.copies):
+            device.copy_(self.host, non_blocking=True)
+            if peer is not None:
+                peer.copy_(device, non_blocking=True)
 
-    return finish
+    def finish(self) -> tuple[float, float]:
+        """Wait for the copies; (seconds they took, host-to-device bytes per second)."""
+        for index in range(self._torch.cuda.device_count()):
+            self._torch.cuda.synchronize(index)
+        seconds = time.perf_counter() - self.start
+        return seconds, self.copies * self.host.numel() / seconds
+
+    def describe(self, seconds: float, rate: float) -> str:
+        peers = ", same volume GPU 0 → GPU 1" if self.nvlink else ", one GPU: no NVLink traffic"
+        return f"torch: {self.copies} × 256 MiB host → GPU 0 in {seconds:.2f} s = {rate / 1e9:.1f} GB/s{peers}"
 
 
 def collector_check(cuda: bool) -> None:
-    """The agent's collector end to end: a sample, another about 1 s later under load, then one idle."""
+    """The agent's collector end to end: a sample, another about 1 s into 2 s of copies, then one idle."""
     collector, reason = GpuCollector.open()
     print(f"\nGpuCollector.open(): {reason}")
     if collector is None:
         return
     with collector:
         collector.sample()
-        finish = start_traffic() if cuda else None
+        traffic = Traffic(2.0) if cuda else None
         time.sleep(1.0)
+        start = time.perf_counter()
         loaded = collector.sample()
-        if finish is not None:
-            print(finish())
+        print(f"collector.sample() under load took {(time.perf_counter() - start) * 1e3:.1f} ms")
+        if traffic is not None:
+            print(traffic.describe(*traffic.finish()))
         time.sleep(1.0)
         idle = collector.sample()
         for label, sample in (("under load", loaded), ("idle", idle)):
@@ -217,6 +223,65 @@ def collector_check(cuda: bool) -> None:
         for device in topology.devices:
             print(f"topology: {device}")
         print(f"common ancestors: {topology.common_ancestor}")
+
+
+def pcie_check() -> None:
+    """GPU 0's PCIe readings every 0.25 s through 3 s of host-to-device copies: nvmlDeviceGetPcieThroughput (a
+    20 ms window; the call blocks about as long) and the cumulative byte counters from field values, whose
+    deltas are shown raw and modulo their width since the last row and over 10 ms, each against the rate torch
+    measured over the whole run."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("\nPCIe check skipped: torch sees no CUDA device")
+        return
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    fields = [(pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, 0), (pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, 0)]
+    bits = {pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: 32, pynvml.NVML_VALUE_TYPE_SIGNED_INT: 32}
+
+    def counters() -> list[tuple[int, int, int]]:
+        """(value, timestamp µs, width in bits) of TX and RX; the width by the value's type."""
+        out = []
+        for value in pynvml.nvmlDeviceGetFieldValues(handle, fields):
+            if value.nvmlReturn != pynvml.NVML_SUCCESS:
+                raise pynvml.NVMLError(value.nvmlReturn)
+            reading = getattr(value.value, _VALUE_MEMBERS[value.valueType])
+            out.append((int(reading), value.timestamp, bits.get(value.valueType, 64)))
+        return out
+
+    try:
+        previous = counters()
+    except pynvml.NVMLError as exc:
+        print(f"\nPCIe counters unreadable ({exc}): throughput calls only")
+        previous = []
+    traffic = Traffic(3.5)
+    rows = []
+    while time.perf_counter() - traffic.start < 3.0:
+        started = time.perf_counter()
+        tx = pynvml.nvmlDeviceGetPcieThroughput(handle, pynvml.NVML_PCIE_UTIL_TX_BYTES)
+        rx = pynvml.nvmlDeviceGetPcieThroughput(handle, pynvml.NVML_PCIE_UTIL_RX_BYTES)
+        call_ms = (time.perf_counter() - started) * 1e3 / 2
+        deltas = ""
+        if previous:
+            current = counters()
+            parts = []
+            for name, (before, then, width), (now, at, _) in zip(("TX", "RX"), previous, current, strict=True):
+                seconds = max(at - then, 1) / 1e6
+                raw, wrapped = (now - before) / seconds, (now - before) % (1 << width) / seconds
+                span = f"GB/s over {seconds:.3f} s"
+                parts.append(f"{name} {raw / 1e9:+.2f} raw, {wrapped / 1e9:.2f} mod 2^{width} {span}")
+            time.sleep(0.01)  # a second read 10 ms on: no 32-bit byte counter wraps within it below 400 GB/s
+            previous = counters()
+            for name, (before, then, width), (now, at, _) in zip(("TX", "RX"), current, previous, strict=True):
+                parts.append(f"{name} {(now - before) % (1 << width) / max(at - then, 1) / 1e3:.2f} GB/s in 10 ms")
+            deltas = "; counters: " + ", ".join(parts)
+        at = started - traffic.start
+        throughput = f"throughput TX {tx / 1e6:.2f} RX {rx / 1e6:.2f} GB/s ({call_ms:.1f} ms a call)"
+        rows.append(f"  t={at:.2f} s: {throughput}{deltas}")
+        time.sleep(0.25)
+    seconds, rate = traffic.finish()
+    print(f"\nPCIe readings during copies ({traffic.describe(seconds, rate)}):")
+    print(*rows, sep="\n")
 
 
 def reserve_advice(stats: Any) -> object:
@@ -340,6 +405,11 @@ def main() -> int:
     print(f"\ntorch {torch.__version__}, CUDA {torch.version.cuda}, sees {seen} GPU(s)")
     collector_check(has_cuda)
     if has_cuda:
+        pynvml.nvmlInit()
+        try:
+            pcie_check()
+        finally:
+            pynvml.nvmlShutdown()
         allocator_check()
     else:
         print("torch sees no CUDA device (CPU build?): allocator check skipped")

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from prismlb.agent._gpu import PCI_DEVICES, GpuCollector, GpuNodeMetrics, GpuProcess
+from prismlb.agent._gpu import PCI_DEVICES, PCIE_WINDOW_S, GpuCollector, GpuNodeMetrics, GpuProcess
 from prismlb.wire import NodeMetrics
 
 GIB = 1 << 30
@@ -30,6 +30,8 @@ class StandInGpu:
     links: dict[int, str] = field(default_factory=dict)  # active link -> the remote end's PCI bus id
     # (TX KiB, RX KiB, µs) per field-value read; None: that field is not supported, as it is when none is left
     counters: list[tuple[int | None, int | None, int]] = field(default_factory=list)
+    # (TX bytes, RX bytes, µs) per read of the 32-bit PCIe byte counters; none left: not supported
+    pcie_counters: list[tuple[int, int, int]] = field(default_factory=list)
     affinity: list[int] = field(default_factory=lambda: [0b1])
     processes: list[tuple[int, int | None]] = field(default_factory=list)
     unsupported: set[str] = field(default_factory=set)
@@ -108,18 +110,24 @@ class StandInNvml:
         return pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
 
     def nvmlDeviceGetFieldValues(self, handle: int, fields: list[tuple[int, int]]) -> list[pynvml.c_nvmlFieldValue_t]:
-        counters = self._gpu(handle, "nvmlDeviceGetFieldValues").counters
-        *kib, timestamp = counters.pop(0) if counters else (None, None, 0)
-        assert [field_id for field_id, _scope in fields] == [
-            pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
-            pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
-        ]
+        gpu = self._gpu(handle, "nvmlDeviceGetFieldValues")
+        ids = [field_id for field_id, _scope in fields]
+        if ids == [pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES]:
+            *read, timestamp = gpu.pcie_counters.pop(0) if gpu.pcie_counters else (None, None, 0)
+            kind = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT  # as the H200's driver reports them
+        else:
+            assert ids == [pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX]
+            *read, timestamp = gpu.counters.pop(0) if gpu.counters else (None, None, 0)
+            kind = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
         values = []
-        for (field_id, scope), value in zip(fields, kib, strict=True):
+        for (field_id, scope), value in zip(fields, read, strict=True):
             entry = pynvml.c_nvmlFieldValue_t(fieldId=field_id, scopeId=scope, timestamp=timestamp)
-            entry.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+            entry.valueType = kind
             entry.nvmlReturn = pynvml.NVML_SUCCESS if value is not None else pynvml.NVML_ERROR_NOT_SUPPORTED
-            entry.value.ullVal = value or 0
+            if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+                entry.value.uiVal = value or 0
+            else:
+                entry.value.ullVal = value or 0
             values.append(entry)
         return values
 
@@ -318,6 +326,51 @@ def test_processes_per_gpu_once_with_unknown_memory_absent() -> None:
         GpuProcess(0, 4343, None),
         GpuProcess(1, 4242, GIB),
     ]
+
+
+PCIE5_X16_BYTES_PER_S = 16 * 3.938e9  # per direction
+
+
+def test_pcie_utilisation_from_32_bit_byte_counters_over_one_shared_window(caplog: pytest.LogCaptureFixture) -> None:
+    """Both GPUs' byte counters are read, then one wait for the pair, then read again; the busier direction over
+    the link's bandwidth, a 32-bit wrap included; nvmlDeviceGetPcieThroughput (blocking) is not called."""
+    window_us = 20_000
+
+    def reads(tx_ratio: float, rx_ratio: float, tx0: int, rx0: int, at: int) -> list[tuple[int, int, int]]:
+        moved = [round(ratio * PCIE5_X16_BYTES_PER_S * window_us / 1e6) for ratio in (tx_ratio, rx_ratio)]
+        return [(tx0, rx0, at), ((tx0 + moved[0]) % (1 << 32), (rx0 + moved[1]) % (1 << 32), at + window_us)]
+
+    busy = StandInGpu(
+        "00000000:18:00.0",
+        pcie_counters=reads(0.05, 0.9, 7, (1 << 32) - 10_000, 0)  # RX wraps within the window
+        + [(100, 100, 50_000_000), (50, 100, 50_020_000)]  # TX went backwards (driver reset): skipped
+        + reads(0.0, 0.0, 50, 100, 60_000_000),
+        unsupported={"nvmlDeviceGetPcieThroughput"},
+    )
+    quiet = StandInGpu("00000000:2A:00.0", pcie_counters=reads(0.3, 0.1, 5, 5, 0) * 3)
+    quiet.unsupported = {"nvmlDeviceGetPcieThroughput"}
+    waits: list[float] = []
+    collector, reason = GpuCollector.open(StandInNvml([busy, quiet]), sleep=waits.append)
+    assert collector is not None, reason
+    first = collector.sample()
+    assert waits == [PCIE_WINDOW_S]  # one wait for both devices
+    assert [gpu.pcie_util_ratio for gpu in first.devices] == pytest.approx([0.9, 0.3], abs=1e-6)
+    assert first.node.pcie_util_ratio == pytest.approx(0.9, abs=1e-6)
+    with caplog.at_level(logging.INFO, logger="prism.agent.gpu"):
+        reset = collector.sample()
+    assert [gpu.pcie_util_ratio for gpu in reset.devices][0] is None
+    assert caplog.messages == ["GPU 0: pcie interval absent (counter went backwards or clock stood still: skipped)"]
+    assert [gpu.pcie_util_ratio for gpu in collector.sample().devices] == pytest.approx([0.0, 0.3], abs=1e-6)
+    assert len(waits) == 3
+
+
+def test_pcie_falls_back_to_throughput_without_counters_and_waits_for_none() -> None:
+    waits: list[float] = []
+    gpu = StandInGpu("00000000:18:00.0", pcie_kbps=(0, 31_504_000))
+    collector, reason = GpuCollector.open(StandInNvml([gpu]), sleep=waits.append)
+    assert collector is not None, reason
+    assert collector.sample().devices[0].pcie_util_ratio == pytest.approx(0.5)
+    assert waits == []
 
 
 def test_close_shuts_nvml_down_once() -> None:
