@@ -71,9 +71,9 @@ def series_p99_ms(vector: NodeVector) -> dict[str, float | None]:
 
 
 def slice_predictions(forecasts: Mapping[str, float | None]) -> dict[Slice, float]:
-    """Each slice's forecast from a node's series forecasts (None: the series has none yet): its own series' while
-    the node has that series, else the engine series'. A slice whose own series has no forecast yet is absent,
-    so the weights take its observed P99 rather than the engine's forecast of the node's other slices."""
+    """Each slice's forecast from a node's series forecasts (None: the series has none): its own series' while the
+    node has that series, else the engine series'. A slice whose own series has no forecast is absent, so the
+    weights take its observed P99 rather than the engine's forecast of the node's other slices."""
     engine = forecasts.get(ENGINE_LATENCY_KEY)
     chosen = {s: forecasts[s.value] if s.value in forecasts else engine for s in Slice}
     return {s: value for s, value in chosen.items() if value is not None}

@@ -32,8 +32,8 @@ class EwmaPredictor:
     slice's latency entry and the engine's), with the `Predictor`'s `observe`/`predict`/`forget` (all the brain's
     loop calls) and its EWMA factor.
 
-    Unlike `Predictor`, it predicts from a series' first observed P99 on (the `Predictor` waits for a full input
-    sequence of `steps` windows, whichever of its predictors it uses), and it has nothing to train."""
+    Like `Predictor` for a series shorter than its models' input, it predicts from a series' first observed P99 on;
+    unlike it, it never switches to a model or to the last value, and it has nothing to train."""
 
     def __init__(self, alpha: float = PredictorConfig().ewma_alpha) -> None:
         self.alpha = alpha

@@ -118,11 +118,11 @@ def test_history_is_bounded_per_series() -> None:
     assert predictor.history_lengths("n0") == {}
 
 
-def test_predict_is_one_batch_with_none_for_short_histories() -> None:
+def test_predict_is_one_batch_with_the_ewma_for_short_histories() -> None:
     predictor = Predictor(SMALL)
     _fill(predictor, nodes=5, windows=SMALL.steps)
     for t in range(SMALL.steps - 1):
-        predictor.observe("young", _row(0.5), {"engine": 100.0})
+        predictor.observe("young", _row(0.5), {"engine": 100.0 if t < SMALL.steps - 2 else 300.0})
     for t in range(SMALL.steps):
         predictor.observe("silent", _row(0.5), {"engine": None})
     batches: list[int] = []
@@ -133,7 +133,9 @@ def test_predict_is_one_batch_with_none_for_short_histories() -> None:
         predicted = predictor.predict(ids, name)
         assert list(predicted) == ids
         assert all(isinstance(predicted[f"n{n}"]["engine"], float) for n in range(5))
-        assert predicted["young"] == {"engine": None} and predicted["silent"] == predicted["unknown"] == {}
+        # one window short of the models' input: the EWMA (α 0.5) of 100 ms then 300 ms, whichever predictor
+        assert predicted["young"] == {"engine": pytest.approx(200.0)}
+        assert predicted["silent"] == predicted["unknown"] == {}
     assert batches == [5, 5]
     assert predictor.predict(ids) == predictor.predict(ids, "ewma")  # nothing evaluated yet
     with pytest.raises(ValueError):
