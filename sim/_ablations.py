@@ -114,7 +114,8 @@ def flat_weights(block_tokens: int) -> Policy:
 
 
 def ewma(block_tokens: int) -> Policy:
-    """The LSTM-Attention predictor replaced by an EWMA of each node's observed P99 (`EwmaPredictor`)."""
+    """The predictor's choice among its models and baselines replaced by an EWMA of each series' observed P99 always
+    (`EwmaPredictor`): what LSTM-Attention (and the last value, when it scores better) earn over it."""
     return PrismPolicy(block_tokens=block_tokens, brain=EwmaBrain, train_steps=0)
 
 
