@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import re
 import signal
 import socket
@@ -26,7 +27,39 @@ from ._window import engine_batch_window
 AGENT_PERIOD_S = 1.0
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_BELOW_EPHEMERAL = 16384  # ports handed out: this many below the ephemeral range
+_handed: set[int] = set()
+_draw = random.Random()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A loopback TCP port nothing holds now and this process has not handed out before, for a child to bind.
+
+    It is drawn below the kernel's ephemeral range: a port from bind(0) lies inside it, where any process binding
+    port 0 or connecting out may take it before the child it was meant for binds it (the brain imports torch for
+    seconds first; the demo's agents bind their OTLP HTTP receivers to port 0 meanwhile). Without room below the
+    range, bind(0)."""
+    low = _ephemeral_low()
+    first = max(1024, low - _BELOW_EPHEMERAL)
+    for _ in range(256 if low - first >= 256 else 0):
+        port = _draw.randrange(first, low)
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -7,7 +7,6 @@ import contextlib
 import importlib
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
+from prismlb.demo import free_port
 from prismlb.service import wait_until
 
 if TYPE_CHECKING:
@@ -36,12 +36,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def prism(args: list[str], log: Path) -> subprocess.Popen[bytes]:

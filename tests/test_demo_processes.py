@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import socket
 import subprocess
 import sys
 import threading
@@ -79,3 +81,26 @@ def test_log_tails_show_each_logs_last_lines_under_its_name(tmp_path: Path) -> N
         == "--- brain.log\n\ufffdbad byte\n--- engine-a.log\nline 9"
     )
     assert log_tails(tmp_path / "empty") == ""
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_once_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port bind(0) or an outgoing connection could take before the child binds it is never handed out: ports
+    come from below the kernel's ephemeral range, a held one is passed over, none twice; without room, bind(0)."""
+    from prismlb.demo import _processes
+
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("30000\t60999\n")
+    monkeypatch.setattr(_processes, "EPHEMERAL_RANGE", ranges)
+    monkeypatch.setattr(_processes, "_handed", set())
+    monkeypatch.setattr(_processes, "_draw", random.Random(7))
+    first = random.Random(7).randrange(30000 - 16384, 30000)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", first))
+        ports = [free_port() for _ in range(64)]
+    assert first not in ports
+    assert all(30000 - 16384 <= port < 30000 for port in ports)
+    assert len(set(ports)) == len(ports)
+    ranges.write_text("1100\t60999\n")  # no room below: the kernel's choice
+    assert free_port() >= 1100
