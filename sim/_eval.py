@@ -126,17 +126,23 @@ def _workload(trace: str | Path, seed: int, limit: int | None) -> tuple[Workload
 
 
 def run_case(case: Case) -> RunResult:
-    """One replay; the same case gives the same result."""
+    """One replay; the same case gives the same result. Prism's own logs below ERROR are off while it runs (a
+    replay's brain and routers would log every simulated fault) and back at the caller's level after it."""
     import torch
 
     torch.set_num_threads(1)
-    logging.getLogger("prism").setLevel(logging.ERROR)
     workload, bound = _workload(case.trace, case.seed, case.limit)
     nodes = cluster_for(case.trace, workload)
     floor = _p99_floor_ms(case.trace, case.seed, case.limit)
     kill = Kill(nodes[len(nodes) // 2 - 1].name) if case.kill else None
     degrade = gray_failure(nodes) if case.degraded else ()
-    result = replay(workload, case.policy, nodes, case.utilisation, seed=case.seed, kill=kill, degrade=degrade)
+    log = logging.getLogger("prism")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        result = replay(workload, case.policy, nodes, case.utilisation, seed=case.seed, kill=kill, degrade=degrade)
+    finally:
+        log.setLevel(level)
     return dataclasses.replace(result, kv_hit_bound=bound, ttft_p99_floor_ms=floor)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,13 @@ def test_capacity_and_a_kill_run() -> None:
     tokens, media = capacity(TEXT_CLUSTER)
     assert tokens == 8 * 10_000.0 and media["image"] == pytest.approx(0.030 / 8)
     assert capacity(MM_CLUSTER)[0] == 3 * 20_000.0 + 5 * 6_000.0
-    result = run_case(Case("mooncake", "least-conn", 0.8, 1, 300, kill=True))
+    log = logging.getLogger("prism")
+    log.setLevel(logging.INFO)
+    try:
+        result = run_case(Case("mooncake", "least-conn", 0.8, 1, 300, kill=True))
+        assert log.level == logging.INFO  # quiet while it replays, the caller's level after
+    finally:
+        log.setLevel(logging.NOTSET)
     assert result.killed_node == "a100-3" and result.killed_at_s is not None
     assert result.kv_hit_bound > 0 and result.requests == 300
     assert result.completed + (result.requests - result.completed) == 300
