@@ -15,7 +15,14 @@ from typing import Any
 
 import pynvml
 
-from prismlb.agent._gpu import ALL_LINKS, NVLINK_GBPS_PER_LINK, PCIE_GBPS_PER_LANE, GpuCollector
+from prismlb.agent._gpu import (
+    _COUNTER_BITS,
+    _PCIE_FIELDS,
+    ALL_LINKS,
+    NVLINK_GBPS_PER_LINK,
+    PCIE_GBPS_PER_LANE,
+    GpuCollector,
+)
 
 Row = tuple[str, str, str, float]
 _FIELD_NAMES = {
@@ -236,17 +243,15 @@ def pcie_check() -> None:
         print("\nPCIe check skipped: torch sees no CUDA device")
         return
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-    fields = [(pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, 0), (pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, 0)]
-    bits = {pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: 32, pynvml.NVML_VALUE_TYPE_SIGNED_INT: 32}
 
     def counters() -> list[tuple[int, int, int]]:
-        """(value, timestamp µs, width in bits) of TX and RX; the width by the value's type."""
+        """(value, timestamp µs, width in bits) of TX and RX, read as the agent's collector reads them."""
         out = []
-        for value in pynvml.nvmlDeviceGetFieldValues(handle, fields):
+        for value in pynvml.nvmlDeviceGetFieldValues(handle, _PCIE_FIELDS):
             if value.nvmlReturn != pynvml.NVML_SUCCESS:
                 raise pynvml.NVMLError(value.nvmlReturn)
-            reading = getattr(value.value, _VALUE_MEMBERS[value.valueType])
-            out.append((int(reading), value.timestamp, bits.get(value.valueType, 64)))
+            member, width = _COUNTER_BITS[value.valueType]
+            out.append((int(getattr(value.value, member)), value.timestamp, width))
         return out
 
     try:
