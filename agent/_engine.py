@@ -20,14 +20,16 @@ dropped and counted in `invalid`, and the other fields of the sample are kept.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import http.client
 import itertools
 import logging
 import math
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -122,6 +124,9 @@ class EngineSample:
     those seconds, so a busy engine reads slower than it computes; all engines of a fleet read alike."""
     requests_running: int | None = None
     requests_waiting: int | None = None
+    requests_per_s: float | None = None
+    """Requests finished per second since the previous scrape (the end-to-end histogram's count gained over the
+    time between the scrapes): the node's request rate where no request spans reach the agent."""
     ttft: LatencyQuantiles | None = None
     e2e: LatencyQuantiles | None = None
     queue: LatencyQuantiles | None = None
@@ -151,9 +156,16 @@ class _ScrapeError(Exception):
 
 
 class EngineCollector:
-    """Scrapes one engine's `/metrics` per `sample()`; `kind` is "vllm" or "sglang" once detected, else None."""
+    """Scrapes one engine's `/metrics` per `sample()`; `kind` is "vllm" or "sglang" once detected, else None.
+    `clock` (monotonic seconds) times the scrapes for the request rate; injectable for tests."""
 
-    def __init__(self, url: str, timeout_s: float = 2.0, invalid: InvalidValues | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 2.0,
+        invalid: InvalidValues | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
             raise ValueError(f"engine metrics URL must be http:// or https://, not {url!r}")
         self.url = url
@@ -161,7 +173,9 @@ class EngineCollector:
         self.kind: str | None = None
         self.failures = RejectCounter(f"engine scrape of {url} failed", _log)
         self.invalid = invalid if invalid is not None else InvalidValues()
+        self._clock = clock
         self._previous: dict[str, _Series] | None = None
+        self._previous_at = 0.0
 
     def sample(self) -> EngineSample:
         """Scrape now; a failed scrape is counted by kind and gives an all-absent sample."""
@@ -171,8 +185,14 @@ class EngineCollector:
         except _ScrapeError as exc:
             self.failures.count(exc.kind, exc)
             return EngineSample()
+        now = self._clock()
         previous, self._previous = self._previous, samples
-        return _read(names, samples, previous, self.invalid)
+        elapsed_s, self._previous_at = now - self._previous_at, now
+        sample = _read(names, samples, previous, self.invalid)
+        if sample.e2e is None or elapsed_s <= 0:
+            return sample
+        rate = self.invalid.check("engine", "requests_per_s", sample.e2e.requests / elapsed_s, REQUESTS)
+        return dataclasses.replace(sample, requests_per_s=rate)
 
     def _fetch(self) -> str:
         request = urllib.request.Request(self.url, headers={"Accept": "text/plain"})

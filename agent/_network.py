@@ -1,5 +1,5 @@
 """The node's TCP health per agent window, from the connection tracer (bpf/conntrack.c): retransmits per
-connection, client handshake P95, resets and connects that never completed, as NodeMetrics fields.
+connection and per second, client handshake P95, resets and connects that never completed, as NodeMetrics fields.
 
 The counts come from the program's per-CPU counters (`tcp_counts`), cumulative since it was attached; a window
 is the difference between two reads. Counters rather than events: a full ring buffer loses none of them, and a
@@ -66,7 +66,8 @@ class NetworkWindow:
 
         Connections active in the window are those opened by its end less those ended before its start: open
         at its start, or opened in it. Without any, retransmits per connection are not measured (None); a
-        window without handshakes has no P95 (None); the rates are measured whenever the window has a length."""
+        window without handshakes has no P95 (None); the rates are measured whenever the window has a length (the
+        brain divides retransmits per second by requests per second for the stall a request can expect)."""
         now, counts = self._clock(), self._counts()
         with self._lock:
             handshakes = sorted(self._handshakes_ms)
@@ -78,6 +79,7 @@ class NetworkWindow:
             "tcp_retransmits_per_conn": (counts.retransmits - before.retransmits) / active if active > 0 else None,
             # a handshake can outlast the wire's latency bound only with SYN retries raised far past the default
             "tcp_handshake_p95_ms": min(quantile(handshakes, 0.95), MAX_MS) if handshakes else None,
+            "tcp_retransmits_per_s": (counts.retransmits - before.retransmits) / elapsed_s if elapsed_s > 0 else None,
             "tcp_resets_per_s": (counts.resets - before.resets) / elapsed_s if elapsed_s > 0 else None,
             "tcp_refused_per_s": (counts.refused - before.refused) / elapsed_s if elapsed_s > 0 else None,
         }

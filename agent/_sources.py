@@ -1,6 +1,7 @@
 """The sources of a node vector, each at its period (fragmentation 2 s, KV miss 5 s, CPU
 preprocessing P95 10 s, NVLink 3 s; host and load every vector period). Latency per slice comes from the
-worker library's spans; the engine's own histograms, over all its requests, go under the key "engine"."""
+worker library's spans; the engine's own histograms, over all its requests, go under the key "engine". The request
+rate is the spans' where they arrive, else the engine's count of finished requests."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def _engine(collector: EngineCollector) -> Reading:
             "prefill_tokens_per_s": sample.prefill_tokens_per_s,
             "requests_running": sample.requests_running,
             "requests_waiting": sample.requests_waiting,
+            "requests_per_s": sample.requests_per_s,
         },
         latency={ENGINE_LATENCY_KEY: latency} if latency is not None else None,
     )
@@ -115,11 +117,6 @@ def node_sources(
     sources = [
         Source("host", period, lambda: _host(host)),
         Source(
-            "load",
-            period,
-            lambda: Reading(metrics={"requests_per_s": signals.requests_per_s()}, latency=signals.latency()),
-        ),
-        Source(
             "fragmentation",
             FRAGMENTATION_PERIOD_S,
             lambda: Reading(metrics={"gpu_mem_frag_ratio": signals.fragmentation_ratio(3 * FRAGMENTATION_PERIOD_S)}),
@@ -158,6 +155,14 @@ def node_sources(
                 )
             )
             stream.start()
+        # last, so that the request spans' rate, where there is one, stands over the engine's count
+        sources.append(
+            Source(
+                "load",
+                period,
+                lambda: Reading(metrics={"requests_per_s": signals.requests_per_s()}, latency=signals.latency()),
+            )
+        )
         collector = _CollectorCounts(engine, kv, stream)
         registry.register(collector)
         stack.callback(registry.unregister, collector)

@@ -25,7 +25,8 @@ arrives, as on a bad link (a drop on a host's own output is not a retransmission
 
 Variants, one run each on the same nodes and agents, with the same request schedule (seeded), each with a fresh
 brain and router: `full` (the library's `Brain`), `no-health` (`sim._ablations.NoHealthBrain`: every node weighed
-as perfectly healthy, so weights follow latency alone) and, with `--variants full,no-health,flat`, `flat`
+as perfectly healthy, so weights follow latency alone) and, when `--variants` names them, `no-stall`
+(`NoStallBrain`: no network stall published, so the router adds none to the lossy node's expected time) and `flat`
 (`FlatWeightsBrain`: every weight 1.0). `--rounds` repeats the sequence, the variants alternating.
 
 Printed: per run, for the requests sent in the loss window, client latency p50/p99/max/mean, how many took over
@@ -68,8 +69,8 @@ from prismlb.brain import Brain, BrainConfig
 from prismlb.demo import free_port, percentile, signals_interrupt, spawn, stop
 from prismlb.router import AsyncPrismTransport, Router, Settings
 from prismlb.semantics import Slice
-from prismlb.sim._ablations import FlatWeightsBrain, NoHealthBrain
-from prismlb.wire import BrainAddress, RoutingTable
+from prismlb.sim._ablations import FlatWeightsBrain, NoHealthBrain, NoStallBrain
+from prismlb.wire import BrainAddress, RoutingTable, TableNode
 
 PORT = 8000
 METRICS_PORT = 8001
@@ -86,7 +87,12 @@ SAMPLE_S = 0.5
 STEP_S = 5.0
 """The timeline's step: the lossy node's weight and share every this many seconds of the loss window."""
 RETRANSMIT_ALARM = "tcp_retransmits_per_conn"
-VARIANTS: dict[str, type[Brain]] = {"full": Brain, "no-health": NoHealthBrain, "flat": FlatWeightsBrain}
+VARIANTS: dict[str, type[Brain]] = {
+    "full": Brain,
+    "no-health": NoHealthBrain,
+    "no-stall": NoStallBrain,
+    "flat": FlatWeightsBrain,
+}
 _WORDS = (
     "the model cache token prefix route node weight batch decode prefill latency tail span trace agent brain "
     "kernel table ring slice key block memory queue stream answer question context system user assistant"
@@ -201,6 +207,8 @@ class Sample:
 
     at_s: float
     weights: dict[str, float]
+    stalls: dict[str, float] = field(default_factory=dict)
+    """Each node's network stall in the router's table, ms (absent: none published)."""
     retransmits_per_conn: float | None = None
     alarms: tuple[str, ...] = ()
     seq: int = -1
@@ -381,13 +389,18 @@ class Loss:
 # --- one run ----------------------------------------------------------------------------------------------
 
 
-def _llm_weights(table: RoutingTable | None) -> dict[str, float]:
+def _llm_nodes(table: RoutingTable | None) -> list[TableNode]:
     if table is None:
-        return {}
-    for slice_ in table.slices:
-        if slice_.name == Slice.LLM.value:
-            return {node.node_id: node.weight for node in slice_.nodes}
-    return {}
+        return []
+    return next((slice_.nodes for slice_ in table.slices if slice_.name == Slice.LLM.value), [])
+
+
+def _llm_weights(table: RoutingTable | None) -> dict[str, float]:
+    return {node.node_id: node.weight for node in _llm_nodes(table)}
+
+
+def _llm_stalls(table: RoutingTable | None) -> dict[str, float]:
+    return {node.node_id: node.stall_ms for node in _llm_nodes(table) if node.stall_ms is not None}
 
 
 def _lossy_vector(brain: Brain, lossy: str) -> tuple[float | None, tuple[str, ...], int]:
@@ -444,8 +457,9 @@ async def _one(client: httpx.AsyncClient, run: Run, start: float, prompt: str, m
 async def _watch(run: Run, router: Router, brain: Brain, start: float) -> None:
     while True:
         retransmits, alarms, seq = _lossy_vector(brain, run.lossy)
-        weights = _llm_weights(router.table)
-        run.samples.append(Sample(time.monotonic() - start, weights, retransmits, alarms, seq))
+        table = router.table
+        sample = Sample(time.monotonic() - start, _llm_weights(table), _llm_stalls(table), retransmits, alarms, seq)
+        run.samples.append(sample)
         await asyncio.sleep(SAMPLE_S)
 
 
@@ -561,9 +575,9 @@ def table(runs: Sequence[Run], slow_ms: float) -> list[str]:
         f"| brain | round | requests | errors | p50 ms | p99 ms | max ms | mean ms | over {slow_ms:.0f} ms (on the "
         "lossy node) | "
         "lossy node's share | "
-        "its weight: lowest / at end | its retransmits/conn (vectors alarming) | packets dropped | "
-        "warm-up p50 / p99 ms | warm-up share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "its weight: lowest / at end | its stall ms: highest | its retransmits/conn (vectors alarming) | "
+        "packets dropped | warm-up p50 / p99 ms | warm-up share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         if run.problem is not None and not run.results:
@@ -574,6 +588,8 @@ def table(runs: Sequence[Run], slow_ms: float) -> list[str]:
         lowest = min((x for x in in_window if x is not None), default=None)
         at_end = run.weight_at(run.loss_end_s)
         weight = "-" if lowest is None or at_end is None else f"{lowest:.2f} / {at_end:.2f}"
+        stalls = [t.stalls.get(run.lossy, 0.0) for t in run.samples if run.loss_start_s <= t.at_s <= run.loss_end_s]
+        stall = f"{max(stalls):.0f}" if stalls else "-"
         vectors = run.lossy_vectors(run.loss_start_s, run.loss_end_s + 1.0)
         measured = [v.retransmits_per_conn for v in vectors if v.retransmits_per_conn is not None]
         alarming = sum(RETRANSMIT_ALARM in v.alarms for v in vectors)
@@ -581,7 +597,7 @@ def table(runs: Sequence[Run], slow_ms: float) -> list[str]:
         lines.append(
             f"| {run.variant} | {run.round} | {s.count} | {s.errors} | {_ms(s.p50_ms)} | {_ms(s.p99_ms)} | "
             f"{_ms(s.max_ms)} | {_ms(s.mean_ms)} | {s.slow} ({s.slow_lossy}) | {_share(s.lossy_share)} | {weight} | "
-            f"{retransmits} | {'-' if run.dropped is None else run.dropped} | "
+            f"{stall} | {retransmits} | {'-' if run.dropped is None else run.dropped} | "
             f"{_ms(w.p50_ms)} / {_ms(w.p99_ms)} | {_share(w.lossy_share)} |"
         )
     return lines

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prismlb.semantics import Health, Slice, health
-from prismlb.wire import FutureSampleError, NodeVector
+from prismlb.wire import MAX_MS, FutureSampleError, NodeMetrics, NodeVector
 
 _log = logging.getLogger("prism.brain")
 
@@ -19,12 +19,29 @@ MAX_CLOCK_SKEW_S = 30.0
 the future (a spoofed one, or a host with a broken clock) can hold off its node's real vectors (which look
 older) for at most this long."""
 QUALITY_SMOOTHING_S = 15.0
-"""Time constant of the exponential average of a node's quality: one window's noise cannot swing its weight."""
+"""Time constant of the exponential averages of a node's quality and network stall: one window's noise cannot
+swing its weight or its expected time."""
+RTO_MIN_MS = 200.0
+"""Linux's minimum TCP retransmission timeout (`TCP_RTO_MIN`): what one lost segment of a request costs at the
+least when nothing follows it in flight to trigger a fast retransmit, as with a request's or a first token's
+last segments."""
 
 
 def quality(h: Health) -> float:
     """Health × 0.5 per alarming dimension: what a node's weight is made of besides its latency."""
     return h.score * ALARM_DERATE ** len(h.alarms)
+
+
+def stall_ms(metrics: NodeMetrics) -> float | None:
+    """The network stall one request on the node can expect: the segments its host retransmitted per request it
+    served, each a retransmission timeout (`RTO_MIN_MS`). None without both rates (no eBPF tracer, no requests).
+
+    A time to add, not a factor: a lost segment costs a short request what it costs a long one, which the health
+    score's share of the weight (a stretch of the expected time) cannot say."""
+    retransmits, requests = metrics.tcp_retransmits_per_s, metrics.requests_per_s
+    if retransmits is None or not requests:
+        return None
+    return min(retransmits / requests * RTO_MIN_MS, MAX_MS)
 
 
 EntryKey = tuple[Slice, int | None]
@@ -40,10 +57,23 @@ class NodeState:
     prefill_rate: float | None = None  # held by prefill_rates (hysteresis)
     quality: float = math.nan
     """`quality(health)` averaged over the node's vectors with time constant QUALITY_SMOOTHING_S."""
+    stall_ms: float | None = None
+    """`stall_ms` averaged over the node's vectors that measure it, with the same time constant."""
+    published_stall_ms: float | None = None  # held by compute_weights (hysteresis)
 
     def __post_init__(self) -> None:
         if math.isnan(self.quality):
             self.quality = quality(self.health)
+        if self.stall_ms is None:
+            self.stall_ms = stall_ms(self.vector.metrics)
+
+    def smooth(self, period_s: float) -> None:
+        """Move the averages towards the current vector's quality and stall over one period of `period_s`."""
+        keep = math.exp(-period_s / QUALITY_SMOOTHING_S)
+        self.quality = keep * self.quality + (1 - keep) * quality(self.health)
+        stall = stall_ms(self.vector.metrics)
+        if stall is not None:
+            self.stall_ms = stall if self.stall_ms is None else keep * self.stall_ms + (1 - keep) * stall
 
 
 class Registry:
@@ -76,7 +106,7 @@ class Registry:
             return False
         previous_alarms = state.health.alarms
         state.vector, state.last_seen, state.health = vector, now, h
-        state.quality += (quality(h) - state.quality) * (1 - math.exp(-vector.period_s / QUALITY_SMOOTHING_S))
+        state.smooth(vector.period_s)
         if h.alarms != previous_alarms:
             _log.info("node %s alarms: %s", vector.node_id, ", ".join(h.alarms) or "none")
         return True

@@ -43,8 +43,10 @@ A slice's overflow entries (nodes outside its pool whose model serves it, `_slic
 same way, their quality against the pool's best (at most 1) and their τ̂ against their own median.
 
 Each entry also carries the node's `model_version` label, its load (requests_running + requests_waiting,
-whichever are known; split evenly over per-GPU entries), the predictor's P99 for the slice, if any, and its
-prefill speed (`prefill_rate`), which routers weigh a node's queued prompt tokens by.
+whichever are known; split evenly over per-GPU entries), the predictor's P99 for the slice, if any, its
+prefill speed (`prefill_rate`), which routers weigh a node's queued prompt tokens by, and the network stall a
+request there can expect from its kernel's retransmits (`published_stall`), which routers add to its expected
+time to first token.
 """
 
 from __future__ import annotations
@@ -137,6 +139,25 @@ def prefill_rates(states: Mapping[str, NodeState]) -> dict[str, float]:
     return out
 
 
+STALL_STEP_MS = 10.0
+STALL_HYSTERESIS_MS = 7.5
+"""A node's published network stall moves in steps of 10 ms, and only when its average drifts more than 7.5 ms
+from it; under 7.5 ms it is not published: a sound network's occasional retransmit is no table change."""
+
+
+def published_stall(state: NodeState) -> float | None:
+    """The node's network stall to publish in ms (`_registry.stall_ms`, averaged), held with hysteresis in its
+    state; None while near 0 or unmeasured."""
+    held = state.published_stall_ms or 0.0
+    stall = state.stall_ms
+    if stall is None:
+        held = 0.0
+    elif abs(stall - held) > STALL_HYSTERESIS_MS:
+        held = round(stall / STALL_STEP_MS) * STALL_STEP_MS
+    state.published_stall_ms = held or None
+    return state.published_stall_ms
+
+
 def _load(vector: NodeVector) -> float | None:
     parts = [v for v in (vector.metrics.requests_running, vector.metrics.requests_waiting) if v is not None]
     return float(sum(parts)) if parts else None
@@ -175,6 +196,7 @@ def compute_weights(
     """
     held: dict[str, dict[EntryKey, float]] = {node_id: {} for node_id in states}
     rates = prefill_rates(states)
+    stalls = {node_id: published_stall(state) for node_id, state in states.items()}
     result: dict[Slice, list[TableNode]] = {}
     members = pools(s.vector for s in states.values())
     extra = overflow((s.vector for s in states.values()), members)
@@ -192,6 +214,7 @@ def compute_weights(
             load = _load(vector)
             predicted = _predicted(predictions, vector.node_id, slice_)
             rate = rates.get(vector.node_id)
+            stall = stalls[vector.node_id]
             model_version = vector.labels.get("model_version", "")
             node_held = held[vector.node_id]
             for entry in gpu_entries(vector) if slice_ in topology_slices else (WHOLE_NODE,):
@@ -207,6 +230,7 @@ def compute_weights(
                         load=None if load is None else load * entry.share,
                         predicted_p99_ms=predicted,
                         prefill_tokens_per_s=None if rate is None else rate * entry.share,
+                        stall_ms=stall,
                         gpu=entry.gpu,
                         numa_node=entry.numa_node,
                         overflow=vector.node_id in spill_ids,

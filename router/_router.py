@@ -778,7 +778,8 @@ class Router:
 
         It is the entry's queued prefill work (what this router and, through the brain, its peer routers sent there
         that has no first token yet: `apply_cluster_load`) plus the request's tokens its cache lacks, over its prefill
-        speed, stretched by its weight (`Group.stretch`): the queue is weighed by each node's speed, so the
+        speed, stretched by its weight (`Group.stretch`), plus the network stall its kernel's retransmits forecast
+        (`Group.stall`): the queue is weighed by each node's speed, so the
         equal-share bounded-load limit does not apply. In a group larger than `ttft_candidates` only the nodes
         holding the prefix, the `kept` entry (the session's) and the first entries along the key's probe order are
         weighed."""
@@ -810,7 +811,8 @@ class Router:
             if echo and node_id in fresh:
                 queued += echo * fresh[node_id] / len(group.by_node[node_id])
             own = cost - self._cached(request, depths.get(node_id, 0))
-            out[i] = ((queued + own) / group.rates[i] * group.stretch[i], own / group.rates[i] * group.stretch[i])
+            scale, stall = group.stretch[i] / group.rates[i], group.stall[i]
+            out[i] = ((queued + own) * scale + stall, own * scale + stall)
         return out, echo
 
     def _remembered(

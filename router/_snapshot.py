@@ -76,6 +76,9 @@ class Group:
     stretch: tuple[float, ...]
     """Each entry's highest weight in the group over its own: how much its expected time to first token is
     stretched for the health and tail latency the brain saw there."""
+    stall: tuple[float, ...]
+    """Each entry's network stall in seconds (`TableNode.stall_ms`), added to its expected time to first token;
+    0 for all while no entry's prefill speed is known (then expected times are not in seconds)."""
     by_node: Mapping[str, tuple[int, ...]]
     """node id -> its entries' indices (several for a node with per-GPU entries)."""
     fast: Callable[[object], Endpoint | None] | None
@@ -222,6 +225,7 @@ def _group(
         index={label: i for i, label in enumerate(ring.labels)},
         rates=tuple(n.prefill_tokens_per_s or typical for n in ring.entries),
         stretch=tuple(top / w for w in ring.weights),
+        stall=tuple((n.stall_ms or 0.0) / 1000 if known else 0.0 for n in ring.entries),
         by_node={node: tuple(indices) for node, indices in by_node.items()},
         fast=fast,
     )

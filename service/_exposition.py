@@ -43,6 +43,7 @@ NODE_FAMILIES: tuple[NodeFamily, ...] = (
         "P95 of the TCP handshakes the host completed as a client in the agent's period",
         scale=MS_TO_S,
     ),
+    NodeFamily("tcp_retransmits_per_s", "tcp_retransmits_per_second", "TCP segments retransmitted per second"),
     NodeFamily("tcp_resets_per_s", "tcp_resets_per_second", "TCP resets sent or received per second"),
     NodeFamily(
         "tcp_refused_per_s",

@@ -108,6 +108,17 @@ class NoHealthBrain(Brain):
                 states[node_id].weights = copy.weights
 
 
+class NoStallBrain(Brain):
+    """The brain publishing no network stall (`TableNode.stall_ms`): routers expect no node's kernel
+    retransmits to delay a request (health, weights and everything else unchanged)."""
+
+    def _weights(self, states: dict[str, NodeState]) -> dict[Slice, list[TableNode]]:
+        return {
+            slice_: [msgspec.structs.replace(entry, stall_ms=None) for entry in entries]
+            for slice_, entries in super()._weights(states).items()
+        }
+
+
 def flat_weights(block_tokens: int) -> Policy:
     """Every published weight 1.0: health, alarms and latency sensitivity no longer shape the ring."""
     return PrismPolicy(block_tokens=block_tokens, brain=FlatWeightsBrain)
@@ -127,6 +138,12 @@ def no_predictor(block_tokens: int) -> Policy:
 def no_health(block_tokens: int) -> Policy:
     """Health and alarms ignored (quality 1.0 for every node): the weights are latency sensitivity alone."""
     return PrismPolicy(block_tokens=block_tokens, brain=NoHealthBrain)
+
+
+def no_stall(block_tokens: int) -> Policy:
+    """No network stall in the expected time to first token (`NoStallBrain`): a node losing segments is seen
+    through its health score alone."""
+    return PrismPolicy(block_tokens=block_tokens, brain=NoStallBrain)
 
 
 def node_max_prediction(block_tokens: int) -> Policy:
@@ -187,12 +204,13 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
     "node-max-prediction": node_max_prediction,
     "no-predictor": no_predictor,
     "no-health": no_health,
+    "no-stall": no_stall,
     "no-sessions": no_sessions,
     "4-routers": routers_4,
     "4-routers-no-share": routers_4_no_share,
 }
 """Every ablation by name; each builds its policy from the workload's KV block size."""
-GRAY_VARIANTS = ("flat-weights", "no-health", "no-predictor", "ewma", "no-kv-index", "no-kv-index-flat")
+GRAY_VARIANTS = ("flat-weights", "no-health", "no-stall", "no-predictor", "ewma", "no-kv-index", "no-kv-index-flat")
 """The ablations of the signals that exist for nodes going bad, searched again under a gray failure
 (`_eval.gray_failure`): on a sound cluster they have little to find. The last two compare the weights on the
 ring path, where no expected time to first token stands in for them."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prismlb.brain import BrainConfig, Registry, TableBuilder, compute_weights, next_epoch, resolve_config
-from prismlb.brain._registry import QUALITY_SMOOTHING_S
+from prismlb.brain._registry import QUALITY_SMOOTHING_S, RTO_MIN_MS, stall_ms
 from prismlb.semantics import Slice, health
 from prismlb.wire import ConfigError, NodeMetrics, NodeVector
 
@@ -87,6 +87,48 @@ def test_quality_is_smoothed_over_vectors() -> None:
     for seq in range(3, 3 + 60):
         reg.update(vec("a", seq, kv_cache_miss_ratio=0.0), now=float(seq))
     assert state.quality > 0.95
+
+
+def test_stall_is_retransmits_per_request_times_the_minimum_timeout() -> None:
+    assert stall_ms(NodeMetrics(tcp_retransmits_per_s=3.0, requests_per_s=10.0)) == pytest.approx(0.3 * RTO_MIN_MS)
+    assert stall_ms(NodeMetrics(tcp_retransmits_per_s=0.0, requests_per_s=10.0)) == 0.0
+    # without the tracer's rate, or without requests, nothing says what a request meets
+    assert stall_ms(NodeMetrics(requests_per_s=10.0)) is None
+    assert stall_ms(NodeMetrics(tcp_retransmits_per_s=3.0, requests_per_s=0.0)) is None
+    assert stall_ms(NodeMetrics(tcp_retransmits_per_s=3.0)) is None
+
+
+def _stall_entry(reg: Registry) -> float | None:
+    return next(n.stall_ms for n in compute_weights(reg.nodes, {})[Slice.LLM] if n.node_id == "a")
+
+
+def test_stall_is_smoothed_published_in_steps_and_dropped_when_the_loss_ends() -> None:
+    reg = Registry()
+    reg.update(vec("a", 1, tcp_retransmits_per_s=0.0, requests_per_s=10.0), now=0.0)
+    assert _stall_entry(reg) is None  # a sound network publishes nothing
+    reg.update(vec("a", 2, tcp_retransmits_per_s=10.0, requests_per_s=10.0), now=1.0)  # one bad second: 200 ms
+    one = 1 - math.exp(-1 / QUALITY_SMOOTHING_S)
+    assert reg.nodes["a"].stall_ms == pytest.approx(RTO_MIN_MS * one)  # 13 ms: one window moves it a little
+    assert _stall_entry(reg) == 10.0
+    reg.update(vec("a", 3, requests_per_s=10.0), now=2.0)  # a window without the rate keeps the average
+    assert reg.nodes["a"].stall_ms == pytest.approx(RTO_MIN_MS * one)
+    for seq in range(4, 64):  # a minute of the same loss
+        reg.update(vec("a", seq, tcp_retransmits_per_s=10.0, requests_per_s=10.0), now=float(seq))
+    assert _stall_entry(reg) == pytest.approx(200.0, abs=10.0)
+    for seq in range(64, 184):  # two minutes of a sound network again
+        reg.update(vec("a", seq, tcp_retransmits_per_s=0.0, requests_per_s=10.0), now=float(seq))
+        published = _stall_entry(reg)
+    assert published is None
+
+
+def test_stall_is_held_while_it_drifts_less_than_the_hysteresis() -> None:
+    reg = Registry()
+    reg.update(vec("a", 1, 3600.0, tcp_retransmits_per_s=5.0, requests_per_s=10.0), now=0.0)  # 100 ms
+    assert _stall_entry(reg) == 100.0
+    reg.update(vec("a", 2, 3600.0, tcp_retransmits_per_s=5.3, requests_per_s=10.0), now=1.0)  # 106 ms
+    assert _stall_entry(reg) == 100.0
+    reg.update(vec("a", 3, 3600.0, tcp_retransmits_per_s=5.5, requests_per_s=10.0), now=2.0)  # 110 ms
+    assert _stall_entry(reg) == 110.0
 
 
 def test_table_version_moves_only_on_change() -> None:

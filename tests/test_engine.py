@@ -13,7 +13,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -65,11 +65,11 @@ def server() -> Iterator[MetricsServer]:
     s.close()
 
 
-def scraping(server: MetricsServer, *bodies: bytes) -> EngineCollector:
+def scraping(server: MetricsServer, *bodies: bytes, clock: Callable[[], float] = time.monotonic) -> EngineCollector:
     """A collector of `server`, which answers its scrapes with `bodies` in order (the last repeated)."""
     for body in bodies:
         server.queue(body)
-    return EngineCollector(server.url)
+    return EngineCollector(server.url, clock=clock)
 
 
 def assert_quantiles(got: LatencyQuantiles | None, requests: int, p50: float, p95: float, p99: float) -> None:
@@ -106,6 +106,17 @@ def test_vllm_gauges_miss_ratio_and_quantiles_from_deltas(server: MetricsServer)
     # queue, 40 new: <=0.3: 30, 0.5: 36, 0.8: 40.
     #   p50, rank 20 -> [0, 0.3]: 0.3 * 20 / 30 = 0.2 ; p95, rank 38 -> 0.5 + 0.3 * 2 / 4 ; p99 -> 0.5 + 0.3 * 3.6 / 4
     assert_quantiles(second.queue, 40, 200.0, 650.0, 770.0)
+
+
+def test_the_request_rate_is_the_finished_requests_over_the_time_between_scrapes(server: MetricsServer) -> None:
+    now = [100.0]
+    names = ("vllm_metrics_1.txt", "vllm_metrics_2.txt", "vllm_metrics_3_restart.txt")
+    collector = scraping(server, *(fixture(name) for name in names), clock=lambda: now[0])
+    assert collector.sample().requests_per_s is None  # no earlier scrape to count from
+    now[0] += 5.0
+    assert collector.sample().requests_per_s == pytest.approx(40 / 5.0)  # the e2e histogram gained 40
+    now[0] += 5.0
+    assert collector.sample().requests_per_s is None  # nothing gained that a restart did not undo: not measured
 
 
 def test_vllm_counter_reset_skips_the_restarted_series(server: MetricsServer) -> None:

@@ -78,6 +78,7 @@ def test_window_divides_by_connections_active_in_it_and_by_its_length() -> None:
     assert window.read() == {
         "tcp_retransmits_per_conn": 6 / 4,  # four opened, none ended before the window began
         "tcp_handshake_p95_ms": pytest.approx(19.05),  # rank 0.95 × 19 = 18.05 between 19 and 20 ms
+        "tcp_retransmits_per_s": 6.0,
         "tcp_resets_per_s": 2.0,
         "tcp_refused_per_s": 1.0,
     }
@@ -86,6 +87,7 @@ def test_window_divides_by_connections_active_in_it_and_by_its_length() -> None:
     assert window.read() == {
         "tcp_retransmits_per_conn": 0.0,
         "tcp_handshake_p95_ms": None,
+        "tcp_retransmits_per_s": 0.0,
         "tcp_resets_per_s": 0.0,
         "tcp_refused_per_s": 0.0,
     }
@@ -110,6 +112,7 @@ def test_window_without_length_and_absurd_handshakes_stay_within_the_wire() -> N
     values = window.read()  # same instant as construction
     assert values["tcp_handshake_p95_ms"] == MAX_MS
     assert values["tcp_resets_per_s"] is None and values["tcp_refused_per_s"] is None
+    assert values["tcp_retransmits_per_s"] is None
 
 
 def _vector(node_id: str, seq: int, period_s: float, **metrics: float) -> NodeVector:

@@ -23,8 +23,10 @@ def table(*nodes: TableNode) -> RoutingTable:
     )
 
 
-def node(name: str, *, weight: float = 1.0, rate: float | None = None) -> TableNode:
-    return TableNode(node_id=name, endpoint=f"http://{name}:8000", weight=weight, prefill_tokens_per_s=rate)
+def node(name: str, *, weight: float = 1.0, rate: float | None = None, stall_ms: float | None = None) -> TableNode:
+    return TableNode(
+        node_id=name, endpoint=f"http://{name}:8000", weight=weight, prefill_tokens_per_s=rate, stall_ms=stall_ms
+    )
 
 
 def router(*nodes: TableNode, **settings: object) -> tuple[Router, Clock]:
@@ -115,6 +117,21 @@ def test_a_low_weight_node_is_stretched() -> None:
     fresh = [tuple(block_hashes([i] * BLOCK, BLOCK)) for i in range(1, 41)]
     chosen = [sent(r, request(b, cost=BLOCK)).node_id for b in fresh]
     assert chosen.count("well") >= 4 * chosen.count("sick") - 2
+
+
+def test_a_network_stall_is_added_to_the_expected_time() -> None:
+    r, _ = router(node("lossy", rate=10_000, stall_ms=100.0), node("sound", rate=10_000), balance=0)
+    fresh = [tuple(block_hashes([i] * BLOCK * 16, BLOCK)) for i in range(1, 6)]
+    chosen = [sent(r, request(b, cost=16 * BLOCK)).node_id for b in fresh]
+    # 256 tokens each at 10,000 tokens/s: the sound node's queue passes the lossy node's 100 ms after four of them.
+    assert chosen == ["sound"] * 4 + ["lossy"]
+
+
+def test_a_stall_is_ignored_while_no_prefill_speed_puts_expected_times_in_seconds() -> None:
+    r, _ = router(node("lossy", stall_ms=5_000.0), node("sound"), balance=0)
+    fresh = [tuple(block_hashes([i] * BLOCK, BLOCK)) for i in range(1, 41)]
+    chosen = [sent(r, request(b, cost=BLOCK)).node_id for b in fresh]
+    assert chosen.count("lossy") == chosen.count("sound") == 20  # equal queues, so the two alternate
 
 
 def test_placements_stand_in_for_events_until_they_expire() -> None:

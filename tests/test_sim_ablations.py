@@ -16,6 +16,7 @@ from prismlb.sim._ablations import (
     EwmaPredictor,
     FlatWeightsBrain,
     NoHealthBrain,
+    NoStallBrain,
     NoPredictorBrain,
     format_ablations,
     no_sessions,
@@ -64,6 +65,7 @@ def test_every_variant_is_listed_with_a_docstring() -> None:
         "node-max-prediction",
         "no-predictor",
         "no-health",
+        "no-stall",
         "no-sessions",
         "4-routers",
         "4-routers-no-share",
@@ -108,6 +110,16 @@ def test_no_health_weighs_by_latency_alone_and_keeps_the_real_quality() -> None:
     ablated = weights(table(brain, vectors))
     assert ablated["sick"] == ablated["well"] == full["well"]
     assert brain.registry.nodes["sick"].quality < 1.0 and brain.registry.nodes["sick"].weights
+
+
+def test_no_stall_publishes_no_stall_and_changes_nothing_else() -> None:
+    lossy = {"tcp_retransmits_per_s": 5.0, "requests_per_s": 10.0}  # half a segment a request: 100 ms
+    vectors = [vector("lossy", 1, 400.0, **lossy), vector("sound", 2, 400.0, tcp_retransmits_per_s=0.0)]
+    full = table(Brain(CONFIG), vectors)
+    assert {n.node_id: n.stall_ms for s in full.slices for n in s.nodes} == {"lossy": 100.0, "sound": None}
+    ablated = table(NoStallBrain(CONFIG), vectors)
+    assert all(n.stall_ms is None for s in ablated.slices for n in s.nodes)
+    assert weights(ablated) == weights(full)
 
 
 def test_ewma_predictor_follows_the_formula() -> None:

@@ -60,6 +60,8 @@ class NodeMetrics(_Message, kw_only=True):
     """Segments retransmitted per connection open during the period (absent without any)."""
     tcp_handshake_p95_ms: Millis | None = None
     """P95 of the handshakes this host completed as a client in the period (absent without any)."""
+    tcp_retransmits_per_s: Rate | None = None
+    """Segments retransmitted per second: over the node's requests per second, the retransmits a request meets."""
     tcp_resets_per_s: Rate | None = None
     """RSTs sent or received."""
     tcp_refused_per_s: Rate | None = None
@@ -159,6 +161,9 @@ class TableNode(_Message, kw_only=True):
     prefill_tokens_per_s: Bounded | None = None
     """The brain's estimate of the node's prefill speed (per GPU entry in topology-aware slices), which a
     router divides queued prompt tokens by to expect a time to first token."""
+    stall_ms: Bounded | None = None
+    """The network stall a request to the node can expect, from its kernel's retransmits (absent: none seen),
+    which a router adds to the node's expected time to first token."""
     gpu: Count | None = None
     numa_node: Count | None = None
     overflow: bool = False
