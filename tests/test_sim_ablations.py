@@ -16,8 +16,8 @@ from prismlb.sim._ablations import (
     EwmaPredictor,
     FlatWeightsBrain,
     NoHealthBrain,
-    NoStallBrain,
     NoPredictorBrain,
+    NoStallBrain,
     format_ablations,
     no_sessions,
 )
