@@ -15,8 +15,8 @@ from ._registry import Registry
 
 
 class RegistryCollector(Collector):
-    """Every live node: the brain's health score, weights and alarms for it, and the measurements it last
-    reported (one family per quantity, labelled by node)."""
+    """Every live node: the brain's health score, weights, published network stall and alarms for it, and the
+    measurements it last reported (one family per quantity, labelled by node)."""
 
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
@@ -29,14 +29,20 @@ class RegistryCollector(Collector):
         alarm = GaugeMetricFamily(
             "prism_brain_node_alarm", "1 while a dimension is over its alarm", labels=["node", "dimension"]
         )
+        stall = GaugeMetricFamily(
+            "prism_brain_node_stall_seconds",
+            "Network stall a request can expect, from retransmits, as published to routers (0: none)",
+            labels=["node"],
+        )
         nodes = list(self._registry.nodes.items())
         for node_id, state in nodes:
             health.add_metric([node_id], state.health.score)
+            stall.add_metric([node_id], (state.published_stall_ms or 0.0) / 1000)
             for (slice_, gpu), value in state.weights.items():
                 weight.add_metric([node_id, slice_.value, "" if gpu is None else str(gpu)], value)
             for name in state.health.alarms:
                 alarm.add_metric([node_id, name], 1.0)
-        yield from (health, weight, alarm)
+        yield from (health, weight, stall, alarm)
         yield from node_families(
             "prism_brain_node_", ["node"], (([node_id], state.vector.metrics) for node_id, state in nodes)
         )

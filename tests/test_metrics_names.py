@@ -151,6 +151,7 @@ def test_the_brains_metrics_follow_the_conventions(services: Services) -> None:
     assert names["prism_brain_predictor_trained_steps"].type == "counter", "it only grows"
     assert names["prism_brain_table_entries_clamped"].type == "counter", "it only grows"
     assert {"prism_brain_guardian_state", "prism_brain_guardian_transitions"} <= set(names)
+    assert value(families, "prism_brain_node_stall_seconds", node=NODE) == 0.0  # loopback loses nothing
 
 
 def test_the_brains_metrics_answer_beyond_loopback_by_default(services: Services) -> None:
