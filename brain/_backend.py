@@ -48,6 +48,7 @@ class Backend:
                     "weights": weights.get(node_id, {}),
                     "predicted_p99_ms": max(predicted, default=None),
                     "observed_p99_ms": max(observed, default=None),
+                    "stall_ms": state.published_stall_ms,
                     "age_s": now - state.last_seen,
                 }
             )

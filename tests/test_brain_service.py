@@ -151,3 +151,10 @@ def test_admin_drain_experiments_and_cli(ctx: zmq.Context, tmp_path: Path, capsy
         feeder.join()
         running.end()
     assert json.loads((tmp_path / "experiments.json").read_text()), "experiments persist in the state dir"
+
+
+def test_top_shows_each_nodes_published_stall() -> None:
+    status = {"nodes": [{"node_id": "lossy", "health": 0.9, "stall_ms": 40.0}, {"node_id": "sound", "health": 1.0}]}
+    header, lossy, sound = render(status).splitlines()[2:]
+    column = header.index("STALL")
+    assert lossy[column : column + 5].strip() == "40" and sound[column : column + 5].strip() == "-"
