@@ -197,7 +197,8 @@ def render(status: dict[str, Any]) -> str:
             f"{name:<24} {node.get('zone', ''):<8} {_fmt(node.get('health')):>6} "
             + " ".join(f"{_fmt(weights.get(s)):>5}" for s in SLICES)
             + f" {_fmt(node.get('predicted_p99_ms'), '.0f'):>9} {_fmt(node.get('observed_p99_ms'), '.0f'):>9}"
-            + f" {_fmt(node.get('stall_ms'), '.0f'):>6} {_fmt(node.get('age_s'), '.1f'):>6}  {','.join(node.get('alarms', [])) or '-'}"
+            + f" {_fmt(node.get('stall_ms'), '.0f'):>6} {_fmt(node.get('age_s'), '.1f'):>6}"
+            + f"  {','.join(node.get('alarms', [])) or '-'}"
         )
     return "\n".join(lines)
 
