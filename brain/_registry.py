@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prismlb.semantics import Health, Slice, health
-from prismlb.wire import MAX_MS, FutureSampleError, NodeMetrics, NodeVector
+from prismlb.wire import FutureSampleError, NodeMetrics, NodeVector
 
 _log = logging.getLogger("prism.brain")
 
@@ -25,6 +25,9 @@ RTO_MIN_MS = 200.0
 """Linux's minimum TCP retransmission timeout (`TCP_RTO_MIN`): what one lost segment of a request costs at the
 least when nothing follows it in flight to trigger a fast retransmit, as with a request's or a first token's
 last segments."""
+MAX_RETRANSMITS_PER_REQUEST = 10.0
+"""A window's retransmits per request are capped here (2 s of stall): more says that its requests are too few to
+divide by, or that the link is down, which the node's failing requests tell the routers sooner."""
 
 
 def quality(h: Health) -> float:
@@ -41,7 +44,7 @@ def stall_ms(metrics: NodeMetrics) -> float | None:
     retransmits, requests = metrics.tcp_retransmits_per_s, metrics.requests_per_s
     if retransmits is None or not requests:
         return None
-    return min(retransmits / requests * RTO_MIN_MS, MAX_MS)
+    return min(retransmits / requests, MAX_RETRANSMITS_PER_REQUEST) * RTO_MIN_MS
 
 
 EntryKey = tuple[Slice, int | None]

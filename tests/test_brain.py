@@ -92,6 +92,8 @@ def test_quality_is_smoothed_over_vectors() -> None:
 def test_stall_is_retransmits_per_request_times_the_minimum_timeout() -> None:
     assert stall_ms(NodeMetrics(tcp_retransmits_per_s=3.0, requests_per_s=10.0)) == pytest.approx(0.3 * RTO_MIN_MS)
     assert stall_ms(NodeMetrics(tcp_retransmits_per_s=0.0, requests_per_s=10.0)) == 0.0
+    # a window with a request or two and a burst of retransmits counts ten a request at most
+    assert stall_ms(NodeMetrics(tcp_retransmits_per_s=500.0, requests_per_s=0.1)) == 10 * RTO_MIN_MS
     # without the tracer's rate, or without requests, nothing says what a request meets
     assert stall_ms(NodeMetrics(requests_per_s=10.0)) is None
     assert stall_ms(NodeMetrics(tcp_retransmits_per_s=3.0, requests_per_s=0.0)) is None
