@@ -28,7 +28,7 @@ from prismlb.agent import ConnectionTracer
 from prismlb.agent._network import NetworkWindow
 from prismlb.brain import Brain, BrainConfig
 from prismlb.semantics import Slice
-from prismlb.wire import MAX_VECTOR_BYTES, NodeVector, RoutingTable, decode
+from prismlb.wire import MAX_VECTOR_BYTES, NodeVector, RoutingTable, TableNode, decode
 
 from ._netns import Namespace, host_veth, veth_pair, wait_listening
 from .conftest import require_ebpf
@@ -48,28 +48,54 @@ RECOVERY_VECTORS = 6  # at most: the recovery ends as soon as node a's weight ha
 MIN_RECOVERY_VECTORS = 3  # the first while timers armed in the drop fire, then at least two settled
 
 _SERVER = """
-import http.server, sys
+import http.server, sys, threading, time
 
 BODY = b"x" * int(sys.argv[2])
+SERVED = [0, 0.0]  # requests answered, their seconds in all
+LOCK = threading.Lock()
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as between a router and an engine
 
     def do_GET(self):
+        start = time.monotonic()
         self.send_response(200)
         self.send_header("Content-Length", str(len(BODY)))
         self.end_headers()
         self.wfile.write(BODY)
+        with LOCK:
+            SERVED[0] += 1
+            SERVED[1] += time.monotonic() - start
 
     def log_message(self, *args):
         pass
 
 
+class Metrics(Handler):
+    def do_GET(self):
+        with LOCK:
+            count, seconds = SERVED
+        name = "vllm:e2e_request_latency_seconds"
+        text = (
+            f"# TYPE {name} histogram\\n{name}_bucket{{le=\\"1.0\\"}} {count}\\n"
+            f"{name}_bucket{{le=\\"+Inf\\"}} {count}\\n{name}_count {count}\\n{name}_sum {seconds}\\n"
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        self.wfile.write(text)
+
+
+metrics = http.server.ThreadingHTTPServer((sys.argv[1], int(sys.argv[3]) + 1), Metrics)
+threading.Thread(target=metrics.serve_forever, daemon=True).start()
 http.server.ThreadingHTTPServer((sys.argv[1], int(sys.argv[3])), Handler).serve_forever()
 """
 """The standard library only, so the server is up in its namespace at once: with the project's helpers imported
-there (prometheus_client, zmq, msgspec), a fresh clone's loaded suite once missed the 10 s start-up limit."""
+there (prometheus_client, zmq, msgspec), a fresh clone's loaded suite once missed the 10 s start-up limit. Beside
+its port, on the next one, it counts the requests it answered as vLLM's end-to-end histogram does, which the
+agent scrapes for the node's request rate (a second port, as on a real host where the agent scrapes its engine
+locally: no link loss reaches it, and the tracer counts only the served port)."""
 
 # What reaches the node's server port: the requests and the peers' ACKs, lost as on a bad link. (A drop on the
 # node's own output would not do: its TCP sees that as a local transmit failure and sends the data again as
@@ -147,13 +173,22 @@ class _Sample:
     alarms: list[str]
     health: float | None
     weights: dict[str, float]
+    stalls: dict[str, float]
+    """The network stall the table gives each node, ms (absent: none)."""
+    stall_ms: float | None
+    """The brain's average of the node's stall, which it publishes in steps."""
+
+
+def _llm(table: RoutingTable | None) -> list[TableNode]:
+    return [] if table is None else next(s for s in table.slices if s.name == Slice.LLM.value).nodes
 
 
 def _weights(table: RoutingTable | None) -> dict[str, float]:
-    if table is None:
-        return {}
-    llm = next(s for s in table.slices if s.name == Slice.LLM.value)
-    return {node.node_id: node.weight for node in llm.nodes}
+    return {node.node_id: node.weight for node in _llm(table)}
+
+
+def _stalls(table: RoutingTable | None) -> dict[str, float]:
+    return {node.node_id: node.stall_ms for node in _llm(table) if node.stall_ms is not None}
 
 
 class _BrainFeed:
@@ -193,6 +228,8 @@ class _BrainFeed:
                 list(judged.alarms),
                 judged.score if judged.dimensions else None,
                 _weights(self.table),
+                _stalls(self.table),
+                self.brain.registry.nodes[vector.node_id].stall_ms,
             )
             self.samples.append(sample)
             if vector.node_id == node and vector.sample_time_unix_s - vector.period_s >= after_unix_s:
@@ -204,7 +241,10 @@ def _print(phase: str, samples: list[_Sample]) -> None:
     for s in samples:
         retransmits = "-" if s.retransmits_per_conn is None else f"{s.retransmits_per_conn:.2f}"
         weights = " ".join(f"{n}={w:.2f}" for n, w in sorted(s.weights.items()))
-        print(f"{phase:9} {s.node} retransmits/conn {retransmits:>6} health {s.health:.2f} {weights} {s.alarms}")
+        stall = "-" if s.stall_ms is None else f"{s.stall_ms:.1f}"
+        published = " ".join(f"{n}={ms:.0f}" for n, ms in sorted(s.stalls.items())) or "-"
+        print(f"{phase:9} {s.node} retransmits/conn {retransmits:>6} stall ms {stall:>5} health {s.health:.2f}", end="")
+        print(f" {weights} published stall ms {published} {s.alarms}")
 
 
 def _agent(node: _Node, brain: str, log: Path) -> subprocess.Popen[bytes]:
@@ -214,6 +254,7 @@ def _agent(node: _Node, brain: str, log: Path) -> subprocess.Popen[bytes]:
         "agent", "--node-id", node.name, "--host", node.name, "--endpoint", f"http://{node.ns.address}:{PORT}",
         "--brain", brain, "--period", str(PERIOD_S), "--otlp-grpc-port", "0", "--otlp-http-port", "0",
         "--trace-port", str(PORT), "--trace-pid", str(node.pid),
+        "--engine-url", f"http://{node.ns.address}:{PORT + 1}/metrics",
     ]  # fmt: skip
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, "-m", "prismlb.cli", *argv], stdout=out, stderr=subprocess.STDOUT)
@@ -221,9 +262,10 @@ def _agent(node: _Node, brain: str, log: Path) -> subprocess.Popen[bytes]:
 
 def test_lossy_node_loses_weight_and_wins_it_back(ctx: zmq.Context, tmp_path: Path) -> None:
     """nftables drops 30% of what reaches node a's server port: its retransmits per connection pass the alarm and
-    within two periods (2 s each) the brain weighs it below node b, then lower still; when the rule goes, its
-    retransmits return to about 0, its alarm clears and its weight climbs again (the brain averages quality over
-    15 s, so the way back to 1.0 takes longer than this test)."""
+    within two periods (2 s each) the brain weighs it below node b, then lower still, and publishes a network stall
+    for it (its retransmits per request, the request rate scraped from its server, times 200 ms), never for b; when
+    the rule goes, its retransmits return to about 0, its alarm clears and its weight climbs again (the brain
+    averages quality and stall over 15 s, so the way back takes longer than this test)."""
     _require_tools()
     pull = ctx.socket(zmq.PULL)
     pull.linger = 0
@@ -271,6 +313,11 @@ def test_lossy_node_loses_weight_and_wins_it_back(ctx: zmq.Context, tmp_path: Pa
         assert within_two.weights[lossy.name] < within_two.weights[sound.name], within_two
         lowest = min(s.weights[lossy.name] for s in feed.samples if lossy.name in s.weights)
         assert lowest <= 0.8, dropped
+        # the stall: about 0.15 retransmits a request here (30 ms), averaged over 15 s, published from 7.5 ms
+        assert all(not s.stalls for s in baseline), baseline
+        assert max(s.stall_ms or 0.0 for s in dropped) > 5.0, dropped
+        assert any(s.stalls.get(lossy.name, 0.0) >= 10.0 for s in dropped + recovered), dropped + recovered
+        assert all(sound.name not in s.stalls for s in feed.samples), feed.samples
 
         settled = recovered[1:]  # a's retransmission timers armed during the drop have fired
         assert all(s.retransmits_per_conn is not None and s.retransmits_per_conn < 0.1 for s in settled), settled
