@@ -70,9 +70,9 @@ class NodeState:
         if self.stall_ms is None:
             self.stall_ms = stall_ms(self.vector.metrics)
 
-    def smooth(self, period_s: float) -> None:
-        """Move the averages towards the current vector's quality and stall over one period of `period_s`."""
-        keep = math.exp(-period_s / QUALITY_SMOOTHING_S)
+    def smooth(self) -> None:
+        """Move the averages towards the current vector's quality and stall over one of its periods."""
+        keep = math.exp(-self.vector.period_s / QUALITY_SMOOTHING_S)
         self.quality = keep * self.quality + (1 - keep) * quality(self.health)
         stall = stall_ms(self.vector.metrics)
         if stall is not None:
@@ -109,7 +109,7 @@ class Registry:
             return False
         previous_alarms = state.health.alarms
         state.vector, state.last_seen, state.health = vector, now, h
-        state.smooth(vector.period_s)
+        state.smooth()
         if h.alarms != previous_alarms:
             _log.info("node %s alarms: %s", vector.node_id, ", ".join(h.alarms) or "none")
         return True

@@ -83,14 +83,18 @@ class NodeMaxPredictionBrain(Brain):
         return {ENGINE_LATENCY_KEY: max(values, default=None)}
 
 
+def _every_entry(tables: Mapping[Slice, list[TableNode]], **changes: object) -> dict[Slice, list[TableNode]]:
+    """The brain's entries with `changes` made to every one: how a variant switches off a field it publishes."""
+    return {
+        slice_: [msgspec.structs.replace(entry, **changes) for entry in entries] for slice_, entries in tables.items()
+    }
+
+
 class FlatWeightsBrain(Brain):
     """The brain publishing weight 1.0 for every table entry (membership, loads and predictions unchanged)."""
 
     def _weights(self, states: dict[str, NodeState]) -> dict[Slice, list[TableNode]]:
-        return {
-            slice_: [msgspec.structs.replace(entry, weight=1.0) for entry in entries]
-            for slice_, entries in super()._weights(states).items()
-        }
+        return _every_entry(super()._weights(states), weight=1.0)
 
 
 class NoHealthBrain(Brain):
@@ -113,10 +117,7 @@ class NoStallBrain(Brain):
     retransmits to delay a request (health, weights and everything else unchanged)."""
 
     def _weights(self, states: dict[str, NodeState]) -> dict[Slice, list[TableNode]]:
-        return {
-            slice_: [msgspec.structs.replace(entry, stall_ms=None) for entry in entries]
-            for slice_, entries in super()._weights(states).items()
-        }
+        return _every_entry(super()._weights(states), stall_ms=None)
 
 
 def flat_weights(block_tokens: int) -> Policy:
