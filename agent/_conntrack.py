@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -376,9 +376,14 @@ class ConnectionTracer:
                 callback(connection)
         return len(batch)
 
-    def live_entries(self) -> int:
-        """Connections the kernel tracks now (entries in the `conns` map)."""
-        return len(self._conns)
+    def live_entries(self, ports: Collection[int] | None = None) -> int:
+        """Connections the kernel tracks now (entries in the `conns` map). With `ports`, only those whose local or
+        remote port is one of them, or that are still connecting (a client's ports are known from ESTABLISHED on):
+        a leak check's view of its own connections on a host where other processes keep theirs open."""
+        if ports is None:
+            return len(self._conns)
+        wanted = set(ports)
+        return sum(1 for state in self._conns.values() if state.lport == 0 or {state.lport, state.rport} & wanted)
 
     def stats(self, sock_id: int, local_port: int, remote_port: int) -> tuple[int, int, int] | None:
         """(bytes sent, bytes received, retransmits) of a live connection now; None once it is closed, or when
