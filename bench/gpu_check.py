@@ -250,13 +250,15 @@ def pcie_check() -> None:
         for value in pynvml.nvmlDeviceGetFieldValues(handle, _PCIE_FIELDS):
             if value.nvmlReturn != pynvml.NVML_SUCCESS:
                 raise pynvml.NVMLError(value.nvmlReturn)
+            if value.valueType not in _COUNTER_BITS:
+                raise ValueError(f"value type {value.valueType} is no counter")
             member, width = _COUNTER_BITS[value.valueType]
             out.append((int(getattr(value.value, member)), value.timestamp, width))
         return out
 
     try:
         previous = counters()
-    except pynvml.NVMLError as exc:
+    except (pynvml.NVMLError, ValueError) as exc:
         print(f"\nPCIe counters unreadable ({exc}): throughput calls only")
         previous = []
     traffic = Traffic(3.5)
