@@ -8,7 +8,8 @@ alone on an idle node of the quickest GPU class for it, with every block of ever
 infinite cache would hold it. Queues, decode interference and evictions only add to a request's TTFT, so no
 policy's p99 is under the floor, and a target under it cannot be met by any router. The best baseline's and
 Prism's p99 come from the last full run's tables (`--results`, written by `prism eval`); the floors are computed
-here, for every shared trace and every workload family preset at seeds 1 and 2, as that run replays them.
+here, for every shared trace (Mooncake and mm at seeds 1 and 2) and every workload family preset at seeds 1
+and 2, as that run replays them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import argparse
 import re
 from pathlib import Path
 
-from prismlb.sim._eval import EVAL_FAMILIES, _p99_floor_ms, _workload
+from prismlb.sim._eval import EVAL_FAMILIES, SECOND_SEEDS, _p99_floor_ms, _workload
 from prismlb.sim._workload import WORKLOADS
 
 LEVELS = ("50%", "80%", "95%")
@@ -43,7 +44,7 @@ def main() -> None:
         f"{'workload':14} {'level':>5} {'floor ms':>9} {'best ms':>9} {'target ms':>9} {'reachable':>9} {'Prism ms':>9}"
     )
     unreachable = cells = 0
-    for spec in [*WORKLOADS, *EVAL_FAMILIES]:
+    for spec in [*WORKLOADS, *SECOND_SEEDS, *EVAL_FAMILIES]:
         workload, _ = _workload(spec, 1, None)
         floor = _p99_floor_ms(spec, 1, None)
         text = (args.results / f"{workload.name}.md").read_text()

@@ -1,13 +1,14 @@
 """`prism eval`: every policy on every workload at named utilisation levels and with a node killed, each
 policy's goodput at the TTFT SLO, and the goodput of Prism's ablations, in one run.
 
-A plain `prism eval` replays the shared traces and every workload family preset at two seeds
-(`EVAL_FAMILIES`); `--goodput`, `--ablations` and the `--no-*` options narrow it. Clusters (docs/sim.md): text
-traces run on eight A100-class nodes (the design's LLM pool); the multimodal workloads run on the design's
-pools sized to the mix's prefill work (images about 68%, audio and video about 32%): three H100s (NVLink,
-HBM3: the image pool) and five L40S (AV1, CUDA Graphs: the audio/video pool). Load is scaled so the offered
-prefill work (prompt tokens without any cache reuse, plus media encoders) is the named share of the cluster's
-prefill capacity. The kill runs take the 80% load and kill one node half-way through the workload.
+A plain `prism eval` replays the shared traces (those a seed changes at two seeds, `SECOND_SEEDS`) and every
+workload family preset at two seeds (`EVAL_FAMILIES`); `--goodput`, `--ablations` and the `--no-*` options
+narrow it. Clusters (docs/sim.md): text traces run on eight A100-class nodes (the design's LLM pool); the
+multimodal workloads run on the design's pools sized to the mix's prefill work (images about 68%, audio and
+video about 32%): three H100s (NVLink, HBM3: the image pool) and five L40S (AV1, CUDA Graphs: the audio/video
+pool). Load is scaled so the offered prefill work (prompt tokens without any cache reuse, plus media encoders)
+is the named share of the cluster's prefill capacity. The kill runs take the 80% load and kill one node half-way
+through the workload.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ PRISM = "prism"
 KILL_LEVEL = 0.8
 EVAL_FAMILIES = tuple(f"{name}:{seed}" for name in PRESETS for seed in (1, 2))
 """The workload families a plain `prism eval` adds to the shared traces: every preset, two seeds each."""
+SECOND_SEEDS = ("mooncake:2", "mm:2")
+"""The shared traces a plain `prism eval` replays again at seed 2: those a seed changes (Mooncake's arrivals
+within the 3 s its timestamps round to, the multimodal sample). Azure's timestamps are exact, so a second seed
+would replay them as the first does."""
 SEARCH_LIMIT = 2000
 """Requests per workload in the goodput search unless `--limit` says otherwise: a search replays each workload
 seven to ten times per policy."""
@@ -117,12 +122,28 @@ class Case:
 
 @lru_cache(maxsize=32)
 def _workload(trace: str | Path, seed: int, limit: int | None) -> tuple[Workload, float]:
-    """A shared trace by name, a workload family by `NAME[:seed]` (`--workload`, its own seed), or a file."""
+    """A shared trace by `NAME[:seed]` (named `NAME-seed` with a seed of its own, else at `seed`), a workload
+    family by `NAME[:seed]` (`--workload`, its own seed), or a file."""
     if isinstance(trace, Path):
-        workload = load_trace(trace, limit=limit)
+        workload = load_trace(trace, limit=limit, seed=seed)
+    elif (shared := _shared(trace)) is not None:
+        name, own = shared
+        workload = load(name, seed=seed if own is None else own, limit=limit)
+        workload = workload if own is None else dataclasses.replace(workload, name=f"{name}-{own}")
     else:
-        workload = load(trace, seed=seed, limit=limit) if trace in WORKLOADS else family_workload(trace, limit)
+        workload = family_workload(trace, limit)
     return workload, infinite_cache_hit_rate(workload)
+
+
+def _shared(spec: str) -> tuple[str, int | None] | None:
+    """(trace, its own seed or None) for a shared trace's `NAME[:seed]`; None for any other name."""
+    name, colon, seed = spec.partition(":")
+    if name not in WORKLOADS:
+        return None
+    try:
+        return name, int(seed) if colon else None
+    except ValueError:
+        raise ValueError(f"trace {spec!r}: the seed after ':' must be a whole number") from None
 
 
 def run_case(case: Case) -> RunResult:
@@ -300,8 +321,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--traces",
         default=None,
-        help="comma-separated shared traces (default: all of them, with every workload family preset at seeds "
-        "1 and 2, unless --workload or --trace is given)",
+        help="comma-separated shared traces, NAME[:SEED] (default: all of them at --seed, Mooncake and mm again at "
+        "seed 2, with every workload family preset at seeds 1 and 2, unless --workload or --trace is given)",
     )
     parser.add_argument(
         "--policies",
@@ -309,7 +330,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated policies or ablations of sim/_ablations.py (default: prism and every baseline)",
     )
     parser.add_argument("--levels", type=_levels, default=list(LEVELS.values()), help="e.g. 50%%,80%%,95%%")
-    parser.add_argument("--seed", type=int, default=1, help="seed of the multimodal sample (default 1)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=1,
+        help="seed of the shared traces named without one: the multimodal sample, and Mooncake's arrivals within "
+        "its timestamps' resolution (default 1)",
+    )
     parser.add_argument(
         "--limit",
         type=whole_number_at_least(10, "a replay needs at least 10 requests, not {value}"),
@@ -364,11 +391,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _traces(args: argparse.Namespace) -> list[str | Path]:
     """The workloads to replay: the named shared traces (all by default), then `--workload` families and
-    `--trace` files; with neither of those nor `--traces`, every shared trace and `EVAL_FAMILIES`."""
-    shared = list(WORKLOADS) if args.traces is None else [t.strip() for t in args.traces.split(",") if t.strip()]
-    unknown = sorted(set(shared) - set(WORKLOADS))
+    `--trace` files; with neither of those nor `--traces`, every shared trace, `SECOND_SEEDS` and
+    `EVAL_FAMILIES`."""
+    shared = (
+        [*WORKLOADS, *SECOND_SEEDS] if args.traces is None else [t.strip() for t in args.traces.split(",") if t.strip()]
+    )
+    try:
+        unknown = sorted(t for t in shared if _shared(t) is None)
+    except ValueError as e:
+        raise argparse.ArgumentError(None, str(e)) from None
     if unknown:
-        raise argparse.ArgumentError(None, f"unknown traces {unknown}; known: {', '.join(WORKLOADS)}")
+        raise argparse.ArgumentError(None, f"unknown traces {unknown}; known: {', '.join(WORKLOADS)}[:SEED]")
     if args.traces is None and (args.workload or args.trace):
         shared = []
     families = list(args.workload or ())

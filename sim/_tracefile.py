@@ -15,7 +15,7 @@ from typing import Annotated
 import msgspec
 
 from ._types import SimRequest, Workload
-from ._workload import AUDIO_CLIP_MS, BLOCK_TOKENS, IMAGE_TOKENS_MAX, _ordered, audio_tokens
+from ._workload import AUDIO_CLIP_MS, BLOCK_TOKENS, IMAGE_TOKENS_MAX, _ordered, audio_tokens, spread_over_resolution
 
 MODALITIES = ("text", "image+text", "audio+text", "video+text", "rag+text")
 """The `modality` values a line may carry; each is the request's `X-Modality-Signature`."""
@@ -60,9 +60,10 @@ class _BadLine(Exception):
     """What is wrong with the line being read; `load_trace` adds the file and line number."""
 
 
-def load_trace(path: Path, *, limit: int | None = None) -> Workload:
+def load_trace(path: Path, *, limit: int | None = None, seed: int = 0) -> Workload:
     """The first `limit` requests of the file (all when None), in arrival order: a workload named after the
-    file's stem. Blank lines are skipped; line numbers in errors count every line of the file."""
+    file's stem, each arrival drawn (`seed`) within the resolution of the file's timestamps
+    (`spread_over_resolution`). Blank lines are skipped; line numbers in errors count every line of the file."""
     if limit is not None and limit < 0:
         raise ValueError(f"limit must not be negative, not {limit}")
     requests: list[SimRequest] = []
@@ -82,7 +83,7 @@ def load_trace(path: Path, *, limit: int | None = None) -> Workload:
             requests.append(request)
             lines.append(number)
     source = f"{path}; Mooncake-format JSON lines, hash_ids as blocks"
-    return Workload(path.stem, _ordered(requests), BLOCK_TOKENS, source)
+    return Workload(path.stem, _ordered(spread_over_resolution(requests, seed)), BLOCK_TOKENS, source)
 
 
 def _request(row: _Line) -> SimRequest:

@@ -32,6 +32,10 @@ MM_DEFAULT_COUNT = 6000
 MOONCAKE_TRACE = Path("mooncake") / "conversation_trace.jsonl"
 """Mooncake's conversation trace (FAST'25), under `traces_dir()`; its `hash_ids` cover `BLOCK_TOKENS` each."""
 
+ROUNDED_PER_TIMESTAMP = 2.0
+"""Requests per distinct timestamp from which a recorded trace is taken to round its timestamps
+(`spread_over_resolution`): Mooncake's conversation trace has 10.2, Azure's 1.0."""
+
 MM_START_S = 15 * 3600
 """ServeGen's day starts at 0 s; 15:00 is a steady busy hour (11.5–13 req/s over 17–19 active clients)."""
 MM_AUDIO_SHARE = 0.15
@@ -65,16 +69,20 @@ class _Client:
     dataset: tuple[Mapping[str, _Dist], ...]
 
 
-def mooncake_conversation(limit: int | None = None) -> Workload:
-    """Mooncake's conversation trace (FAST'25) with its 512-token prefix blocks; no session ids.
+def mooncake_conversation(limit: int | None = None, *, seed: int = 0) -> Workload:
+    """Mooncake's conversation trace (FAST'25) with its 512-token prefix blocks; no session ids. Its timestamps
+    lie on a 3-second grid, so `seed` draws where in its 3 s each arrival stands (`spread_over_resolution`).
 
     It goes through the loader of `prism eval --trace` files, so the format those files follow is the one this
     trace is read by."""
     from ._tracefile import load_trace  # imported here: the loader builds on this module's constants and rules
 
     path = traces_dir() / MOONCAKE_TRACE
-    source = f"kvcache-ai/Mooncake FAST25-release/traces/{path.name}; hash_ids as blocks, no session ids"
-    return replace(load_trace(path, limit=limit), name="mooncake", source=source)
+    source = (
+        f"kvcache-ai/Mooncake FAST25-release/traces/{path.name}; hash_ids as blocks, no session ids; "
+        f"arrivals spread over the timestamps' resolution, seed {seed}"
+    )
+    return replace(load_trace(path, limit=limit, seed=seed), name="mooncake", source=source)
 
 
 def mooncake_tokens(hash_ids: Sequence[int], length: int) -> list[int]:
@@ -84,8 +92,9 @@ def mooncake_tokens(hash_ids: Sequence[int], length: int) -> list[int]:
     return [hash_ids[t // BLOCK_TOKENS] * BLOCK_TOKENS + t % BLOCK_TOKENS for t in range(length)]
 
 
-def azure(kind: Literal["code", "conv"], limit: int | None = None) -> Workload:
-    """Azure LLM inference trace (Splitwise, ISCA'24), code or conv; each request gets prefix blocks of its own."""
+def azure(kind: Literal["code", "conv"], limit: int | None = None, *, seed: int = 0) -> Workload:
+    """Azure LLM inference trace (Splitwise, ISCA'24), code or conv; each request gets prefix blocks of its own.
+    Its timestamps are to the microsecond, one request each, and are kept (`spread_over_resolution`)."""
     if kind not in ("code", "conv"):
         raise ValueError(f"Azure trace kind must be 'code' or 'conv', not {kind!r}")
     path = traces_dir() / "azure" / f"AzureLLMInferenceTrace_{kind}.csv"
@@ -98,7 +107,7 @@ def azure(kind: Literal["code", "conv"], limit: int | None = None) -> Workload:
         for t, n, r, blocks in zip(times, inputs, rows, _unique_blocks(inputs), strict=True)
     ]
     source = f"Azure/AzurePublicDataset data/{path.name}; no prefix information: unique blocks per request"
-    return Workload(f"azure-{kind}", _ordered(requests), BLOCK_TOKENS, source)
+    return Workload(f"azure-{kind}", _ordered(spread_over_resolution(requests, seed)), BLOCK_TOKENS, source)
 
 
 def servegen_mm(seed: int, count: int = MM_DEFAULT_COUNT, *, start_s: float = MM_START_S) -> Workload:
@@ -117,11 +126,12 @@ def servegen_mm(seed: int, count: int = MM_DEFAULT_COUNT, *, start_s: float = MM
 
 
 def load(name: str, *, seed: int, limit: int | None) -> Workload:
-    """A workload by name (`WORKLOADS`); `seed` matters for `mm` only, where `limit` is the count."""
+    """A workload by name (`WORKLOADS`): `seed` draws the multimodal sample, and where in their timestamps'
+    resolution the recorded traces' arrivals stand; for `mm`, `limit` is the count."""
     if name == "mooncake":
-        return mooncake_conversation(limit)
+        return mooncake_conversation(limit, seed=seed)
     if name in ("azure-code", "azure-conv"):
-        return azure("code" if name == "azure-code" else "conv", limit)
+        return azure("code" if name == "azure-code" else "conv", limit, seed=seed)
     if name == "mm":
         return servegen_mm(seed, MM_DEFAULT_COUNT if limit is None else limit)
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
@@ -175,6 +185,33 @@ def _ordered(requests: list[SimRequest]) -> list[SimRequest]:
     ranked = sorted(requests, key=lambda r: r.arrival_s)
     t0 = ranked[0].arrival_s if ranked else 0.0
     return [replace(r, id=i, arrival_s=r.arrival_s - t0) for i, r in enumerate(ranked)]
+
+
+def spread_over_resolution(requests: Sequence[SimRequest], seed: int) -> list[SimRequest]:
+    """A recorded trace's arrivals placed within the resolution of its timestamps, in the trace's order.
+
+    A trace that rounds its timestamps records every request of a span at one instant: Mooncake's conversation
+    trace puts its 12,031 arrivals on 1,180 times 2,997-3,003 ms apart, ten to a time on average and up to 28.
+    Replayed as written, each time is a burst within one microsecond that no gateway saw: one central router
+    still places it one request after the other, while routers that learn of each other's placements through
+    a brain a few milliseconds later place it blind of each other. The resolution is the smallest gap between
+    two distinct timestamps; each request arrives at a uniform draw (`seed`) within one resolution after its
+    timestamp, the draws of a shared timestamp sorted so the trace's order stands (a conversation's next turn
+    still comes after the one before). Only a trace that records at least `ROUNDED_PER_TIMESTAMP` requests per
+    distinct timestamp is taken as rounded; any other (Azure's, to the microsecond; a file with one deliberate
+    burst) keeps its timestamps as they are."""
+    ranked = sorted(requests, key=lambda r: r.arrival_s)  # stable: the file's order within a timestamp
+    times = sorted({r.arrival_s for r in ranked})
+    if len(times) < 2 or len(ranked) < ROUNDED_PER_TIMESTAMP * len(times):
+        return ranked
+    resolution = min(b - a for a, b in itertools.pairwise(times))
+    rng = np.random.default_rng(seed)
+    out: list[SimRequest] = []
+    for at, tied in itertools.groupby(ranked, key=lambda r: r.arrival_s):
+        same = list(tied)
+        offsets = np.sort(rng.random(len(same))) * resolution
+        out += [replace(r, arrival_s=at + float(offset)) for r, offset in zip(same, offsets, strict=True)]
+    return out
 
 
 def _unique_blocks(token_counts: Iterable[int]) -> list[tuple[int, ...]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from prismlb.cli import main
-from prismlb.sim._eval import MM_CLUSTER, TEXT_CLUSTER, Case, _traces, capacity, cases, run_case
+from prismlb.sim._eval import MM_CLUSTER, TEXT_CLUSTER, Case, _traces, _workload, capacity, cases, run_case
 from prismlb.sim._families import PRESETS
 from prismlb.sim._workload import WORKLOADS
 
@@ -77,12 +77,27 @@ def test_quick_runs_the_shared_traces_and_the_quick_families_at_the_kill_level_w
 def test_a_plain_eval_replays_the_shared_traces_and_every_family_preset_at_two_seeds() -> None:
     args = argparse.Namespace(traces=None, workload=None, trace=None, seed=1, limit=20)
     traces = _traces(args)
-    assert traces[: len(WORKLOADS)] == list(WORKLOADS)
-    assert traces[len(WORKLOADS) :] == [f"{name}:{seed}" for name in PRESETS for seed in (1, 2)]
+    assert traces[: len(WORKLOADS) + 2] == [*WORKLOADS, "mooncake:2", "mm:2"]
+    assert traces[len(WORKLOADS) + 2 :] == [f"{name}:{seed}" for name in PRESETS for seed in (1, 2)]
     args.workload = ["rag:3"]
     assert _traces(args) == ["rag:3"], "a named family replaces the default set"
     args.traces = "mm"
     assert _traces(args) == ["mm", "rag:3"]
+
+
+def test_a_shared_trace_at_a_seed_of_its_own_is_a_workload_of_its_own() -> None:
+    first, _ = _workload("mooncake", 1, 200)
+    second, _ = _workload("mooncake:2", 1, 200)
+    assert (first.name, second.name) == ("mooncake", "mooncake-2")
+    assert [r.blocks for r in first.requests] == [r.blocks for r in second.requests]
+    assert [r.arrival_s for r in first.requests] != [r.arrival_s for r in second.requests]
+    assert _workload("mooncake:1", 2, 200)[0].requests == first.requests  # its own seed over --seed
+    args = argparse.Namespace(traces="mooncake:x", workload=None, trace=None, seed=1, limit=20)
+    with pytest.raises(argparse.ArgumentError, match="the seed after ':' must be a whole number"):
+        _traces(args)
+    args.traces = "mooncake:2,nope:2"
+    with pytest.raises(argparse.ArgumentError, match=r"unknown traces \['nope:2'\]"):
+        _traces(args)
 
 
 def test_a_cut_that_leaves_one_instant_is_refused_before_any_run() -> None:

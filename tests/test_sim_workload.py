@@ -26,7 +26,14 @@ from prismlb.sim import (
     servegen_mm,
     traces_dir,
 )
-from prismlb.sim._workload import AUDIO_TOKENS_PER_CLIP, IMAGE_TOKENS_MAX, MM_AUDIO_SHARE, MM_VIDEO_SHARE, VIDEO_FRAMES
+from prismlb.sim._workload import (
+    AUDIO_TOKENS_PER_CLIP,
+    IMAGE_TOKENS_MAX,
+    MM_AUDIO_SHARE,
+    MM_VIDEO_SHARE,
+    VIDEO_FRAMES,
+    spread_over_resolution,
+)
 
 pytestmark = pytest.mark.skipif(
     not (traces_dir() / MOONCAKE_TRACE).exists(), reason=f"traces not found in {traces_dir()}"
@@ -57,7 +64,7 @@ def test_trace_rows_span_and_means_match_the_readme(workloads: dict[str, Workloa
     rows, span_s, mean_in, mean_out = README[name]
     requests = workloads[name].requests
     assert len(requests) == rows
-    assert requests[-1].arrival_s == pytest.approx(span_s, abs=1.0)
+    assert requests[-1].arrival_s == pytest.approx(span_s, abs=4.0)  # Mooncake's last arrival, within its 3 s
     assert statistics.mean(r.input_tokens for r in requests) == pytest.approx(mean_in, rel=0.01)
     assert statistics.mean(r.output_tokens for r in requests) == pytest.approx(mean_out, rel=0.01)
 
@@ -81,6 +88,41 @@ def test_mooncake_keeps_hash_ids_and_its_infinite_cache_bound(workloads: dict[st
     assert w.requests[0].blocks[:3] == (0, 1, 2)
     assert all(r.blocks[0] == 0 and r.session is None for r in w.requests)
     assert infinite_cache_hit_rate(w) == pytest.approx(0.374, abs=0.001)  # the traces README's bound
+
+
+def test_mooncake_arrivals_spread_over_the_three_seconds_its_timestamps_round_to() -> None:
+    """The trace records ten requests per timestamp on a 3 s grid; replayed, they arrive one by one within it."""
+    w = mooncake_conversation(limit=2000, seed=1)
+    arrivals = [r.arrival_s for r in w.requests]
+    assert len(set(arrivals)) == len(arrivals)
+    per_second = Counter(int(t) for t in arrivals)
+    assert max(per_second.values()) < 28  # the largest tie of the trace, at one instant before
+    assert len(per_second) > 0.5 * arrivals[-1]  # most seconds see an arrival, not one in three
+    assert [r.arrival_s for r in mooncake_conversation(limit=2000, seed=1).requests] == arrivals
+    assert [r.arrival_s for r in mooncake_conversation(limit=2000, seed=2).requests] != arrivals
+
+
+def _at(*times: float) -> list[SimRequest]:
+    return [request(i, t, 100 + i, (i,)) for i, t in enumerate(times)]
+
+
+def test_a_rounded_trace_spreads_each_timestamp_over_its_resolution_in_the_trace_order() -> None:
+    recorded = _at(6.0, 0.0, 0.0, 0.0, 3.0, 3.0, 6.0, 9.0)  # 8 requests on 4 timestamps of a 3 s grid
+    spread = spread_over_resolution(recorded, seed=3)
+    by_id = {r.id: r for r in spread}
+    for r in recorded:
+        assert r.arrival_s <= by_id[r.id].arrival_s < r.arrival_s + 3.0
+    assert [r.id for r in spread] == [1, 2, 3, 4, 5, 0, 6, 7]  # the file's order within a timestamp
+    assert [r.arrival_s for r in spread] == sorted(r.arrival_s for r in spread)
+    assert spread == spread_over_resolution(recorded, seed=3) != spread_over_resolution(recorded, seed=4)
+
+
+def test_timestamps_without_rounding_stay_as_they_are() -> None:
+    fine = _at(0.0, 0.000002, 0.5, 0.51, 2.0)  # one request per timestamp, as Azure's
+    assert spread_over_resolution(fine, seed=1) == fine
+    burst = _at(0.0, 10.0, 10.0, 10.0, 20.0, 30.0, 40.0)  # one deliberate burst in a sparse file
+    assert [r.arrival_s for r in spread_over_resolution(burst, seed=1)] == [0.0, 10.0, 10.0, 10.0, 20.0, 30.0, 40.0]
+    assert spread_over_resolution(_at(5.0, 5.0, 5.0), seed=1) == _at(5.0, 5.0, 5.0)  # one instant: no resolution
 
 
 def test_mooncake_tokens_derive_each_blocks_tokens_from_its_id() -> None:
