@@ -32,7 +32,6 @@ from __future__ import annotations
 import bisect
 import csv
 import heapq
-import json
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -44,6 +43,7 @@ from prismlb.agent._node import NodeState, to_vector
 from prismlb.semantics import ENGINE_LATENCY_KEY, quantile
 from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector
 
+from ._tracefile import load_trace
 from ._traces import traces_dir
 from ._workload import BLOCK_TOKENS, MOONCAKE_TRACE
 
@@ -106,17 +106,13 @@ def read_azure(path: Path = AZURE_CONV, limit: int | None = None) -> list[TraceR
     return sorted((TraceRequest(t - t0, max(1, i), max(1, o)) for t, i, o in rows), key=lambda r: r.arrival_s)
 
 
-def read_mooncake(path: Path = MOONCAKE_CONVERSATION, limit: int | None = None) -> list[TraceRequest]:
-    """Mooncake trace JSON lines (`timestamp` ms, `input_length`, `output_length`, `hash_ids`)."""
-    requests = []
-    with path.open() as f:
-        for line in f:
-            r = json.loads(line)
-            arrival_s, blocks = r["timestamp"] / 1000.0, tuple(r["hash_ids"])
-            requests.append(TraceRequest(arrival_s, max(1, r["input_length"]), max(1, r["output_length"]), blocks))
-            if limit is not None and len(requests) >= limit:
-                break
-    return sorted(requests, key=lambda r: r.arrival_s)
+def read_mooncake(path: Path = MOONCAKE_CONVERSATION, limit: int | None = None, seed: int = 0) -> list[TraceRequest]:
+    """Mooncake trace JSON lines (`timestamp` ms, `input_length`, `output_length`, `hash_ids`), read by the cluster
+    replay's loader: each arrival drawn (`seed`) within the 3 s its timestamp rounds to (`spread_over_resolution`)."""
+    return [
+        TraceRequest(r.arrival_s, r.input_tokens, r.output_tokens, r.blocks)
+        for r in load_trace(path, limit=limit, seed=seed).requests
+    ]
 
 
 def _cached_prefix(cache: OrderedDict[int, None], blocks: tuple[int, ...], capacity: int) -> int:
