@@ -10,6 +10,7 @@ full Prism is what that part earns.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import msgspec
@@ -120,6 +121,36 @@ class NoStallBrain(Brain):
         return _every_entry(super()._weights(states), stall_ms=None)
 
 
+class ClassRateBrain(Brain):
+    """The brain publishing, as every node's prefill speed, the median measured speed of its GPU class (the `gpu`
+    label): what a router knows from the fleet's inventory, without each node's own measure
+    (`NodeMetrics.prefill_tokens_per_s`), which is how a node running slower than its class (throttled, shared
+    with work no router placed) shows in its expected time to first token.
+
+    The weights are computed on copies of the states whose vectors carry their class's median; the held weights
+    and speeds (hysteresis) go back to the real states."""
+
+    def _weights(self, states: dict[str, NodeState]) -> dict[Slice, list[TableNode]]:
+        by_class: dict[str, list[float]] = {}
+        for state in states.values():
+            rate = state.vector.metrics.prefill_tokens_per_s
+            if rate:
+                by_class.setdefault(state.vector.labels.get("gpu", ""), []).append(rate)
+        typical = {gpu: statistics.median(rates) for gpu, rates in by_class.items()}
+        copies = {}
+        for node_id, state in states.items():
+            metrics = msgspec.structs.replace(
+                state.vector.metrics, prefill_tokens_per_s=typical.get(state.vector.labels.get("gpu", ""))
+            )
+            copies[node_id] = dataclasses.replace(state, vector=msgspec.structs.replace(state.vector, metrics=metrics))
+        try:
+            return super()._weights(copies)
+        finally:
+            for node_id, copy in copies.items():
+                states[node_id].weights = copy.weights
+                states[node_id].prefill_rate = copy.prefill_rate
+
+
 def flat_weights(block_tokens: int) -> Policy:
     """Every published weight 1.0: health, alarms and latency sensitivity no longer shape the ring."""
     return PrismPolicy(block_tokens=block_tokens, brain=FlatWeightsBrain)
@@ -145,6 +176,12 @@ def no_stall(block_tokens: int) -> Policy:
     """No network stall in the expected time to first token (`NoStallBrain`): a node losing segments is seen
     through its health score alone."""
     return PrismPolicy(block_tokens=block_tokens, brain=NoStallBrain)
+
+
+def class_rate(block_tokens: int) -> Policy:
+    """Every node's prefill speed its GPU class's median (`ClassRateBrain`): expected times without the node's own
+    measured speed."""
+    return PrismPolicy(block_tokens=block_tokens, brain=ClassRateBrain)
 
 
 def node_max_prediction(block_tokens: int) -> Policy:
@@ -206,12 +243,22 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
     "no-predictor": no_predictor,
     "no-health": no_health,
     "no-stall": no_stall,
+    "class-rate": class_rate,
     "no-sessions": no_sessions,
     "4-routers": routers_4,
     "4-routers-no-share": routers_4_no_share,
 }
 """Every ablation by name; each builds its policy from the workload's KV block size."""
-GRAY_VARIANTS = ("flat-weights", "no-health", "no-stall", "no-predictor", "ewma", "no-kv-index", "no-kv-index-flat")
+GRAY_VARIANTS = (
+    "flat-weights",
+    "no-health",
+    "no-stall",
+    "class-rate",
+    "no-predictor",
+    "ewma",
+    "no-kv-index",
+    "no-kv-index-flat",
+)
 """The ablations of the signals that exist for nodes going bad, searched again under a gray failure
 (`_eval.gray_failure`): on a sound cluster they have little to find. The last two compare the weights on the
 ring path, where no expected time to first token stands in for them."""

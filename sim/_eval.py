@@ -24,13 +24,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import cast
 
 from prismlb.semantics import quantile
 from prismlb.service import whole_number_at_least
 
 from ._cluster import Degrade, Kill, NodeSpec, Simulation
 from ._families import PRESETS, family_workload
-from ._model import PROFILES
+from ._model import PROFILES, GpuClass
 from ._slo import Goodput, Probe, attainment, format_goodput, pool_classes, search, slo_s, ttft_floors_s
 from ._tracefile import load_trace
 from ._types import Policy, RunResult, Workload
@@ -59,6 +60,8 @@ QUICK_FAMILIES = ("tenants:1", "sessions:1", "agentic:1", "multimodal:1")
 """The workload families `--quick` adds to the shared traces: shared prompts, growing conversations, long
 shared contexts and mixed modalities."""
 
+MAX_CLUSTER_NODES = 256
+"""The most nodes of one class a `--cluster` spec may ask for: a replay's brain and engines run in one process."""
 TEXT_CLUSTER = tuple(NodeSpec(f"a100-{i}", "a100", i % 2) for i in range(8))
 MM_CLUSTER = (
     *(NodeSpec(f"h100-{i}", "h100", i % 2, {"nvlink": "yes"}) for i in range(3)),
@@ -66,10 +69,47 @@ MM_CLUSTER = (
 )
 
 
-def cluster_for(trace: str | Path, workload: Workload | None = None) -> tuple[NodeSpec, ...]:
-    """The multimodal pools for `mm` and for a workload that carries media; the text pool otherwise."""
+def cluster_for(trace: str | Path, workload: Workload | None = None, cluster: str = "") -> tuple[NodeSpec, ...]:
+    """The nodes of a `--cluster` spec when given (`parse_cluster`); else the multimodal pools for `mm` and for a
+    workload that carries media, the text pool otherwise."""
+    if cluster:
+        return parse_cluster(cluster)
     has_media = workload is not None and any(r.media for r in workload.requests)
     return MM_CLUSTER if trace == "mm" or has_media else TEXT_CLUSTER
+
+
+@lru_cache(maxsize=8)
+def parse_cluster(spec: str) -> tuple[NodeSpec, ...]:
+    """The nodes of a cluster spec, `CLASS:COUNT[:LABEL=VALUE[+LABEL=VALUE...]]` comma-separated, e.g.
+    `h100:2:nvlink=yes,a100:4,l40s:2:cuda_graphs=yes`: COUNT nodes of each GPU class of the engine model
+    (`_model.PROFILES`), named `CLASS-i` and alternating between the gateways' two NUMA nodes, each labelled
+    with the labels given as its agent would be (`brain/_slices.py` reads them to form the slices' pools)."""
+    nodes: list[NodeSpec] = []
+    for part in spec.split(","):
+        fields = part.strip().split(":")
+        if len(fields) not in (2, 3) or fields[0] not in PROFILES:
+            raise ValueError(
+                f"cluster part {part.strip()!r}: expected CLASS:COUNT[:LABEL=VALUE[+...]] with CLASS one of "
+                f"{', '.join(PROFILES)}"
+            )
+        gpu = cast(GpuClass, fields[0])
+        try:
+            count = int(fields[1])
+        except ValueError:
+            count = 0
+        if not 1 <= count <= MAX_CLUSTER_NODES:
+            raise ValueError(
+                f"cluster part {part.strip()!r}: COUNT must be a whole number from 1 to {MAX_CLUSTER_NODES}"
+            )
+        labels: dict[str, str] = {}
+        for pair in fields[2].split("+") if len(fields) == 3 else ():
+            key, equals, value = pair.partition("=")
+            if not (equals and key and value):
+                raise ValueError(f"cluster part {part.strip()!r}: label {pair!r} is not LABEL=VALUE")
+            labels[key] = value
+        taken = sum(1 for n in nodes if n.gpu_class == gpu)
+        nodes += [NodeSpec(f"{gpu}-{taken + i}", gpu, (taken + i) % 2, labels or None) for i in range(count)]
+    return tuple(nodes)
 
 
 def capacity(nodes: Sequence[NodeSpec]) -> tuple[float, dict[str, float]]:
@@ -118,6 +158,8 @@ class Case:
     kill: bool = False
     degraded: bool = False
     """With the cluster's `gray_failure`."""
+    cluster: str = ""
+    """A `--cluster` spec (`parse_cluster`); empty: the workload's default cluster (`cluster_for`)."""
 
 
 @lru_cache(maxsize=32)
@@ -153,8 +195,8 @@ def run_case(case: Case) -> RunResult:
 
     torch.set_num_threads(1)
     workload, bound = _workload(case.trace, case.seed, case.limit)
-    nodes = cluster_for(case.trace, workload)
-    floor = _p99_floor_ms(case.trace, case.seed, case.limit)
+    nodes = cluster_for(case.trace, workload, case.cluster)
+    floor = _p99_floor_ms(case.trace, case.seed, case.limit, case.cluster)
     kill = Kill(nodes[len(nodes) // 2 - 1].name) if case.kill else None
     degrade = gray_failure(nodes) if case.degraded else ()
     log = logging.getLogger("prism")
@@ -168,10 +210,10 @@ def run_case(case: Case) -> RunResult:
 
 
 @lru_cache(maxsize=32)
-def _p99_floor_ms(trace: str | Path, seed: int, limit: int | None) -> float:
+def _p99_floor_ms(trace: str | Path, seed: int, limit: int | None, cluster: str = "") -> float:
     """The TTFT p99 no policy can beat on the workload's cluster (`_slo.ttft_floors_s`), in ms."""
     workload, _ = _workload(trace, seed, limit)
-    return 1000 * quantile(list(ttft_floors_s(workload, cluster_for(trace, workload)).values()), 0.99)
+    return 1000 * quantile(list(ttft_floors_s(workload, cluster_for(trace, workload, cluster)).values()), 0.99)
 
 
 def gray_failure(nodes: Sequence[NodeSpec]) -> tuple[Degrade, ...]:
@@ -184,6 +226,15 @@ def gray_failure(nodes: Sequence[NodeSpec]) -> tuple[Degrade, ...]:
         Degrade(nodes[0].name, slowdown=GRAY_SLOWDOWN),
         Degrade(nodes[len(nodes) // 2].name, foreign=GRAY_FOREIGN),
         Degrade(nodes[-1].name, loss=GRAY_LOSS),
+    )
+
+
+def gray_text() -> str:
+    """`gray_failure` in words, for the tables that run under it."""
+    return (
+        f"three nodes in trouble a quarter of the way into every probe (`_eval.gray_failure`): the first "
+        f"{GRAY_SLOWDOWN:g} times slower, the middle one serving callers outside Prism ({GRAY_FOREIGN:.0%} of its "
+        f"prefill capacity), the last losing {GRAY_LOSS:.0%} of the segments sent to it"
     )
 
 
@@ -229,10 +280,11 @@ def cases(
     seed: int,
     limit: int | None,
     kill: bool,
+    cluster: str = "",
 ) -> list[Case]:
-    out = [Case(t, p, u, seed, limit) for t in traces for u in levels for p in policies]
+    out = [Case(t, p, u, seed, limit, cluster=cluster) for t in traces for u in levels for p in policies]
     if kill:
-        out += [Case(t, p, KILL_LEVEL, seed, limit, kill=True) for t in traces for p in policies]
+        out += [Case(t, p, KILL_LEVEL, seed, limit, kill=True, cluster=cluster) for t in traces for p in policies]
     return out
 
 
@@ -255,10 +307,10 @@ def run_all(
     return results
 
 
-def request_rate(trace: str | Path, seed: int, limit: int | None, utilisation: float) -> float:
+def request_rate(trace: str | Path, seed: int, limit: int | None, utilisation: float, cluster: str = "") -> float:
     """Requests per second of the trace scaled to `utilisation` on its cluster, as `run_case` scales it."""
     workload, _ = _workload(trace, seed, limit)
-    scaled = _scaled(workload, cluster_for(trace, workload), utilisation).requests
+    scaled = _scaled(workload, cluster_for(trace, workload, cluster), utilisation).requests
     return len(scaled) / (scaled[-1].arrival_s - scaled[0].arrival_s)
 
 
@@ -272,21 +324,32 @@ def goodput(
     progress: Callable[[RunResult], None] | None = None,
     pool: multiprocessing.pool.Pool | None = None,
     degraded: bool = False,
+    cluster: str = "",
 ) -> list[Goodput]:
     """Each policy's goodput on each trace (`_slo.search`), its probes run as cases through `run_all` (in
-    `pool` when given); `degraded`: with the cluster's `gray_failure`."""
+    `pool` when given); `degraded`: with the cluster's `gray_failure`; `cluster`: on a `--cluster` spec's nodes."""
     if pool is None and jobs > 1:
         with multiprocessing.get_context("spawn").Pool(jobs) as own:
             return goodput(
-                traces, policies, seed=seed, limit=limit, jobs=jobs, progress=progress, pool=own, degraded=degraded
+                traces,
+                policies,
+                seed=seed,
+                limit=limit,
+                jobs=jobs,
+                progress=progress,
+                pool=own,
+                degraded=degraded,
+                cluster=cluster,
             )
 
     def measure(probes: Sequence[Probe]) -> list[float]:
-        todo = [Case(trace, policy, load, seed, limit, degraded=degraded) for trace, policy, load in probes]
+        todo = [
+            Case(trace, policy, load, seed, limit, degraded=degraded, cluster=cluster) for trace, policy, load in probes
+        ]
         out = []
         for case, result in zip(todo, run_all(todo, jobs, progress, pool), strict=True):
             workload, _ = _workload(case.trace, seed, limit)
-            out.append(attainment(workload, result.ttft_s, cluster_for(case.trace, workload)))
+            out.append(attainment(workload, result.ttft_s, cluster_for(case.trace, workload, cluster)))
         return out
 
     pairs = [(t, p) for t in traces for p in policies]
@@ -295,10 +358,21 @@ def goodput(
     for trace, policy in pairs:
         f = found[(trace, policy)]
         workload, _ = _workload(trace, seed, limit)
-        rate = request_rate(trace, seed, limit, f.load) if f.load > 0 else 0.0
-        curve = tuple((request_rate(trace, seed, limit, u), value) for u, value in f.probes)
+        rate = request_rate(trace, seed, limit, f.load, cluster) if f.load > 0 else 0.0
+        curve = tuple((request_rate(trace, seed, limit, u, cluster), value) for u, value in f.probes)
         rows.append(Goodput(workload.name, policy, f.load, rate, f.attainment, f.above, f.above_attainment, curve))
     return rows
+
+
+def _cluster(text: str) -> str:
+    """A `--cluster` spec, checked by parsing it once; empty: the default clusters."""
+    if not text:
+        return text
+    try:
+        parse_cluster(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _levels(text: str) -> list[float]:
@@ -328,6 +402,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--policies",
         default=None,
         help="comma-separated policies or ablations of sim/_ablations.py (default: prism and every baseline)",
+    )
+    parser.add_argument(
+        "--cluster",
+        type=_cluster,
+        default="",
+        help="replay every workload on these nodes instead of the default clusters: CLASS:COUNT[:LABEL=VALUE[+...]] "
+        f"comma-separated, CLASS one of {', '.join(PROFILES)}, labels as the nodes' agents would carry them "
+        "(e.g. h100:2:nvlink=yes,a100:4,l40s:2:cuda_graphs=yes)",
     )
     parser.add_argument("--levels", type=_levels, default=list(LEVELS.values()), help="e.g. 50%%,80%%,95%%")
     parser.add_argument(
@@ -386,6 +468,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-goodput", action="store_true", help="skip the goodput search")
     parser.add_argument("--no-ablations", action="store_true", help="skip the ablations")
+    parser.add_argument(
+        "--no-gray", action="store_true", help="skip the goodput searches under a gray failure (`gray_failure`)"
+    )
     parser.set_defaults(func=_run)
 
 
@@ -456,7 +541,9 @@ def _run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    level_cases = cases(traces, policies, args.levels, seed=args.seed, limit=args.limit, kill=not args.no_kill)
+    level_cases = cases(
+        traces, policies, args.levels, seed=args.seed, limit=args.limit, kill=not args.no_kill, cluster=args.cluster
+    )
     todo = level_cases if levels else []
     searched = [*(policies if search else ()), *((PRISM, *VARIANTS) if ablations else ())]
     searched = list(dict.fromkeys(searched))
@@ -465,22 +552,34 @@ def _run(args: argparse.Namespace) -> int:
         by_case = dict(zip(todo, run_all(todo, args.jobs, progress, pool), strict=True))
         limit = SEARCH_LIMIT if args.limit is None else args.limit
         found = (
-            goodput(traces, searched, seed=args.seed, limit=limit, jobs=args.jobs, progress=progress, pool=pool)
+            goodput(
+                traces,
+                searched,
+                seed=args.seed,
+                limit=limit,
+                jobs=args.jobs,
+                progress=progress,
+                pool=pool,
+                cluster=args.cluster,
+            )
             if searched
             else []
         )
+        degraded = [*(policies if search else ()), *((PRISM, *GRAY_VARIANTS) if ablations else ())]
+        degraded = [] if args.no_gray else list(dict.fromkeys(degraded))
         gray = (
             goodput(
                 traces,
-                [PRISM, *GRAY_VARIANTS],
+                degraded,
                 seed=args.seed,
                 limit=limit,
                 jobs=args.jobs,
                 progress=progress,
                 pool=pool,
                 degraded=True,
+                cluster=args.cluster,
             )
-            if ablations
+            if degraded
             else []
         )
     finally:
@@ -488,26 +587,36 @@ def _run(args: argparse.Namespace) -> int:
             pool.terminate()
     results = [by_case[c] for c in level_cases] if levels else []
     rows = [r for r in found if r.policy in policies] if search else []
+    gray_rows = [r for r in gray if r.policy in policies] if search else []
     ablation = None
     if ablations:
-        ablation = (
-            format_ablations([r for r in found if r.policy in (PRISM, *VARIANTS)])
-            + f"\n\n### Under a gray failure\n\nThe same goodput search with three nodes in trouble a quarter of the "
-            f"way into every probe (`_eval.gray_failure`): the first {GRAY_SLOWDOWN:g} times slower, the middle one "
-            f"serving callers outside Prism ({GRAY_FOREIGN:.0%} of its prefill capacity), the last losing "
-            f"{GRAY_LOSS:.0%} of the segments sent to it; Prism's goodput is its own under the same failure.\n\n"
-            + format_ablations(gray)
-        )
+        ablation = format_ablations([r for r in found if r.policy in (PRISM, *VARIANTS)])
+        if gray:
+            ablation += (
+                f"\n\n### Under a gray failure\n\nThe same goodput search with {gray_text()}; Prism's goodput is its "
+                "own under the same failure.\n\n"
+                + format_ablations([r for r in gray if r.policy in (PRISM, *GRAY_VARIANTS)])
+            )
     print()
     if results:
         print(format_table(results) + "\n")
     if search:
         print(format_goodput(rows) + "\n")
+        if gray_rows:
+            print(f"Goodput under a gray failure, {gray_text()}.\n\n{format_goodput(gray_rows)}\n")
     if ablation is not None:
         print(ablation + "\n")
     if levels and not args.no_report:
         command = " ".join(["prism eval", *_argv_echo(args)])
-        paths = write_report(results, args.out, command=command, goodput=rows, ablations=ablation)
+        paths = write_report(
+            results,
+            args.out,
+            command=command,
+            goodput=rows,
+            gray_goodput=gray_rows,
+            gray=gray_text(),
+            ablations=ablation,
+        )
         print(f"report: {', '.join(str(p) for p in paths if p.suffix == '.md')}")
     searches = f" and {len(found) + len(gray)} goodput searches" if found or gray else ""
     print(f"{len(by_case)} runs{searches} in {time.monotonic() - started:.0f} s")
@@ -535,6 +644,8 @@ def _argv_echo(args: argparse.Namespace) -> list[str]:
         out.append("--levels " + ",".join(f"{v:.0%}" for v in args.levels))
     if args.seed != 1:
         out.append(f"--seed {args.seed}")
+    if args.cluster:
+        out.append(f"--cluster {args.cluster}")
     if args.limit is not None:
         out.append(f"--limit {args.limit}")
     if args.no_kill:
@@ -543,6 +654,8 @@ def _argv_echo(args: argparse.Namespace) -> list[str]:
         out.append("--no-goodput")
     if args.no_ablations:
         out.append("--no-ablations")
+    if args.no_gray:
+        out.append("--no-gray")
     out += [f"--workload {spec}" for spec in args.workload or ()]
     out += [f"--trace {path}" for path in args.trace or ()]
     return out

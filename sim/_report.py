@@ -417,7 +417,13 @@ def _attainment_plot(rows: Sequence[Goodput], colours: Mapping[str, str], path: 
 
 
 def _summary_page(
-    results: Sequence[RunResult], command: str, goodput: Sequence[Goodput], ablations: str | None, plots: Sequence[Path]
+    results: Sequence[RunResult],
+    command: str,
+    goodput: Sequence[Goodput],
+    gray_goodput: Sequence[Goodput],
+    gray: str,
+    ablations: str | None,
+    plots: Sequence[Path],
 ) -> str:
     index = "\n".join(f"- [{t}]({t}.md)" for t in _ordered(r.trace for r in results))
     parts = [f"# Replay summary\n\nCommand:\n\n```\n{command}\n```"]
@@ -430,6 +436,11 @@ def _summary_page(
             f"within the SLO than the best baseline.\n\n{goodput_summary(goodput)}"
         )
         parts.append("\n\n".join(f"![{p.stem}]({p.name})" for p in plots))
+    if gray_goodput:
+        parts.append(
+            f"## Goodput under a gray failure\n\nThe same search with {gray}. Health checks pass on all three; what "
+            f"they cost each policy is what it sees of them.\n\n{goodput_summary(gray_goodput)}"
+        )
     parts.append(
         f"## TTFT p99 at {100 * HEADLINE_UTILISATION:.0f}% utilisation\n\nPrism against the baseline with the "
         f"lowest p99 (ratio below 1: Prism is faster).\n\n{headline(results)}"
@@ -447,11 +458,13 @@ def write_report(
     command: str,
     notes: Mapping[str, str] | None = None,
     goodput: Sequence[Goodput] = (),
+    gray_goodput: Sequence[Goodput] = (),
+    gray: str = "a gray failure",
     ablations: str | None = None,
 ) -> list[Path]:
     """Write `<trace>.md` (with `notes[trace]`) and its PNGs, and `summary.md`, which leads with the goodput
-    table and its plots (`goodput.png`, `attainment.png`) when `goodput` is given, then the 80% headline and
-    the `ablations` table."""
+    table and its plots (`goodput.png`, `attainment.png`) when `goodput` is given, the same table under a gray
+    failure (`gray_goodput`, the failure described by `gray`), then the 80% headline and the `ablations` table."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     for trace in _ordered(r.trace for r in results):
@@ -469,5 +482,7 @@ def write_report(
                 _attainment_plot(goodput, colours, out_dir / "attainment.png"),
             ]
     summary = out_dir / "summary.md"
-    summary.write_text(_summary_page(results, command, goodput, ablations, summary_plots), encoding="utf-8")
+    summary.write_text(
+        _summary_page(results, command, goodput, gray_goodput, gray, ablations, summary_plots), encoding="utf-8"
+    )
     return [*written, *summary_plots, summary]

@@ -12,6 +12,7 @@ from prismlb.router import Settings
 from prismlb.sim._ablations import (
     GRAY_VARIANTS,
     VARIANTS,
+    ClassRateBrain,
     EwmaBrain,
     EwmaPredictor,
     FlatWeightsBrain,
@@ -66,6 +67,7 @@ def test_every_variant_is_listed_with_a_docstring() -> None:
         "no-predictor",
         "no-health",
         "no-stall",
+        "class-rate",
         "no-sessions",
         "4-routers",
         "4-routers-no-share",
@@ -120,6 +122,35 @@ def test_no_stall_publishes_no_stall_and_changes_nothing_else() -> None:
     ablated = table(NoStallBrain(CONFIG), vectors)
     assert all(n.stall_ms is None for s in ablated.slices for n in s.nodes)
     assert weights(ablated) == weights(full)
+
+
+def test_class_rate_brain_publishes_each_class_median_speed_and_keeps_the_nodes_own() -> None:
+    def rated(node_id: str, gpu: str, rate: float | None) -> NodeVector:
+        metrics = NodeMetrics(prefill_tokens_per_s=rate)
+        return node_vector(node_id, 1, zone="z1", labels={"gpu": gpu}, metrics=metrics)
+
+    vectors = [
+        rated("slow", "a100", 2_500.0),  # throttled: a third of its peers' speed
+        rated("a", "a100", 10_000.0),
+        rated("b", "a100", 10_000.0),
+        rated("fresh", "a100", None),
+        rated("h", "h100", 20_000.0),
+    ]
+
+    def speeds(built: RoutingTable) -> dict[str, float | None]:
+        return {n.node_id: n.prefill_tokens_per_s for s in built.slices for n in s.nodes}
+
+    full = table(Brain(CONFIG), vectors)
+    # published in steps of 2^(1/8): within 5% of the measure
+    assert speeds(full)["slow"] == pytest.approx(2_500.0, rel=0.05)
+    assert speeds(full)["a"] == speeds(full)["fresh"] == pytest.approx(10_000.0, rel=0.05)
+    brain = ClassRateBrain(CONFIG)
+    ablated = speeds(table(brain, vectors))
+    assert ablated["slow"] == ablated["a"] == ablated["b"] == ablated["fresh"] == speeds(full)["a"]
+    assert ablated["h"] == speeds(full)["h"] == pytest.approx(20_000.0, rel=0.05)
+    # the held speeds go back to the brain's real states; their vectors stay the nodes' own
+    state = brain.registry.nodes["slow"]
+    assert state.prefill_rate == speeds(full)["a"] and state.vector.metrics.prefill_tokens_per_s == 2_500.0
 
 
 def test_ewma_predictor_follows_the_formula() -> None:
@@ -201,7 +232,10 @@ def test_eval_goodput_takes_ablations_by_name(capsys: pytest.CaptureFixture[str]
     argv = ["eval", "--goodput", "--traces", "mooncake", "--limit", "60", "--policies", "no-kv-index", "--jobs", "1"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "| mooncake | no-kv-index |" in printed and "1 goodput searches" in printed
+    # searched on the sound cluster and under the gray failure
+    assert "| mooncake | no-kv-index |" in printed and "2 goodput searches" in printed
+    assert main([*argv, "--no-gray"]) == 0
+    assert "1 goodput searches" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown policies"):
         main([*argv[:-4], "--policies", "no-such-thing"])
 

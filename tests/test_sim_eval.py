@@ -9,7 +9,18 @@ from pathlib import Path
 import pytest
 
 from prismlb.cli import main
-from prismlb.sim._eval import MM_CLUSTER, TEXT_CLUSTER, Case, _traces, _workload, capacity, cases, run_case
+from prismlb.sim._eval import (
+    MM_CLUSTER,
+    TEXT_CLUSTER,
+    Case,
+    _traces,
+    _workload,
+    capacity,
+    cases,
+    cluster_for,
+    parse_cluster,
+    run_case,
+)
 from prismlb.sim._families import PRESETS
 from prismlb.sim._workload import WORKLOADS
 
@@ -18,7 +29,7 @@ def test_reduced_eval_writes_the_report_and_is_deterministic(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["eval", "--traces", "mooncake,mm", "--levels", "80%", "--limit", "60", "--jobs", "1", "--no-ablations"]
-    assert main([*argv, "--out", str(tmp_path / "one")]) == 0
+    assert main([*argv, "--no-gray", "--out", str(tmp_path / "one")]) == 0
     printed = capsys.readouterr().out
     for policy in ("prism", "round-robin", "least-conn", "nginx-hash", "sglang", "llm-d", "llm-d-chart"):
         assert f"| {policy} |" in printed
@@ -104,3 +115,53 @@ def test_a_cut_that_leaves_one_instant_is_refused_before_any_run() -> None:
     # Mooncake's first ten requests share one timestamp: no span to scale to a load.
     with pytest.raises(SystemExit, match=r"spans no time .*--limit 10 keeps only its first requests"):
         main(["eval", "--limit", "10", "--traces", "mooncake", "--levels", "80%", "--no-kill", "--no-report"])
+
+
+def test_a_cluster_spec_names_its_nodes_by_class_with_their_labels() -> None:
+    nodes = parse_cluster("h100:2:nvlink=yes,a100:1,l40s:1:cuda_graphs=yes+av1=yes,a100:1")
+    assert [(n.name, n.gpu_class, n.numa_node) for n in nodes] == [
+        ("h100-0", "h100", 0),
+        ("h100-1", "h100", 1),
+        ("a100-0", "a100", 0),
+        ("l40s-0", "l40s", 0),
+        ("a100-1", "a100", 1),
+    ]
+    assert nodes[0].labels == {"nvlink": "yes"} and nodes[2].labels is None
+    assert nodes[3].labels == {"cuda_graphs": "yes", "av1": "yes"}
+    assert cluster_for("mm", None, "a100:3") == parse_cluster("a100:3") and cluster_for("mm") == MM_CLUSTER
+    for bad, why in [
+        ("b200:2", "CLASS one of a100, h100, l40s"),
+        ("a100", "CLASS:COUNT"),
+        ("a100:0", "from 1 to 256"),
+        ("a100:257", "from 1 to 256"),
+        ("a100:two", "whole number"),
+        ("a100:2:nvlink", "'nvlink' is not LABEL=VALUE"),
+        ("a100:2:x:y", "CLASS:COUNT"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            parse_cluster(bad)
+
+
+def test_a_replay_on_a_cluster_spec_runs_on_its_nodes_and_a_bad_spec_stops_eval(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # the kill takes the node before the middle of the cluster it runs on: of three, the first
+    result = run_case(Case("mooncake", "least-conn", 0.8, 1, 100, kill=True, cluster="l40s:3"))
+    assert result.killed_node == "l40s-0" and result.requests == 100
+    with pytest.raises(SystemExit):
+        main(["eval", "--traces", "mooncake", "--cluster", "a100:2,tpu:1", "--no-report"])
+    assert "--cluster: cluster part 'tpu:1'" in capsys.readouterr().err
+
+
+def test_eval_searches_every_policy_under_the_gray_failure_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["eval", "--traces", "mooncake", "--policies", "prism,least-conn", "--levels", "80%", "--limit", "60"]
+    argv += ["--jobs", "1", "--no-kill", "--no-ablations", "--cluster", "a100:4", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Goodput under a gray failure" in printed
+    summary = (tmp_path / "summary.md").read_text()
+    assert "--cluster a100:4" in summary
+    gray = summary[summary.index("## Goodput under a gray failure") : summary.index("## TTFT p99")]
+    assert "| mooncake |" in gray and "prism" in gray and "least-conn" in gray and "Prism / best" in gray

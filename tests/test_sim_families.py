@@ -163,7 +163,7 @@ def test_eval_runs_a_family(capsys: pytest.CaptureFixture[str]) -> None:
     """The levels and the goodput search over a family; not the ablations (19 of the 21 searches), which
     test_sim_ablations runs end to end."""
     argv = ["eval", "--workload", "sessions:1", "--no-kill", "--no-report", "--limit", "60", "--jobs", "1"]
-    assert main([*argv, "--levels", "80%", "--policies", "prism,least-conn", "--no-ablations"]) == 0
+    assert main([*argv, "--levels", "80%", "--policies", "prism,least-conn", "--no-ablations", "--no-gray"]) == 0
     printed = capsys.readouterr().out
     assert "sessions-1: 60 requests, prefix-hit bound 0." in printed
     assert "## sessions-1 · 80% utilisation" in printed and "| prism |" in printed and "| least-conn |" in printed

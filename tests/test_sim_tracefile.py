@@ -173,7 +173,7 @@ def _tiny(path: Path) -> Path:
 def test_eval_replays_a_trace_file_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _tiny(tmp_path / "tiny.jsonl")
     argv = ["eval", "--trace", str(path), "--levels", "80%", "--policies", "prism,least-conn", "--jobs", "1"]
-    assert main([*argv, "--no-kill", "--no-report"]) == 0
+    assert main([*argv, "--no-kill", "--no-report", "--no-gray"]) == 0
     printed = capsys.readouterr().out
     assert "## tiny · 80% utilisation" in printed and "| prism |" in printed and "| least-conn |" in printed
     assert "mooncake" not in printed  # a file alone replaces the default traces
