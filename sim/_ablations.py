@@ -130,17 +130,21 @@ class ClassRateBrain(Brain):
     The weights are computed on copies of the states whose vectors carry their class's median; the held weights
     and speeds (hysteresis) go back to the real states."""
 
+    def _group(self, vector: NodeVector) -> str:
+        """The nodes whose measured speeds are pooled into one published speed: a GPU class."""
+        return vector.labels.get("gpu", "")
+
     def _weights(self, states: dict[str, NodeState]) -> dict[Slice, list[TableNode]]:
-        by_class: dict[str, list[float]] = {}
+        pooled: dict[str, list[float]] = {}
         for state in states.values():
             rate = state.vector.metrics.prefill_tokens_per_s
             if rate:
-                by_class.setdefault(state.vector.labels.get("gpu", ""), []).append(rate)
-        typical = {gpu: statistics.median(rates) for gpu, rates in by_class.items()}
+                pooled.setdefault(self._group(state.vector), []).append(rate)
+        typical = {group: statistics.median(rates) for group, rates in pooled.items()}
         copies = {}
         for node_id, state in states.items():
             metrics = msgspec.structs.replace(
-                state.vector.metrics, prefill_tokens_per_s=typical.get(state.vector.labels.get("gpu", ""))
+                state.vector.metrics, prefill_tokens_per_s=typical.get(self._group(state.vector))
             )
             copies[node_id] = dataclasses.replace(state, vector=msgspec.structs.replace(state.vector, metrics=metrics))
         try:
@@ -149,6 +153,15 @@ class ClassRateBrain(Brain):
             for node_id, copy in copies.items():
                 states[node_id].weights = copy.weights
                 states[node_id].prefill_rate = copy.prefill_rate
+
+
+class FleetRateBrain(ClassRateBrain):
+    """`ClassRateBrain` with one group, the whole fleet: every node published at the median measured speed of all
+    of them, so a router weighs queued tokens alike on every GPU class (as the baselines' queue counts do), in
+    seconds still (the network stall stays comparable)."""
+
+    def _group(self, vector: NodeVector) -> str:
+        return ""
 
 
 def flat_weights(block_tokens: int) -> Policy:
@@ -182,6 +195,11 @@ def class_rate(block_tokens: int) -> Policy:
     """Every node's prefill speed its GPU class's median (`ClassRateBrain`): expected times without the node's own
     measured speed."""
     return PrismPolicy(block_tokens=block_tokens, brain=ClassRateBrain)
+
+
+def fleet_rate(block_tokens: int) -> Policy:
+    """Every node's prefill speed the fleet's median (`FleetRateBrain`): expected times blind to GPU classes."""
+    return PrismPolicy(block_tokens=block_tokens, brain=FleetRateBrain)
 
 
 def node_max_prediction(block_tokens: int) -> Policy:
@@ -244,6 +262,7 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
     "no-health": no_health,
     "no-stall": no_stall,
     "class-rate": class_rate,
+    "fleet-rate": fleet_rate,
     "no-sessions": no_sessions,
     "4-routers": routers_4,
     "4-routers-no-share": routers_4_no_share,

@@ -16,6 +16,7 @@ from prismlb.sim._ablations import (
     EwmaBrain,
     EwmaPredictor,
     FlatWeightsBrain,
+    FleetRateBrain,
     NoHealthBrain,
     NoPredictorBrain,
     NoStallBrain,
@@ -68,6 +69,7 @@ def test_every_variant_is_listed_with_a_docstring() -> None:
         "no-health",
         "no-stall",
         "class-rate",
+        "fleet-rate",
         "no-sessions",
         "4-routers",
         "4-routers-no-share",
@@ -124,7 +126,7 @@ def test_no_stall_publishes_no_stall_and_changes_nothing_else() -> None:
     assert weights(ablated) == weights(full)
 
 
-def test_class_rate_brain_publishes_each_class_median_speed_and_keeps_the_nodes_own() -> None:
+def test_class_and_fleet_rate_brains_publish_a_median_speed_and_keep_the_nodes_own() -> None:
     def rated(node_id: str, gpu: str, rate: float | None) -> NodeVector:
         metrics = NodeMetrics(prefill_tokens_per_s=rate)
         return node_vector(node_id, 1, zone="z1", labels={"gpu": gpu}, metrics=metrics)
@@ -151,6 +153,9 @@ def test_class_rate_brain_publishes_each_class_median_speed_and_keeps_the_nodes_
     # the held speeds go back to the brain's real states; their vectors stay the nodes' own
     state = brain.registry.nodes["slow"]
     assert state.prefill_rate == speeds(full)["a"] and state.vector.metrics.prefill_tokens_per_s == 2_500.0
+    # one group for the whole fleet: the H100 too at the median of every measure (2,500, 10,000, 10,000, 20,000)
+    fleet = speeds(table(FleetRateBrain(CONFIG), vectors))
+    assert set(fleet.values()) == {speeds(full)["a"]}
 
 
 def test_ewma_predictor_follows_the_formula() -> None:
