@@ -545,42 +545,33 @@ def _run(args: argparse.Namespace) -> int:
         traces, policies, args.levels, seed=args.seed, limit=args.limit, kill=not args.no_kill, cluster=args.cluster
     )
     todo = level_cases if levels else []
-    searched = [*(policies if search else ()), *((PRISM, *VARIANTS) if ablations else ())]
-    searched = list(dict.fromkeys(searched))
     pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
+    limit = SEARCH_LIMIT if args.limit is None else args.limit
+
+    def search_all(names: Sequence[str], degraded: bool) -> list[Goodput]:
+        """Every named policy's goodput on every trace, each once, on the sound cluster or under `gray_failure`."""
+        unique = list(dict.fromkeys(names))
+        if not unique:
+            return []
+        return goodput(
+            traces,
+            unique,
+            seed=args.seed,
+            limit=limit,
+            jobs=args.jobs,
+            progress=progress,
+            pool=pool,
+            degraded=degraded,
+            cluster=args.cluster,
+        )
+
     try:
         by_case = dict(zip(todo, run_all(todo, args.jobs, progress, pool), strict=True))
-        limit = SEARCH_LIMIT if args.limit is None else args.limit
-        found = (
-            goodput(
-                traces,
-                searched,
-                seed=args.seed,
-                limit=limit,
-                jobs=args.jobs,
-                progress=progress,
-                pool=pool,
-                cluster=args.cluster,
-            )
-            if searched
-            else []
-        )
-        degraded = [*(policies if search else ()), *((PRISM, *GRAY_VARIANTS) if ablations else ())]
-        degraded = [] if args.no_gray else list(dict.fromkeys(degraded))
+        found = search_all([*(policies if search else ()), *((PRISM, *VARIANTS) if ablations else ())], False)
         gray = (
-            goodput(
-                traces,
-                degraded,
-                seed=args.seed,
-                limit=limit,
-                jobs=args.jobs,
-                progress=progress,
-                pool=pool,
-                degraded=True,
-                cluster=args.cluster,
-            )
-            if degraded
-            else []
+            []
+            if args.no_gray
+            else search_all([*(policies if search else ()), *((PRISM, *GRAY_VARIANTS) if ablations else ())], True)
         )
     finally:
         if pool is not None:
