@@ -60,6 +60,8 @@ QUICK_FAMILIES = ("tenants:1", "sessions:1", "agentic:1", "multimodal:1")
 """The workload families `--quick` adds to the shared traces: shared prompts, growing conversations, long
 shared contexts and mixed modalities."""
 
+MIN_CLUSTER_NODES = 3
+"""The fewest nodes a `--cluster` spec may have: `gray_failure` degrades three different ones."""
 MAX_CLUSTER_NODES = 256
 """The most nodes of one class a `--cluster` spec may ask for: a replay's brain and engines run in one process."""
 TEXT_CLUSTER = tuple(NodeSpec(f"a100-{i}", "a100", i % 2) for i in range(8))
@@ -109,6 +111,11 @@ def parse_cluster(spec: str) -> tuple[NodeSpec, ...]:
             labels[key] = value
         taken = sum(1 for n in nodes if n.gpu_class == gpu)
         nodes += [NodeSpec(f"{gpu}-{taken + i}", gpu, (taken + i) % 2, labels or None) for i in range(count)]
+    if len(nodes) < MIN_CLUSTER_NODES:
+        raise ValueError(
+            f"cluster {spec!r} has {len(nodes)} node(s); a replay needs at least {MIN_CLUSTER_NODES}: the gray failure "
+            "puts three different nodes in trouble, and the kill run leaves the others serving"
+        )
     return tuple(nodes)
 
 

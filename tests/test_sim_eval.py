@@ -137,6 +137,7 @@ def test_a_cluster_spec_names_its_nodes_by_class_with_their_labels() -> None:
         ("a100:two", "whole number"),
         ("a100:2:nvlink", "'nvlink' is not LABEL=VALUE"),
         ("a100:2:x:y", "CLASS:COUNT"),
+        ("a100:1,l40s:1", "has 2 node\\(s\\); a replay needs at least 3"),
     ]:
         with pytest.raises(ValueError, match=why):
             parse_cluster(bad)
