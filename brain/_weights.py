@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from prismlb.semantics import ENGINE_LATENCY_KEY, Slice
 from prismlb.wire import MAX_MS, MAX_TABLE_VALUE, NodeVector, TableNode
@@ -112,22 +112,32 @@ RATE_HYSTERESIS = 0.15
 2^(1/8) (9%): a table that changed with every window's noise would be sent again to every router each cycle."""
 
 
-def prefill_rates(states: Mapping[str, NodeState]) -> dict[str, float]:
-    """Each node's prefill speed in prompt tokens per second to publish, held with hysteresis in its state: its
-    own measure (`NodeMetrics.prefill_tokens_per_s`), else the median of the measured nodes of its GPU class (the
-    `gpu` label), so that a node that has not prefilled yet is expected to run like its peers. Nodes with
-    neither are absent (routers then take the pool's median)."""
-    by_class: dict[str, list[float]] = {}
-    for state in states.values():
+def gpu_label(vector: NodeVector) -> str:
+    """A node's GPU class as its `gpu` label gives it ("" when unlabelled): the peers whose speed it takes before
+    it has measured its own."""
+    return vector.labels.get("gpu", "")
+
+
+def median_speeds(states: Iterable[NodeState], group: Callable[[NodeVector], str] = gpu_label) -> dict[str, float]:
+    """The median measured prefill speed (`NodeMetrics.prefill_tokens_per_s`) of each group of nodes (by default
+    a GPU class); a group none of whose nodes has measured one is absent."""
+    measured: dict[str, list[float]] = {}
+    for state in states:
         rate = state.vector.metrics.prefill_tokens_per_s
         if rate:
-            by_class.setdefault(state.vector.labels.get("gpu", ""), []).append(rate)
+            measured.setdefault(group(state.vector), []).append(rate)
+    return {name: statistics.median(rates) for name, rates in measured.items()}
+
+
+def prefill_rates(states: Mapping[str, NodeState]) -> dict[str, float]:
+    """Each node's prefill speed in prompt tokens per second to publish, held with hysteresis in its state: its
+    own measure (`NodeMetrics.prefill_tokens_per_s`), else the median of the measured nodes of its GPU class
+    (`median_speeds`), so that a node that has not prefilled yet is expected to run like its peers. Nodes with
+    neither are absent (routers then take the pool's median)."""
+    typical = median_speeds(states.values())
     out: dict[str, float] = {}
     for node_id, state in states.items():
-        rate = state.vector.metrics.prefill_tokens_per_s
-        peers = by_class.get(state.vector.labels.get("gpu", ""))
-        if not rate and peers:
-            rate = statistics.median(peers)
+        rate = state.vector.metrics.prefill_tokens_per_s or typical.get(gpu_label(state.vector))
         if not rate:
             state.prefill_rate = None
             continue

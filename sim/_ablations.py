@@ -10,13 +10,13 @@ full Prism is what that part earns.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import msgspec
 
 from prismlb.brain import Brain, BrainConfig, NodeState
 from prismlb.brain._predictor import PredictorConfig
+from prismlb.brain._weights import gpu_label, median_speeds
 from prismlb.router import Settings
 from prismlb.semantics import ENGINE_LATENCY_KEY, Slice
 from prismlb.wire import NodeVector, TableNode
@@ -131,16 +131,11 @@ class ClassRateBrain(Brain):
     and speeds (hysteresis) go back to the real states."""
 
     def _group(self, vector: NodeVector) -> str:
-        """The nodes whose measured speeds are pooled into one published speed: a GPU class."""
-        return vector.labels.get("gpu", "")
+        """The nodes whose measured speeds are pooled into one published speed: a GPU class (`gpu_label`)."""
+        return gpu_label(vector)
 
     def _weights(self, states: dict[str, NodeState]) -> dict[Slice, list[TableNode]]:
-        pooled: dict[str, list[float]] = {}
-        for state in states.values():
-            rate = state.vector.metrics.prefill_tokens_per_s
-            if rate:
-                pooled.setdefault(self._group(state.vector), []).append(rate)
-        typical = {group: statistics.median(rates) for group, rates in pooled.items()}
+        typical = median_speeds(states.values(), self._group)
         copies = {}
         for node_id, state in states.items():
             metrics = msgspec.structs.replace(
