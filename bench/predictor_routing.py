@@ -1,0 +1,166 @@
+"""What LSTM-Attention earns in routing over an EWMA, once it is trained as a long-running brain's would be.
+
+Run: .venv/bin/python bench/predictor_routing.py [--jobs 2] [--workload mooncake --workload tenants:1 ...]
+
+`prism eval`'s replays last minutes of simulated time and their brains train 4 minibatches every 30 s, so its
+predictor rarely trains enough to beat the EWMA and be chosen (docs/predictor.md): its `ewma` ablation cannot tell
+what the model is worth in placement. A production brain trains on every control period and keeps its checkpoint
+across restarts. So here each workload is first replayed `--history-runs` times with Prism at other seeds and loads
+(the cluster's earlier traffic); the windows its brains observed are pooled, one per node and run, into one
+predictor that trains `--steps` minibatches, and the held-out error of all four predictors is printed. Then three
+brains serve the workload itself:
+
+- `prism`: the library's default (a cold predictor, trained online, the EWMA until a model beats it);
+- `ewma`: the EWMA of each series' observed P99 always (`_ablations.ewma`);
+- `lstm-attention`: the trained checkpoint loaded, LSTM-Attention forecasting every series that has its 16 windows
+  of input whatever `best()` says, online training continuing.
+
+Each is searched for goodput (as `prism eval --goodput`, on a sound cluster and under `_eval.gray_failure`) and
+replayed whole at 80% and 95% load for TTFT p99, sound and degraded. Ratios are to `ewma`, measured in the same run.
+A workload whose earlier runs leave no series long enough to train on (shorter than the models' input and the
+held-out windows together) is reported as such and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from prismlb.brain import Brain, BrainConfig
+from prismlb.brain._features import node_features
+from prismlb.brain._predictor import Predictor
+from prismlb.sim._ablations import VARIANTS
+from prismlb.sim._eval import SEARCH_LIMIT, Case, goodput, run_all, run_case
+from prismlb.sim._prism import PrismPolicy
+from prismlb.sim._report import geometric_mean
+
+CHECKPOINT_VARIABLE = "PRISM_BENCH_PREDICTOR_CHECKPOINT"
+"""The trained checkpoint's path, for the replay processes (spawned, so they see the environment, not this one's
+objects)."""
+WORKLOADS = ("mooncake", "azure-conv", "tenants:1", "sessions:1", "agentic:1", "rag:1", "bursty:2", "ramp:1", "mm")
+HISTORY_LOADS = (0.5, 0.7, 0.9, 1.0, 0.6, 0.8)
+"""The earlier runs' loads, in turn: the history spans quiet and saturated periods."""
+P99_LOADS = (0.8, 0.95)
+POLICIES = ("prism", "ewma", "lstm-attention")
+
+_recorded: list[tuple[str, list[float], dict[str, float | None]]] = []
+
+
+class _RecordingBrain(Brain):
+    """The default brain that also keeps every predictor window it observes, for the pooled history."""
+
+    def observe_window(self) -> None:
+        super().observe_window()
+        for node_id, state in self.registry.nodes.items():
+            _recorded.append((node_id, node_features(state.vector), self._series(state.vector)))
+
+
+class _TrainedLstmAttentionBrain(Brain):
+    """The brain with the bench's trained checkpoint, forecasting with LSTM-Attention whatever `best()` says."""
+
+    def __init__(self, config: BrainConfig) -> None:
+        super().__init__(config)
+        self.predictor.load(Path(os.environ[CHECKPOINT_VARIABLE]))
+        serve = self.predictor.predict
+        self.predictor.predict = lambda node_ids, predictor=None: serve(node_ids, "lstm_attention")  # type: ignore[method-assign]
+
+
+VARIANTS["lstm-attention"] = lambda tokens: PrismPolicy(block_tokens=tokens, brain=_TrainedLstmAttentionBrain)
+VARIANTS["recording"] = lambda tokens: PrismPolicy(block_tokens=tokens, brain=_RecordingBrain)
+
+
+def history_trace(trace: str, run: int) -> str:
+    """A family preset at another seed for each earlier run (the same trace where a name carries no seed)."""
+    name, _, seed = trace.partition(":")
+    return f"{name}:{int(seed) + 10 + run}" if seed else trace
+
+
+def train(trace: str, runs: int, steps: int, limit: int | None, path: Path) -> str | None:
+    """Replay `runs` earlier runs, pool their windows, train and checkpoint to `path`; the held-out errors as a
+    line, or None when no series is long enough to train on."""
+    predictor = Predictor()
+    for run in range(runs):
+        _recorded.clear()
+        load = HISTORY_LOADS[run % len(HISTORY_LOADS)]
+        run_case(Case(history_trace(trace, run), "recording", load, 100 + run, limit))
+        for node_id, features, series in _recorded:
+            predictor.observe(f"run{run}/{node_id}", features, series)
+    if not predictor.train_step(math.inf, max_steps=steps):
+        return None
+    evaluation = predictor.evaluate()
+    predictor.checkpoint(path)
+    scores = ", ".join(f"{name} {score.mae_ms:,.0f}" for name, score in evaluation.scores.items())
+    return f"held-out MAE ms: {scores} (best: {predictor.best()})"
+
+
+def _ratio(value: float, baseline: float) -> str:
+    return f"{value / baseline:.2f}" if value > 0 and baseline > 0 else "–"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="replay processes")
+    parser.add_argument("--workload", action="append", help=f"workloads (default: {', '.join(WORKLOADS)})")
+    parser.add_argument("--history-runs", type=int, default=6, help="earlier runs pooled for training (default 6)")
+    parser.add_argument("--steps", type=int, default=1500, help="minibatches of training (default 1500)")
+    args = parser.parse_args()
+    started = time.monotonic()
+    header = "| workload | measure | prism | ewma | lstm-attention | prism / ewma | lstm-attention / ewma |"
+    rows: list[str] = []
+    ratios: dict[str, list[float]] = {"goodput": [], "goodput, gray": [], "p99": [], "p99, gray": []}
+    with tempfile.TemporaryDirectory() as folder:
+        for trace in args.workload or WORKLOADS:
+            path = Path(folder, trace.replace(":", "-") + ".pt")
+            trained = train(trace, args.history_runs, args.steps, None, path)
+            if trained is None:
+                print(f"{trace}: no series long enough to train on; skipped", flush=True)
+                continue
+            print(f"{trace}: {trained}", flush=True)
+            os.environ[CHECKPOINT_VARIABLE] = str(path)
+            with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+                measured: dict[str, dict[str, float]] = {}
+                for degraded in (False, True):
+                    label = "goodput, gray" if degraded else "goodput"
+                    found = goodput([trace], POLICIES, seed=1, limit=SEARCH_LIMIT, pool=pool, degraded=degraded)
+                    measured[label] = {g.policy: g.utilisation for g in found}
+                    cases = [
+                        Case(trace, policy, load, 1, None, degraded=degraded)
+                        for load in P99_LOADS
+                        for policy in POLICIES
+                    ]
+                    for load in P99_LOADS:
+                        measured[f"p99 at {load:.0%}{', gray' if degraded else ''}"] = {}
+                    for case, result in zip(cases, run_all(cases, pool=pool), strict=True):
+                        key = f"p99 at {case.utilisation:.0%}{', gray' if degraded else ''}"
+                        measured[key][case.policy] = result.slices["all"].ttft_p99_ms
+            for measure, by_policy in measured.items():
+                unit = "%" if measure.startswith("goodput") else " ms"
+                scale = 100 if unit == "%" else 1
+                cells = " | ".join(f"{by_policy[p] * scale:,.0f}{unit}" for p in POLICIES)
+                base = by_policy["ewma"]
+                rows.append(
+                    f"| {trace} | {measure} | {cells} | {_ratio(by_policy['prism'], base)} | "
+                    f"{_ratio(by_policy['lstm-attention'], base)} |"
+                )
+                kind = ("goodput" if unit == "%" else "p99") + (", gray" if measure.endswith("gray") else "")
+                if by_policy["lstm-attention"] > 0 and base > 0:
+                    ratios[kind].append(by_policy["lstm-attention"] / base)
+            print("\n".join(rows[-len(measured) :]), flush=True)
+    print(f"\n{header}\n|---|---|---:|---:|---:|---:|---:|\n" + "\n".join(rows))
+    print()
+    for kind, values in ratios.items():
+        if values:
+            print(
+                f"lstm-attention / ewma, {kind}: geometric mean {geometric_mean(values):.3f} "
+                f"({min(values):.2f}–{max(values):.2f}, {len(values)} cells)"
+            )
+    print(f"{time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
