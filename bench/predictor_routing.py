@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from prismlb.brain import Brain, BrainConfig
@@ -60,14 +61,22 @@ class _RecordingBrain(Brain):
             _recorded.append((node_id, node_features(state.vector), self._series(state.vector)))
 
 
+class _LstmAttentionPredictor(Predictor):
+    """The predictor forecasting with LSTM-Attention whatever `best()` says (a series too short for the model's
+    input still gets its EWMA, as in `Predictor.predict`)."""
+
+    def predict(self, node_ids: Iterable[str], predictor: str | None = None) -> dict[str, dict[str, float | None]]:
+        return super().predict(node_ids, "lstm_attention")
+
+
 class _TrainedLstmAttentionBrain(Brain):
-    """The brain with the bench's trained checkpoint, forecasting with LSTM-Attention whatever `best()` says."""
+    """The brain with the bench's trained checkpoint in an `_LstmAttentionPredictor` (as `EwmaBrain` swaps in its
+    predictor)."""
 
     def __init__(self, config: BrainConfig) -> None:
         super().__init__(config)
+        self.predictor = _LstmAttentionPredictor()
         self.predictor.load(Path(os.environ[CHECKPOINT_VARIABLE]))
-        serve = self.predictor.predict
-        self.predictor.predict = lambda node_ids, predictor=None: serve(node_ids, "lstm_attention")  # type: ignore[method-assign]
 
 
 VARIANTS["lstm-attention"] = lambda tokens: PrismPolicy(block_tokens=tokens, brain=_TrainedLstmAttentionBrain)
@@ -122,32 +131,32 @@ def main() -> None:
                 continue
             print(f"{trace}: {trained}", flush=True)
             os.environ[CHECKPOINT_VARIABLE] = str(path)
+            measured: list[tuple[str, str, dict[str, float]]] = []  # (kind, measure, value by policy)
             with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-                measured: dict[str, dict[str, float]] = {}
                 for degraded in (False, True):
-                    label = "goodput, gray" if degraded else "goodput"
+                    suffix = ", gray" if degraded else ""
                     found = goodput([trace], POLICIES, seed=1, limit=SEARCH_LIMIT, pool=pool, degraded=degraded)
-                    measured[label] = {g.policy: g.utilisation for g in found}
+                    measured.append((f"goodput{suffix}", f"goodput{suffix}", {g.policy: g.utilisation for g in found}))
                     cases = [
                         Case(trace, policy, load, 1, None, degraded=degraded)
                         for load in P99_LOADS
                         for policy in POLICIES
                     ]
-                    for load in P99_LOADS:
-                        measured[f"p99 at {load:.0%}{', gray' if degraded else ''}"] = {}
+                    p99: dict[str, dict[str, float]] = {}
                     for case, result in zip(cases, run_all(cases, pool=pool), strict=True):
-                        key = f"p99 at {case.utilisation:.0%}{', gray' if degraded else ''}"
-                        measured[key][case.policy] = result.slices["all"].ttft_p99_ms
-            for measure, by_policy in measured.items():
-                unit = "%" if measure.startswith("goodput") else " ms"
-                scale = 100 if unit == "%" else 1
-                cells = " | ".join(f"{by_policy[p] * scale:,.0f}{unit}" for p in POLICIES)
+                        by_policy = p99.setdefault(f"p99 at {case.utilisation:.0%}{suffix}", {})
+                        by_policy[case.policy] = result.slices["all"].ttft_p99_ms
+                    measured += [(f"p99{suffix}", measure, by_policy) for measure, by_policy in p99.items()]
+            for kind, measure, by_policy in measured:
+                goodput_row = kind.startswith("goodput")
+                cells = " | ".join(
+                    f"{by_policy[p] * 100:,.0f}%" if goodput_row else f"{by_policy[p]:,.0f} ms" for p in POLICIES
+                )
                 base = by_policy["ewma"]
                 rows.append(
                     f"| {trace} | {measure} | {cells} | {_ratio(by_policy['prism'], base)} | "
                     f"{_ratio(by_policy['lstm-attention'], base)} |"
                 )
-                kind = ("goodput" if unit == "%" else "p99") + (", gray" if measure.endswith("gray") else "")
                 if by_policy["lstm-attention"] > 0 and base > 0:
                     ratios[kind].append(by_policy["lstm-attention"] / base)
             print("\n".join(rows[-len(measured) :]), flush=True)
