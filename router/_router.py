@@ -755,13 +755,8 @@ class Router:
         return best, best_expected
 
     def _affinity(self, request: Request, depth: int) -> float:
-        """How many times the least expected time a node holding the prompt's first `depth` blocks may take and keep
-        the request: `cache_affinity` for the whole prompt, less in proportion for a part of it, 1 for none. A node
-        holding one block of a six-block prompt saves the request a sixth of its prefill and the cluster one block's
-        copy; a wait up to the full factor is worth it only for what the whole prompt saves (measured on every
-        workload of the replay: TTFT p99 0.96-0.97x at 50, 80 and 95% load, goodput unchanged, docs/eval.md)."""
-        share = min(1.0, depth / len(request.blocks)) if request.blocks else 0.0
-        return 1.0 + (self.settings.cache_affinity - 1.0) * share
+        """The affinity factor (`Settings.affinity`) of a node holding the request's first `depth` blocks."""
+        return self.settings.affinity(depth, len(request.blocks))
 
     def _expected_ttft(
         self,

@@ -102,6 +102,16 @@ class Settings:
     drop_hold_s: float = 15.0
     """How long tables that drop many nodes must keep coming before the router takes them."""
 
+    def affinity(self, held: int, blocks: int) -> float:
+        """How many times the least expected time to first token a node holding `held` of a prompt's `blocks`
+        leading blocks may take and keep the request: `cache_affinity` for the whole prompt, less in proportion for a
+        part of it, 1 for none. A node holding one block of a six-block prompt saves the request a sixth of its
+        prefill and the cluster one block's copy; a wait up to the full factor is worth it only for what the whole
+        prompt saves (measured on every workload of the replay: TTFT p99 0.96-0.97x at 50, 80 and 95% load, goodput
+        unchanged, docs/eval.md)."""
+        share = min(1.0, held / blocks) if blocks > 0 else 0.0
+        return 1.0 + (self.cache_affinity - 1.0) * share
+
     def __post_init__(self) -> None:
         if self.load not in LOAD_MODES:
             raise ValueError(f"load must be one of {', '.join(LOAD_MODES)}, got {self.load!r}")

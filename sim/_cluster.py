@@ -98,6 +98,12 @@ class Degrade:
             )
 
 
+def segments(request: SimRequest) -> int:
+    """TCP segments the request's prompt takes on the wire (its text tokens: the replay does not model the media
+    parts' bytes), and one for the headers: each may be lost on the way to a degraded node."""
+    return math.ceil((request.input_tokens - request.media_tokens) * BYTES_PER_TOKEN / SEGMENT_BYTES) + 1
+
+
 def recovery_s(killed_at: float, refused: Sequence[float]) -> float:
     """Seconds from a kill to the end of the last 1-second window after it in which two or more attempts were
     sent to the dead node: until then the policy still routes traffic there. A lone attempt in a window (a
@@ -312,6 +318,12 @@ class _View:
         node = self._nodes.get(name)
         return node.stats() if node is not None and node.alive else None
 
+    def truth(self, name: str) -> _Node | None:
+        """The live node `name` itself, its engine and its network: what no router can read. Only a reference
+        policy that measures what perfect information would be worth (`_oracle`) reads it; None for a dead node."""
+        node = self._nodes.get(name)
+        return node if node is not None and node.alive else None
+
     def vectors(self) -> list[NodeVector]:
         """Vectors sent since the last call. The first call starts the agents, each with a vector now (in `start`,
         or a tick at 0: the agents are up before the first request), so that policies that never read vectors (all
@@ -482,8 +494,7 @@ class Simulation:
         node.account(now, +1)
         node.jobs.add(job)
         if node.loss:
-            segments = math.ceil((request.input_tokens - request.media_tokens) * BYTES_PER_TOKEN / SEGMENT_BYTES) + 1
-            lost = sum(self._rng.random() < node.loss for _ in range(segments))
+            lost = sum(self._rng.random() < node.loss for _ in range(segments(request)))
             if lost:
                 node.retransmits += lost
                 self._push(now + lost * RTO_S, "deliver", (name, job))

@@ -139,6 +139,11 @@ class EngineModel:
     def kv_usage(self) -> float:
         return self.used_blocks / self.capacity_blocks
 
+    @property
+    def prefill_end_s(self) -> float:
+        """When the prompt in prefill gets its first token (inf: none is in prefill)."""
+        return self._prefill_end
+
     def cached(self, block: int) -> bool:
         return block in self._refs or block in self._free
 

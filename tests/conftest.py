@@ -57,6 +57,20 @@ def load_bench(stem: str) -> ModuleType:
     return module
 
 
+@contextlib.contextmanager
+def bench_with_variants(stem: str) -> Iterator[ModuleType]:
+    """`load_bench(stem)` for a bench that registers policies of its own in the replay's `VARIANTS`: they are
+    taken out again on exit, so that the other tests' ablation lists stay the library's."""
+    from prismlb.sim._ablations import VARIANTS
+
+    before = dict(VARIANTS)
+    try:
+        yield load_bench(stem)
+    finally:
+        VARIANTS.clear()
+        VARIANTS.update(before)
+
+
 def wait_for(check: Callable[[], object], timeout_s: float = 10.0, what: str | None = None) -> bool:
     """Poll `check` every 5 ms until it holds or `timeout_s` passes; its last answer (assert on it), or with `what`
     an AssertionError naming what never came."""

@@ -12,17 +12,14 @@ import pytest
 from prismlb.brain import BrainConfig
 from prismlb.brain._features import NODE_FEATURES
 from prismlb.brain._predictor import Predictor
-from prismlb.sim._ablations import VARIANTS
 
-from .conftest import load_bench
+from .conftest import bench_with_variants
 
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    before = dict(VARIANTS)
-    yield load_bench("predictor_routing")
-    VARIANTS.clear()
-    VARIANTS.update(before)  # the bench's variants stay out of the other tests' ablation lists
+    with bench_with_variants("predictor_routing") as module:
+        yield module
 
 
 def test_earlier_runs_take_other_seeds_of_a_preset_and_the_trace_itself_otherwise(bench: ModuleType) -> None:

@@ -177,6 +177,12 @@ def test_settings_refuse_an_affinity_below_one() -> None:
         Request(blocks=BLOCKS, block_size=0)
 
 
+
+def test_the_affinity_grows_with_the_share_of_the_prompt_held() -> None:
+    settings = Settings(cache_affinity=3.0)
+    assert [settings.affinity(held, 6) for held in (0, 3, 6, 9)] == [1.0, 2.0, 3.0, 3.0]
+    assert settings.affinity(0, 0) == 1.0 and Settings(cache_affinity=1.0).affinity(6, 6) == 1.0
+
 # --- overflow entries: capable nodes outside the slice's pool ------------------------------------------------
 
 

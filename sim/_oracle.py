@@ -1,0 +1,130 @@
+"""A full-information reference for the replay: what placement could reach if a router knew everything.
+
+Not a router and not a baseline: `FullInformation` reads the simulated engines themselves (`_View.truth`), which no
+router can. For each request it computes every live node's time to first token from the engine's true state: the
+prompt in prefill and its end, every queued prompt's tokens its cache will lack (the queued prompts before it
+cached by then), the request's own uncached tokens and media encoding, all at the GPU's true speed (a throttled
+GPU's included), stretched as the engine stretches prefill beside its decode batch, plus the retransmission stall
+its true segment loss costs. Foreign work (requests no policy placed) is in the engine's queue, so in the figure.
+
+It then takes the least such time, or, with an affinity above 1, the node holding the longest prefix of the prompt
+while its time is within `Settings.affinity` times the least: Prism's own rule with perfect inputs in place of the
+router's (the prefix index's delayed events, the routers' shared queue counts, the agents' measured speeds).
+
+Its goodput against Prism's says how much of Prism's gap to an ideal is information and how much is the rule:
+placement is one decision per request, in order, without knowing what comes next, so no router with these
+inputs does better by seeing more. It is not an upper bound on every policy: a rule that looks ahead (holding
+capacity back for a burst to come) is outside it. Its estimate leaves out what an engine's admission adds
+(a full batch or cache holding the queue's head back) and requests still in their retransmission stall.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prismlb.router import Settings
+
+from ._cluster import RTO_S, _Node, _View, segments
+from ._model import DECODE_INTERFERENCE, EngineModel, Job
+from ._types import ClusterView, Policy, SimRequest
+
+
+@dataclass(slots=True)
+class _Queue:
+    """What the oracle has read of one engine's waiting queue: its jobs in order, each with the prompt tokens it
+    is expected to compute, and the blocks they will have cached once admitted."""
+
+    jobs: deque[tuple[Job, int]] = field(default_factory=deque)
+    blocks: dict[int, int] = field(default_factory=dict)
+    """Block id → queued jobs holding it."""
+    tokens: int = 0
+    encoder_s: float = 0.0
+
+    def sync(self, model: EngineModel, block_tokens: int) -> None:
+        """Follow the engine's FCFS queue: jobs admitted since leave from the head, new ones join at the tail."""
+        waiting = model.waiting
+        while self.jobs and (not waiting or self.jobs[0][0] is not waiting[0]):
+            job, tokens = self.jobs.popleft()
+            self.tokens -= tokens
+            self.encoder_s -= job.encoder_s
+            for block in job.blocks:
+                held = self.blocks[block] - 1
+                if held:
+                    self.blocks[block] = held
+                else:
+                    del self.blocks[block]
+        if not self.jobs:
+            self.encoder_s = 0.0
+        for job in itertools.islice(waiting, len(self.jobs), None):
+            cached = min(job.prompt_tokens - job.media_tokens, _held(job.blocks, model, self) * block_tokens)
+            tokens = job.prompt_tokens - cached  # as its admission will count it (`EngineModel._start`)
+            self.jobs.append((job, tokens))
+            self.tokens += tokens
+            self.encoder_s += job.encoder_s
+            for block in job.blocks:
+                self.blocks[block] = self.blocks.get(block, 0) + 1
+
+
+def _held(blocks: Sequence[int], model: EngineModel, queue: _Queue) -> int:
+    """How many of the leading blocks will be cached on the engine once its queue is admitted."""
+    held = 0
+    for block in blocks:
+        if block not in queue.blocks and not model.cached(block):
+            break
+        held += 1
+    return held
+
+
+class FullInformation(Policy):
+    """The least true time to first token, or the longest prefix's holder within `affinity` of it (1: always the
+    least); the module says what it reads and what it leaves out."""
+
+    name = "oracle"
+
+    def __init__(self, *, block_tokens: int, affinity: float = Settings().cache_affinity) -> None:
+        self.block_tokens = block_tokens
+        self.settings = Settings(cache_affinity=affinity)
+        self._view: _View | None = None
+        self._queues: dict[str, _Queue] = {}
+
+    def start(self, view: ClusterView, now: float) -> None:
+        if not isinstance(view, _View):
+            raise TypeError("the full-information reference reads the replay's own engines: it runs in a Simulation")
+        self._view = view
+        self._queues = {node.name: _Queue() for node in view.nodes}
+
+    def expected(self, request: SimRequest, node: _Node, now: float) -> tuple[float, int]:
+        """The request's time to first token on `node` if sent now, and how many of its leading blocks it would
+        find cached there."""
+        model = node.model
+        queue = self._queues[node.spec.name]
+        queue.sync(model, self.block_tokens)
+        profile = model.profile
+        rate = profile.prefill_tokens_per_s
+        held = _held(request.blocks, model, queue)
+        cached = min(request.input_tokens - request.media_tokens, held * self.block_tokens)
+        own_s = profile.media_s(request.media) + (request.input_tokens - cached) / rate
+        queued_s = queue.encoder_s + queue.tokens / rate
+        stretch = 1 + DECODE_INTERFERENCE * model.decoding / profile.max_batch
+        stall_s = node.loss * segments(request) * RTO_S
+        prefilling_s = model.prefill_end_s - now if model.prefilling is not None else 0.0
+        return max(0.0, prefilling_s) + (queued_s + own_s) * stretch + stall_s, held
+
+    def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
+        assert self._view is not None, "start() first"
+        times: dict[str, tuple[float, int]] = {}
+        for info in self._view.nodes:
+            node = self._view.truth(info.name)
+            if node is not None and info.name not in exclude:
+                times[info.name] = self.expected(request, node, now)
+        if not times:
+            return next((n.name for n in self._view.nodes if n.name not in exclude), self._view.nodes[0].name)
+        best = min(times, key=lambda name: times[name][0])
+        deep = max(times, key=lambda name: (times[name][1], -times[name][0]))
+        held = times[deep][1]
+        if held and times[deep][0] <= self.settings.affinity(held, len(request.blocks)) * times[best][0]:
+            return deep
+        return best

@@ -1,0 +1,49 @@
+"""bench/oracle_goodput.py's references as the evaluation runs them, and its table: the best baseline per workload,
+the three ratios, and the counts against the target. The full searches are not run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+
+from prismlb.sim._eval import Case, run_case
+from prismlb.sim._slo import Goodput
+
+from .conftest import bench_with_variants
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    with bench_with_variants("oracle_goodput") as module:
+        yield module
+
+
+def test_the_references_replay_as_named_policies(bench: ModuleType) -> None:
+    for name in bench.REFERENCES:
+        result = run_case(Case("tenants:1", name, 1.0, 1, 200))
+        assert result.policy == name and result.completed == result.requests == 200
+
+
+def test_the_table_names_the_best_baseline_and_divides_by_it(bench: ModuleType) -> None:
+    policies = ["prism", "round-robin", "llm-d", "oracle", "oracle-greedy"]
+    loads = {
+        "tenants:1": {"prism": 3.0, "round-robin": 1.2, "llm-d": 2.5, "oracle": 3.3, "oracle-greedy": 2.0},
+        "azure-code": {"prism": 0.0, "round-robin": 0.1, "llm-d": 0.0, "oracle": 0.1, "oracle-greedy": 0.1},
+    }
+    names = {"tenants:1": "tenants-1", "azure-code": "azure-code"}
+    found = [Goodput(names[w], p, loads[w][p], 1.0, 0.9, None, None) for w in loads for p in policies]
+    text, ratios = bench.table(found, list(loads), policies)
+    rows = text.splitlines()
+    assert rows[2] == "| tenants-1 | 300% | 330% | 200% | llm-d 250% | 1.20× | 1.32× | 0.91× |"
+    assert rows[3] == "| azure-code | < 10% | 10% | 10% | round-robin 10% | – | 1.00× | – |"
+    assert ratios == {
+        "prism / best": [pytest.approx(1.2)],
+        "oracle / best": [pytest.approx(1.32), 1.0],
+        "prism / oracle": [pytest.approx(3 / 3.3)],
+    }
+    summary = bench.summary(ratios)
+    assert "prism / best: geometric mean 1.200 (1.20–1.20), ≥ 1.2× on 1 of 1" in summary
+    assert "oracle / best: geometric mean 1.149 (1.00–1.32), ≥ 1.2× on 1 of 2" in summary
+    assert "prism / oracle: geometric mean 0.909" in summary and "of 1" not in summary.splitlines()[-1]
