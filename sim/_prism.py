@@ -4,11 +4,11 @@ Nothing of the policy lives here: the brain's `tick` (predict, control, table bu
 time after ingesting the vectors the simulated agents sent; each new table goes to every gateway's router
 (`Router.apply`, as its subscriber would deliver it); the engines' KV events reach every router's prefix index
 (`Router.index`) `KV_EVENT_DELAY_S` after the engine published them, as the agents' relay through the brain delivers
-them; the routers' queued prefill work reaches every router through the brain's `LoadRelay` as often; requests carry
-their prompt's block ids (`Request.blocks`); requests take `Router.request` leases, which count
-them in flight and report first tokens and failures to the router's health and circuit breakers. The predictor trains
-`train_steps` optimiser steps every `train_interval_s` (a step count, not a CPU budget, so runs are deterministic). All
-of it runs on the simulation's clock.
+them; the routers' queued prefill work reaches every router through the brain's `LoadRelay` as often; requests
+carry their prompt's block ids as the library's helpers hash them (`caller_blocks`); requests take `Router.request`
+leases, which count them in flight and report first tokens and failures to the router's health and circuit
+breakers. The predictor trains `train_steps` optimiser steps every `train_interval_s` (a step count, not a CPU
+budget, so runs are deterministic). All of it runs on the simulation's clock.
 """
 
 from __future__ import annotations
@@ -31,13 +31,36 @@ if TYPE_CHECKING:
     from prismlb.brain import Brain
 
 
+MEDIA_BLOCK_IDS = 1 << 62
+"""Where the ids of `caller_blocks`' media-keyed blocks start: above every workload's own block ids."""
+MEDIA_BLOCKS_PER_REQUEST = 1 << 16
+"""Media-keyed block ids per request (`caller_blocks`): room for prompts of 32 million tokens at 512-token blocks."""
+
+
+def caller_blocks(request: SimRequest, block_tokens: int) -> tuple[int, ...]:
+    """The request's block ids as the library's helpers hash its prompt (`block_hashes` over its token ids): a
+    text-only prompt's are the replay's own; a prompt with media keeps those of its whole text blocks before the
+    media, and every block from there on (the text the media part starts in, the media's own) is keyed by the
+    media's content, as vLLM keys a block holding a multimodal item, so it is new to every cache (the replay's
+    media parts are never reused). The replay's last text block may be partial, and its engine credits a held one
+    up to the text it holds; a router told that block, as a whole 512-token block of a prompt whose tokens are
+    mostly media, would expect those media tokens cached too."""
+    if not request.media_tokens:
+        return request.blocks
+    whole = (request.input_tokens - request.media_tokens) // block_tokens
+    rest = -(-(request.input_tokens - whole * block_tokens) // block_tokens)
+    base = MEDIA_BLOCK_IDS + request.id * MEDIA_BLOCKS_PER_REQUEST
+    return request.blocks[:whole] + tuple(range(base, base + rest))
+
+
 def affinity_key(request: SimRequest, block_tokens: int) -> int:
     """The chained id of the last prefix block within the router's `PREFIX_TOKENS`, as `prefix_key` computes
-    it from token ids; a request without blocks gets its own id (no affinity)."""
-    if not request.blocks:
+    it from token ids (over `caller_blocks`); a request without blocks gets its own id (no affinity)."""
+    blocks = caller_blocks(request, block_tokens)
+    if not blocks:
         return request.id
     depth = max(1, PREFIX_TOKENS // block_tokens)
-    return request.blocks[min(depth, len(request.blocks)) - 1]
+    return blocks[min(depth, len(blocks)) - 1]
 
 
 class PrismPolicy(Policy):
@@ -129,7 +152,7 @@ class PrismPolicy(Policy):
             modality=request.signature,
             session=request.session if self.sessions else None,
             cost=max(1, request.input_tokens),
-            blocks=request.blocks,
+            blocks=caller_blocks(request, self.block_tokens),
             block_size=self.block_tokens,
         )
         lease = router.request(placed, exclude=exclude)

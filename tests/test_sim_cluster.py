@@ -13,7 +13,7 @@ from prismlb.agent._windows import LOAD_WINDOW_S
 from prismlb.semantics import quantile
 from prismlb.sim import EmulatedEngine, Outcome, Policy, SimRequest, Workload
 from prismlb.sim._cluster import HOST_CPU_UTIL_RATIO, RTO_S, Degrade, Kill, NodeSpec, Simulation, _Node, recovery_s
-from prismlb.sim._prism import PrismPolicy, affinity_key
+from prismlb.sim._prism import PrismPolicy, affinity_key, caller_blocks
 from prismlb.sim._types import ClusterView
 from prismlb.wire import NodeVector
 
@@ -115,6 +115,21 @@ def test_affinity_key_covers_the_first_1024_tokens() -> None:
     assert affinity_key(request, 512) == 12
     assert affinity_key(dataclasses.replace(request, blocks=(11,)), 512) == 11
     assert affinity_key(dataclasses.replace(request, blocks=()), 512) == 7
+
+
+def test_a_media_prompt_reaches_the_router_as_the_helpers_hash_it() -> None:
+    text_only = SimRequest(7, 0.0, 1300, 1, (11, 12, 13))
+    assert caller_blocks(text_only, 512) == (11, 12, 13)
+    # 1,100 text tokens then 900 of media: two whole text blocks keep their ids; from the third text block on, the
+    # blocks are the media's, new to every cache, and cover the rest of the prompt
+    image = SimRequest(7, 0.0, 2000, 1, (11, 12, 13), "image+text", {"image": 1}, 900)
+    blocks = caller_blocks(image, 512)
+    assert blocks[:2] == (11, 12) and len(blocks) == 4 and not set(blocks[2:]) & {11, 12, 13}
+    other = caller_blocks(dataclasses.replace(image, id=8), 512)
+    assert caller_blocks(image, 512) == blocks and not set(blocks[2:]) & set(other)
+    short = SimRequest(9, 0.0, 300, 1, (5,), "image+text", {"image": 1}, 250)  # its one text block is partial
+    assert len(caller_blocks(short, 512)) == 1 and caller_blocks(short, 512)[0] != 5
+    assert affinity_key(short, 512) == caller_blocks(short, 512)[0]
 
 
 def test_bad_setups_are_refused() -> None:

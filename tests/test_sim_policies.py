@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -419,6 +420,18 @@ def test_dynamo_cost_is_weighted_prefill_blocks_plus_decode_blocks_and_the_lowes
     heavy.start(view, 0.0)
     heavy.dispatched("a", req(101, (60, 61, 62)), 0.0)  # weight 0: decode blocks alone, a has 3 more
     assert heavy.logits(request, ["a", "c"]) == {"a": 7.0, "c": 4.0}
+
+
+def test_dynamo_counts_held_blocks_against_the_text_never_the_media() -> None:
+    policy, view = events_started(DynamoKvRouter(block_tokens=512))
+    assert isinstance(policy, DynamoKvRouter)
+    view.store("a", 1)
+    policy.tick(view, 0.05)
+    image = dataclasses.replace(req(1, (1,)), input_tokens=1200, media={"image": 1}, media_tokens=1000)
+    assert policy.new_tokens(image, 1) == 1000  # the block holds the 200 text tokens, not 512 of the prompt
+    assert policy.new_tokens(req(2, (1, 2)), 1) == 1024 - 512
+    policy.dispatched("a", image, 0.1)
+    assert policy.active["a"].prefill_tokens[1] == 1000
 
 
 def test_dynamo_index_follows_stored_and_removed_events_and_ties_go_to_the_smallest_tree() -> None:

@@ -24,7 +24,9 @@ leaves it. Matching walks the request's blocks while some worker holds the block
 
 Simplifications and mappings:
 - Block size is the replay's block (512 tokens) rather than the engine's 16: both terms of the logit are in
-  blocks, so the choice is the same up to partial blocks, and the softmax divides by the logits' range.
+  blocks, so the choice is the same up to partial blocks, and the softmax divides by the logits' range. The held
+  blocks' tokens are capped at the prompt's text (`new_tokens`): with 16-token blocks a media part starts blocks of
+  its own, so no overlap reaches past the text into the media.
 - The router's queue (`router_queue_threshold`, requests held at the router while every worker is busy) is
   not modelled: the seam has no way to hold a request, and the engines queue it instead.
 - Dead workers: Dynamo's push router reports an instance down when a request to it finds no responder; the
@@ -152,13 +154,20 @@ class DynamoKvRouter(Policy):
                 self.index.removed(event.node, event.removed)
                 self.index.stored(event.node, event.stored)
 
+    def new_tokens(self, request: SimRequest, overlap: int) -> int:
+        """The request's prompt tokens a worker holding its first `overlap` blocks must still compute: Dynamo counts
+        its blocks of the engine's size (16 tokens), which a media part's tokens start anew, so the held blocks
+        cover at most the prompt's text (the replay's last text block may be partial)."""
+        text = request.input_tokens - request.media_tokens
+        return request.input_tokens - min(text, overlap * self.block_tokens)
+
     def logits(self, request: SimRequest, candidates: list[str]) -> dict[str, float]:
         """Each candidate's cost: `overlap_score_weight * prefill_blocks + decode_blocks` (lower is better)."""
         overlap = self.index.overlap(request.blocks)
         out: dict[str, float] = {}
         for name in candidates:
             active = self.active[name]
-            new_tokens = max(0, request.input_tokens - overlap.get(name, 0) * self.block_tokens)
+            new_tokens = self.new_tokens(request, overlap.get(name, 0))
             prefill_blocks = (sum(active.prefill_tokens.values()) + new_tokens) / self.block_tokens
             decode_blocks = len(active.blocks) + active.new_blocks(request.blocks)
             out[name] = self.overlap_score_weight * prefill_blocks + decode_blocks
@@ -196,7 +205,7 @@ class DynamoKvRouter(Policy):
 
     def dispatched(self, node: str, request: SimRequest, now: float) -> None:
         overlap = self.index.overlap(request.blocks).get(node, 0)
-        self.active[node].add(request, max(0, request.input_tokens - overlap * self.block_tokens))
+        self.active[node].add(request, self.new_tokens(request, overlap))
 
     def first_token(self, node: str, request: SimRequest, now: float) -> None:
         self.active[node].prefill_tokens.pop(request.id, None)

@@ -1,4 +1,4 @@
-"""bench/oracle_goodput.py's references as the evaluation runs them, and its table: the best baseline per workload,
+"""bench/full_information.py's references as the evaluation runs them, and its table: the best baseline per workload,
 the three ratios, and the counts against the target. The full searches are not run."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .conftest import bench_with_variants
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    with bench_with_variants("oracle_goodput") as module:
+    with bench_with_variants("full_information") as module:
         yield module
 
 
@@ -47,3 +47,20 @@ def test_the_table_names_the_best_baseline_and_divides_by_it(bench: ModuleType) 
     assert "prism / best: geometric mean 1.200 (1.20–1.20), ≥ 1.2× on 1 of 1" in summary
     assert "oracle / best: geometric mean 1.149 (1.00–1.32), ≥ 1.2× on 1 of 2" in summary
     assert "prism / oracle: geometric mean 0.909" in summary and "of 1" not in summary.splitlines()[-1]
+
+
+def test_the_p99_table_sets_prism_the_oracle_and_the_floor_against_the_best_baseline(bench: ModuleType) -> None:
+    policies = ["prism", "round-robin", "least-conn", "oracle", "oracle-greedy"]
+    results = [run_case(Case("tenants:1", p, load, 1, 200)) for load in (0.5, 0.95) for p in policies]
+    text, ratios = bench.p99_table(results, policies)
+    rows = text.splitlines()[2:]
+    assert len(rows) == 2 and rows[0].startswith("| tenants-1 | 50% |") and rows[1].startswith("| tenants-1 | 95% |")
+    for row, cell in zip(rows, (results[:5], results[5:]), strict=True):
+        p99 = {r.policy: r.slices["all"].ttft_p99_ms for r in cell}
+        best = min(("round-robin", "least-conn"), key=lambda p: p99[p])
+        assert (
+            f"| {best} {p99[best]:,.0f} ms | {p99['prism'] / p99[best]:.2f}× | {p99['oracle'] / p99[best]:.2f}× |"
+            in row
+        )
+    assert all(0 < floor <= prism for floor, prism in zip(ratios["floor / best"], ratios["prism / best"], strict=True))
+    assert "≤ 0.8× in" in bench.summary(ratios, p99=True)

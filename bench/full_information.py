@@ -1,6 +1,6 @@
 """How far Prism's placement is from the same rule with perfect information, and how far that is from the baselines.
 
-Run: .venv/bin/python bench/oracle_goodput.py [--jobs 2] [--workload tenants:1 --workload mooncake ...] [--no-gray]
+Run: .venv/bin/python bench/full_information.py [--jobs 2] [--workload tenants:1 ...] [--no-gray] [--no-p99]
 
 Prism decides from what a router can know: the prefix index's KV events (delayed), its own and its peers' queued
 prompt tokens (shared through the brain), each node's prefill speed as its agent measures it, the brain's weights.
@@ -13,6 +13,8 @@ For each workload (default: the twenty of `prism eval`) every policy of `prism e
 searched for goodput as `prism eval --goodput` searches them (seed 1, 2,000 requests), on a sound cluster and under
 `_eval.gray_failure`; each row gives the best baseline, Prism / best, oracle / best and Prism / oracle, measured in
 the same run. Where the oracle itself is under 1.2x the best baseline, no better signal gets Prism's rule there.
+Then each workload is replayed whole at 50, 80 and 95% load, as `prism eval` replays it, for TTFT p99: Prism's and
+the oracle's over the best baseline's, beside the p99 floor's (no policy's p99 is under it, `_slo.ttft_floors_s`).
 """
 
 from __future__ import annotations
@@ -23,17 +25,29 @@ import os
 import time
 
 from prismlb.sim._ablations import VARIANTS
-from prismlb.sim._eval import EVAL_FAMILIES, PRISM, SEARCH_LIMIT, SECOND_SEEDS, goodput, policy_factories
+from prismlb.sim._eval import (
+    EVAL_FAMILIES,
+    PRISM,
+    SEARCH_LIMIT,
+    SECOND_SEEDS,
+    cases,
+    goodput,
+    policy_factories,
+    run_all,
+)
 from prismlb.sim._oracle import FullInformation
 from prismlb.sim._report import geometric_mean
 from prismlb.sim._slo import Goodput
-from prismlb.sim._workload import WORKLOADS
+from prismlb.sim._types import RunResult
+from prismlb.sim._workload import LEVELS, WORKLOADS
 
 REFERENCES = ("oracle", "oracle-greedy")
 VARIANTS["oracle"] = lambda tokens: FullInformation(block_tokens=tokens)
 VARIANTS["oracle-greedy"] = lambda tokens: FullInformation(block_tokens=tokens, affinity=1.0)
 TARGET = 1.2
 """The goodput ratio to the best baseline that the placement issue asks of Prism."""
+P99_TARGET = 0.8
+"""The TTFT p99 ratio to the best baseline that the placement issue asks of Prism."""
 
 
 def _each(workloads: list[str], policies: list[str]) -> list[str]:
@@ -84,14 +98,49 @@ def table(found: list[Goodput], workloads: list[str], policies: list[str]) -> tu
     return "\n".join(rows), ratios
 
 
-def summary(ratios: dict[str, list[float]]) -> str:
-    """Each ratio's geometric mean and range, and how many rows reach the target."""
+def p99_table(results: list[RunResult], policies: list[str]) -> tuple[str, dict[str, list[float]]]:
+    """The Markdown table of whole replays of `policies` (`cases`' order: by workload, load, then policy) and each
+    ratio's values over its cells."""
+    baselines = [p for p in policies if p != PRISM and p not in REFERENCES]
+    rows = [
+        "| workload | load | best baseline | prism / best | oracle / best | floor / best |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    ratios: dict[str, list[float]] = {"prism / best": [], "oracle / best": [], "floor / best": []}
+    for start in range(0, len(results), len(policies)):
+        cell = {r.policy: r for r in results[start : start + len(policies)]}
+        p99 = {name: r.slices["all"].ttft_p99_ms for name, r in cell.items()}
+        best = min(baselines, key=lambda name: p99[name])
+        base = p99[best]
+        values = {
+            "prism / best": p99[PRISM] / base,
+            "oracle / best": p99["oracle"] / base,
+            "floor / best": cell[PRISM].ttft_p99_floor_ms / base,
+        }
+        for key, value in values.items():
+            ratios[key].append(value)
+        run = cell[PRISM]
+        rows.append(
+            f"| {run.trace} | {run.utilisation:.0%} | {best} {base:,.0f} ms | "
+            + " | ".join(f"{v:.2f}×" for v in values.values())
+            + " |"
+        )
+    return "\n".join(rows), ratios
+
+
+def summary(ratios: dict[str, list[float]], p99: bool = False) -> str:
+    """Each ratio's geometric mean and range, and how many rows reach the target (the p99 one with `p99`)."""
     lines = []
     for key, values in ratios.items():
         mean = geometric_mean(values)
         if mean is None:
             continue
-        reach = f", ≥ {TARGET}× on {sum(v >= TARGET for v in values)} of {len(values)}" if "best" in key else ""
+        if "best" not in key:
+            reach = ""
+        elif p99:
+            reach = f", ≤ {P99_TARGET}× in {sum(v <= P99_TARGET for v in values)} of {len(values)}"
+        else:
+            reach = f", ≥ {TARGET}× on {sum(v >= TARGET for v in values)} of {len(values)}"
         lines.append(f"{key}: geometric mean {mean:.3f} ({min(values):.2f}–{max(values):.2f}){reach}")
     return "\n".join(lines)
 
@@ -101,6 +150,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="replay processes")
     parser.add_argument("--workload", action="append", help="workloads (default: those of `prism eval`)")
     parser.add_argument("--no-gray", action="store_true", help="skip the search under the gray failure")
+    parser.add_argument("--no-p99", action="store_true", help="skip the whole replays for TTFT p99")
     parser.add_argument("--limit", type=int, default=SEARCH_LIMIT, help=f"requests per workload ({SEARCH_LIMIT})")
     args = parser.parse_args()
     workloads = args.workload or [*WORKLOADS, *SECOND_SEEDS, *EVAL_FAMILIES]
@@ -111,6 +161,10 @@ def main() -> None:
             found = goodput(workloads, policies, seed=1, limit=args.limit, pool=pool, degraded=degraded)
             text, ratios = table(found, workloads, policies)
             print(f"\n## Goodput{', under the gray failure' if degraded else ''}\n\n{text}\n\n{summary(ratios)}")
+        if not args.no_p99:
+            todo = cases(workloads, policies, list(LEVELS.values()), seed=1, limit=None, kill=False)
+            text, ratios = p99_table(run_all(todo, pool=pool), policies)
+            print(f"\n## TTFT p99\n\n{text}\n\n{summary(ratios, p99=True)}")
     print(f"\n{time.monotonic() - started:.0f} s")
 
 
