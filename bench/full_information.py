@@ -1,6 +1,6 @@
 """How far Prism's placement is from the same rule with perfect information, and how far that is from the baselines.
 
-Run: .venv/bin/python bench/full_information.py [--jobs 2] [--workload tenants:1 ...] [--no-gray] [--no-p99]
+Run: .venv/bin/python bench/full_information.py [--jobs 2] [--workload tenants:1 ...] [--no-gray] [--no-p99] [--rules]
 
 Prism decides from what a router can know: the prefix index's KV events (delayed), its own and its peers' queued
 prompt tokens (shared through the brain), each node's prefill speed as its agent measures it, the brain's weights.
@@ -15,15 +15,19 @@ searched for goodput as `prism eval --goodput` searches them (seed 1, 2,000 requ
 the same run. Where the oracle itself is under 1.2x the best baseline, no better signal gets Prism's rule there.
 Then each workload is replayed whole at 50, 80 and 95% load, as `prism eval` replays it, for TTFT p99: Prism's and
 the oracle's over the best baseline's, beside the p99 floor's (no policy's p99 is under it, `_slo.ttft_floors_s`).
+With `--rules` the sound search also takes the oracle under other rules (`RULES`, `SloRule`): whether any way of
+spending a request's SLO, rather than a fixed factor of the least time, gets a myopic placement further.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import os
 import time
 
+from prismlb.semantics import Slice
 from prismlb.sim._ablations import VARIANTS
 from prismlb.sim._eval import (
     EVAL_FAMILIES,
@@ -35,15 +39,76 @@ from prismlb.sim._eval import (
     policy_factories,
     run_all,
 )
+from prismlb.sim._model import GpuClass
 from prismlb.sim._oracle import FullInformation
 from prismlb.sim._report import geometric_mean
-from prismlb.sim._slo import Goodput
-from prismlb.sim._types import RunResult
+from prismlb.sim._slo import Goodput, pool_classes, slo_s
+from prismlb.sim._types import ClusterView, RunResult, SimRequest
 from prismlb.sim._workload import LEVELS, WORKLOADS
 
 REFERENCES = ("oracle", "oracle-greedy")
 VARIANTS["oracle"] = lambda tokens: FullInformation(block_tokens=tokens)
 VARIANTS["oracle-greedy"] = lambda tokens: FullInformation(block_tokens=tokens, affinity=1.0)
+
+
+class SloRule(FullInformation):
+    """The oracle under another placement rule, each a way a router could spend a request's SLO
+    (`_slo.slo_s`, which the oracle knows) rather than a fixed factor of the least time:
+    - `budget`: the longest prefix's holder also keeps the request while its time is within `budget` × the SLO;
+    - `doomed`: a request over its SLO on every node goes to the holder, where it costs the cluster least;
+    - `cheapest`: among the nodes within `cheapest` × the SLO, the one holding the longest prefix (the least work
+      for the cluster), the quickest of equals; the oracle's rule when none is."""
+
+    def __init__(
+        self,
+        *,
+        block_tokens: int,
+        affinity: float = 3.0,
+        budget: float = 0.0,
+        doomed: bool = False,
+        cheapest: float = 0.0,
+    ) -> None:
+        super().__init__(block_tokens=block_tokens, affinity=affinity)
+        self.budget, self.doomed, self.cheapest = budget, doomed, cheapest
+        self._classes: dict[Slice, frozenset[GpuClass]] = {}
+
+    def start(self, view: ClusterView, now: float) -> None:
+        super().start(view, now)
+        specs = [node.spec for info in view.nodes if (node := self._view.truth(info.name)) is not None]
+        self._classes = pool_classes(specs)
+
+    def pick(self, request: SimRequest, times: dict[str, tuple[float, int]]) -> str:
+        slo = slo_s(request, self._classes)
+        if self.cheapest:
+            within = [name for name in times if times[name][0] <= self.cheapest * slo]
+            if within:
+                return max(within, key=lambda name: (times[name][1], -times[name][0]))
+        best = min(times, key=lambda name: times[name][0])
+        deep = max(times, key=lambda name: (times[name][1], -times[name][0]))
+        held = times[deep][1]
+        if held and self.doomed and times[best][0] > slo:
+            return deep
+        if held and self.budget and times[deep][0] <= self.budget * slo:
+            return deep
+        return super().pick(request, times)
+
+
+RULES: dict[str, dict[str, float]] = {
+    "affinity 2": {"affinity": 2.0},
+    "affinity 5": {"affinity": 5.0},
+    "budget 0.5 SLO": {"budget": 0.5},
+    "budget 0.8 SLO": {"budget": 0.8},
+    "doomed to holder": {"doomed": True},
+    "budget 0.5 SLO, doomed to holder": {"budget": 0.5, "doomed": True},
+    "cheapest within 0.5 SLO": {"cheapest": 0.5},
+    "cheapest within 0.8 SLO": {"cheapest": 0.8},
+}
+"""The other rules `--rules` searches, by name (`SloRule`'s arguments)."""
+for _name, _arguments in RULES.items():
+    VARIANTS[f"oracle, {_name}"] = functools.partial(
+        lambda tokens, arguments: SloRule(block_tokens=tokens, **arguments), arguments=_arguments
+    )
+BASELINES = [name for name in policy_factories(1) if name != PRISM]
 TARGET = 1.2
 """The goodput ratio to the best baseline that the placement issue asks of Prism."""
 P99_TARGET = 0.8
@@ -72,7 +137,7 @@ def table(found: list[Goodput], workloads: list[str], policies: list[str]) -> tu
     then policy) and each ratio's values over its rows."""
     by = {(workload, g.policy): g.utilisation for g, workload in zip(found, _each(workloads, policies), strict=True)}
     names = {workload: g.trace for g, workload in zip(found, _each(workloads, policies), strict=True)}
-    baselines = [p for p in policies if p != PRISM and p not in REFERENCES]
+    baselines = [p for p in policies if p in BASELINES]
     header = (
         "| workload | prism | oracle | oracle-greedy | best baseline | prism / best | oracle / best | prism / oracle |"
     )
@@ -98,10 +163,39 @@ def table(found: list[Goodput], workloads: list[str], policies: list[str]) -> tu
     return "\n".join(rows), ratios
 
 
+def rules_table(found: list[Goodput], workloads: list[str], policies: list[str]) -> str:
+    """The Markdown table of the oracle under each of `RULES` (in a search of `policies`, as `table` reads it): each
+    rule's goodput over the best baseline's per workload, and over all of them."""
+    by = {(workload, g.policy): g.utilisation for g, workload in zip(found, _each(workloads, policies), strict=True)}
+    names = {workload: g.trace for g, workload in zip(found, _each(workloads, policies), strict=True)}
+    rules = ["oracle", *(f"oracle, {name}" for name in RULES)]
+    rows = [
+        "| workload | best baseline | " + " | ".join(rules) + " |",
+        "|---|---|" + "---:|" * len(rules),
+    ]
+    ratios: dict[str, list[float]] = {rule: [] for rule in rules}
+    for workload in workloads:
+        best = max((p for p in policies if p in BASELINES), key=lambda p: by[(workload, p)])
+        base = by[(workload, best)]
+        values = {rule: _ratio(by[(workload, rule)], base) for rule in rules}
+        for rule, value in values.items():
+            if value is not None:
+                ratios[rule].append(value)
+        rows.append(
+            f"| {names[workload]} | {best} {_cell(base)} | " + " | ".join(_text(v) for v in values.values()) + " |"
+        )
+    means = [geometric_mean(values) for values in ratios.values()]
+    rows.append("| geometric mean | | " + " | ".join("–" if m is None else f"{m:.3f}" for m in means) + " |")
+    rows.append(
+        f"| ≥ {TARGET}× | | " + " | ".join(str(sum(v >= TARGET for v in values)) for values in ratios.values()) + " |"
+    )
+    return "\n".join(rows)
+
+
 def p99_table(results: list[RunResult], policies: list[str]) -> tuple[str, dict[str, list[float]]]:
     """The Markdown table of whole replays of `policies` (`cases`' order: by workload, load, then policy) and each
     ratio's values over its cells."""
-    baselines = [p for p in policies if p != PRISM and p not in REFERENCES]
+    baselines = [p for p in policies if p in BASELINES]
     rows = [
         "| workload | load | best baseline | prism / best | oracle / best | floor / best |",
         "|---|---:|---|---:|---:|---:|",
@@ -151,6 +245,7 @@ def main() -> None:
     parser.add_argument("--workload", action="append", help="workloads (default: those of `prism eval`)")
     parser.add_argument("--no-gray", action="store_true", help="skip the search under the gray failure")
     parser.add_argument("--no-p99", action="store_true", help="skip the whole replays for TTFT p99")
+    parser.add_argument("--rules", action="store_true", help="also search the oracle under each of RULES (sound)")
     parser.add_argument("--limit", type=int, default=SEARCH_LIMIT, help=f"requests per workload ({SEARCH_LIMIT})")
     args = parser.parse_args()
     workloads = args.workload or [*WORKLOADS, *SECOND_SEEDS, *EVAL_FAMILIES]
@@ -158,9 +253,12 @@ def main() -> None:
     started = time.monotonic()
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
         for degraded in (False,) if args.no_gray else (False, True):
-            found = goodput(workloads, policies, seed=1, limit=args.limit, pool=pool, degraded=degraded)
-            text, ratios = table(found, workloads, policies)
+            searched = [*policies, *(f"oracle, {name}" for name in RULES)] if args.rules and not degraded else policies
+            found = goodput(workloads, searched, seed=1, limit=args.limit, pool=pool, degraded=degraded)
+            text, ratios = table(found, workloads, searched)
             print(f"\n## Goodput{', under the gray failure' if degraded else ''}\n\n{text}\n\n{summary(ratios)}")
+            if searched is not policies:
+                print(f"\n## Goodput of the oracle under other rules\n\n{rules_table(found, workloads, searched)}")
         if not args.no_p99:
             todo = cases(workloads, policies, list(LEVELS.values()), seed=1, limit=None, kill=False)
             text, ratios = p99_table(run_all(todo, pool=pool), policies)

@@ -113,18 +113,30 @@ class FullInformation(Policy):
         prefilling_s = model.prefill_end_s - now if model.prefilling is not None else 0.0
         return max(0.0, prefilling_s) + (queued_s + own_s) * stretch + stall_s, held
 
-    def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
+    def times(self, request: SimRequest, now: float, exclude: frozenset[str]) -> dict[str, tuple[float, int]]:
+        """Each live node's (time to first token, leading blocks cached) for the request (`expected`), but those in
+        `exclude`."""
         assert self._view is not None, "start() first"
-        times: dict[str, tuple[float, int]] = {}
+        out: dict[str, tuple[float, int]] = {}
         for info in self._view.nodes:
             node = self._view.truth(info.name)
             if node is not None and info.name not in exclude:
-                times[info.name] = self.expected(request, node, now)
-        if not times:
-            return next((n.name for n in self._view.nodes if n.name not in exclude), self._view.nodes[0].name)
+                out[info.name] = self.expected(request, node, now)
+        return out
+
+    def pick(self, request: SimRequest, times: dict[str, tuple[float, int]]) -> str:
+        """The rule: the holder of the longest prefix while within the affinity of the least time, else the least
+        (`times` is not empty)."""
         best = min(times, key=lambda name: times[name][0])
         deep = max(times, key=lambda name: (times[name][1], -times[name][0]))
         held = times[deep][1]
         if held and times[deep][0] <= self.settings.affinity(held, len(request.blocks)) * times[best][0]:
             return deep
         return best
+
+    def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
+        times = self.times(request, now, exclude)
+        if times:
+            return self.pick(request, times)
+        assert self._view is not None
+        return next((n.name for n in self._view.nodes if n.name not in exclude), self._view.nodes[0].name)

@@ -1,5 +1,5 @@
-"""bench/full_information.py's references as the evaluation runs them, and its table: the best baseline per workload,
-the three ratios, and the counts against the target. The full searches are not run."""
+"""bench/full_information.py's references as the evaluation runs them, its other rules, and its tables: the best
+baseline per workload or cell, the ratios, and the counts against the targets. The full searches are not run."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from types import ModuleType
 
 import pytest
 
+from prismlb.sim import SimRequest, Workload
+from prismlb.sim._cluster import NodeSpec, Simulation
 from prismlb.sim._eval import Case, run_case
+from prismlb.sim._model import Job
 from prismlb.sim._slo import Goodput
 
 from .conftest import bench_with_variants
@@ -64,3 +67,29 @@ def test_the_p99_table_sets_prism_the_oracle_and_the_floor_against_the_best_base
         )
     assert all(0 < floor <= prism for floor, prism in zip(ratios["floor / best"], ratios["prism / best"], strict=True))
     assert "≤ 0.8× in" in bench.summary(ratios, p99=True)
+
+
+def test_the_slo_rules_spend_the_requests_slo(bench: ModuleType) -> None:
+    prompt = tuple(range(1, 9))
+    request = SimRequest(1, 0.0, 8 * 512, 1, prompt)  # 4,096 tokens: an SLO of 5 x 0.41 s on an A100
+    nodes = tuple(NodeSpec(f"n{i}", "a100") for i in range(3))
+    picks = {}
+    for name, arguments in (("oracle", {}), ("budget", {"budget": 0.8}), ("cheapest", {"cheapest": 0.8})):
+        oracle = bench.SloRule(block_tokens=512, **arguments)
+        replay = Simulation(Workload("one", [request], 512, "test"), oracle, nodes, utilisation=1.0, seed=0)
+        oracle.start(replay.view, 0.0)
+        holder = replay.nodes["n0"].model
+        holder.load_context(Job(prompt, 8 * 512, 1, 0.0, 0.0))
+        holder.submit(Job((900,), 15_000, 1, 0.0, 0.0), 0.0)  # 1.5 s ahead on the holder: 3.7x the least time
+        picks[name] = oracle.choose(request, 0.0, frozenset())
+    assert picks == {"oracle": "n1", "budget": "n0", "cheapest": "n0"}
+
+
+def test_the_rules_table_divides_each_rule_by_the_best_baseline(bench: ModuleType) -> None:
+    rules = [f"oracle, {name}" for name in bench.RULES]
+    policies = ["prism", "llm-d", "oracle", *rules]
+    found = [Goodput("tenants-1", p, 2.0 if p == "llm-d" else 2.5, 1.0, 0.9, None, None) for p in policies]
+    text = bench.rules_table(found, ["tenants:1"], policies)
+    rows = text.splitlines()
+    assert rows[2] == "| tenants-1 | llm-d 200% | " + " | ".join(["1.25×"] * (1 + len(rules))) + " |"
+    assert rows[3].startswith("| geometric mean | | 1.250 |") and rows[4].startswith("| ≥ 1.2× | | 1 |")
