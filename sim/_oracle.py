@@ -21,7 +21,7 @@ capacity back for a burst to come) is outside it. Its estimate leaves out what a
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,8 +38,8 @@ class _Queue:
     is expected to compute, and the blocks they will have cached once admitted."""
 
     jobs: deque[tuple[Job, int]] = field(default_factory=deque)
-    blocks: dict[int, int] = field(default_factory=dict)
-    """Block id → queued jobs holding it."""
+    blocks: Counter[int] = field(default_factory=Counter)
+    """Block id → queued jobs holding it (0: none, until the queue empties)."""
     tokens: int = 0
     encoder_s: float = 0.0
 
@@ -50,29 +50,24 @@ class _Queue:
             job, tokens = self.jobs.popleft()
             self.tokens -= tokens
             self.encoder_s -= job.encoder_s
-            for block in job.blocks:
-                held = self.blocks[block] - 1
-                if held:
-                    self.blocks[block] = held
-                else:
-                    del self.blocks[block]
+            self.blocks.subtract(job.blocks)
         if not self.jobs:
             self.encoder_s = 0.0
+            self.blocks.clear()  # the counts left are zeros: dropped while nothing is queued
         for job in itertools.islice(waiting, len(self.jobs), None):
             cached = min(job.prompt_tokens - job.media_tokens, _held(job.blocks, model, self) * block_tokens)
             tokens = job.prompt_tokens - cached  # as its admission will count it (`EngineModel._start`)
             self.jobs.append((job, tokens))
             self.tokens += tokens
             self.encoder_s += job.encoder_s
-            for block in job.blocks:
-                self.blocks[block] = self.blocks.get(block, 0) + 1
+            self.blocks.update(job.blocks)
 
 
 def _held(blocks: Sequence[int], model: EngineModel, queue: _Queue) -> int:
     """How many of the leading blocks will be cached on the engine once its queue is admitted."""
     held = 0
     for block in blocks:
-        if block not in queue.blocks and not model.cached(block):
+        if not queue.blocks[block] and not model.cached(block):
             break
         held += 1
     return held
