@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import time
 
+from prismlb.router import Settings
 from prismlb.semantics import Slice
 from prismlb.sim._ablations import VARIANTS
 from prismlb.sim._eval import (
@@ -40,7 +41,7 @@ from prismlb.sim._eval import (
     run_all,
 )
 from prismlb.sim._model import GpuClass
-from prismlb.sim._oracle import FullInformation
+from prismlb.sim._oracle import FullInformation, Times, deepest, quickest
 from prismlb.sim._report import geometric_mean
 from prismlb.sim._slo import Goodput, pool_classes, slo_s
 from prismlb.sim._types import ClusterView, RunResult, SimRequest
@@ -63,7 +64,7 @@ class SloRule(FullInformation):
         self,
         *,
         block_tokens: int,
-        affinity: float = 3.0,
+        affinity: float = Settings().cache_affinity,
         budget: float = 0.0,
         doomed: bool = False,
         cheapest: float = 0.0,
@@ -77,14 +78,13 @@ class SloRule(FullInformation):
         specs = [node.spec for info in view.nodes if (node := self._view.truth(info.name)) is not None]
         self._classes = pool_classes(specs)
 
-    def pick(self, request: SimRequest, times: dict[str, tuple[float, int]]) -> str:
+    def pick(self, request: SimRequest, times: Times) -> str:
         slo = slo_s(request, self._classes)
         if self.cheapest:
-            within = [name for name in times if times[name][0] <= self.cheapest * slo]
+            within = {name: value for name, value in times.items() if value[0] <= self.cheapest * slo}
             if within:
-                return max(within, key=lambda name: (times[name][1], -times[name][0]))
-        best = min(times, key=lambda name: times[name][0])
-        deep = max(times, key=lambda name: (times[name][1], -times[name][0]))
+                return deepest(within)
+        best, deep = quickest(times), deepest(times)
         held = times[deep][1]
         if held and self.doomed and times[best][0] > slo:
             return deep

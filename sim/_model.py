@@ -67,6 +67,12 @@ PROFILES: dict[GpuClass, GpuProfile] = {
 }
 
 
+def cached_tokens(prompt_tokens: int, media_tokens: int, held_blocks: int, block_tokens: int) -> int:
+    """Prompt tokens a prefix cache holding the prompt's first `held_blocks` blocks spares its prefill: at most the
+    text, which the blocks cover (media tokens are never reused), even where the last block held is partial."""
+    return min(prompt_tokens - media_tokens, held_blocks * block_tokens)
+
+
 @dataclass(eq=False)
 class Job:
     """One request inside the model; the model fills in the times and the cache hit."""
@@ -253,7 +259,7 @@ class EngineModel:
         job.private_blocks = private
         self._private += private
         job.hit_blocks = hit
-        job.cached_tokens = min(job.prompt_tokens - job.media_tokens, hit * self.block_tokens)
+        job.cached_tokens = cached_tokens(job.prompt_tokens, job.media_tokens, hit, self.block_tokens)
         job.admitted_s = now
         self.prefix_queries_tokens += job.prompt_tokens
         self.prefix_hits_tokens += job.cached_tokens

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from prismlb.router import Settings
 
 from ._cluster import RTO_S, _Node, _View, segments
-from ._model import DECODE_INTERFERENCE, EngineModel, Job
+from ._model import DECODE_INTERFERENCE, EngineModel, Job, cached_tokens
 from ._types import ClusterView, Policy, SimRequest
+from .policies._fallback import first_not_excluded
 
 
 @dataclass(slots=True)
@@ -55,8 +56,8 @@ class _Queue:
             self.encoder_s = 0.0
             self.blocks.clear()  # the counts left are zeros: dropped while nothing is queued
         for job in itertools.islice(waiting, len(self.jobs), None):
-            cached = min(job.prompt_tokens - job.media_tokens, _held(job.blocks, model, self) * block_tokens)
-            tokens = job.prompt_tokens - cached  # as its admission will count it (`EngineModel._start`)
+            held = _held(job.blocks, model, self)
+            tokens = job.prompt_tokens - cached_tokens(job.prompt_tokens, job.media_tokens, held, block_tokens)
             self.jobs.append((job, tokens))
             self.tokens += tokens
             self.encoder_s += job.encoder_s
@@ -71,6 +72,20 @@ def _held(blocks: Sequence[int], model: EngineModel, queue: _Queue) -> int:
             break
         held += 1
     return held
+
+
+Times = dict[str, tuple[float, int]]
+"""Node name → (the request's true time to first token there, its leading blocks cached there)."""
+
+
+def quickest(times: Times) -> str:
+    """The node with the least time (the first of equals)."""
+    return min(times, key=lambda name: times[name][0])
+
+
+def deepest(times: Times) -> str:
+    """The node holding the longest prefix, the quickest of equals."""
+    return max(times, key=lambda name: (times[name][1], -times[name][0]))
 
 
 class FullInformation(Policy):
@@ -100,7 +115,7 @@ class FullInformation(Policy):
         profile = model.profile
         rate = profile.prefill_tokens_per_s
         held = _held(request.blocks, model, queue)
-        cached = min(request.input_tokens - request.media_tokens, held * self.block_tokens)
+        cached = cached_tokens(request.input_tokens, request.media_tokens, held, self.block_tokens)
         own_s = profile.media_s(request.media) + (request.input_tokens - cached) / rate
         queued_s = queue.encoder_s + queue.tokens / rate
         stretch = 1 + DECODE_INTERFERENCE * model.decoding / profile.max_batch
@@ -108,22 +123,21 @@ class FullInformation(Policy):
         prefilling_s = model.prefill_end_s - now if model.prefilling is not None else 0.0
         return max(0.0, prefilling_s) + (queued_s + own_s) * stretch + stall_s, held
 
-    def times(self, request: SimRequest, now: float, exclude: frozenset[str]) -> dict[str, tuple[float, int]]:
+    def times(self, request: SimRequest, now: float, exclude: frozenset[str]) -> Times:
         """Each live node's (time to first token, leading blocks cached) for the request (`expected`), but those in
         `exclude`."""
         assert self._view is not None, "start() first"
-        out: dict[str, tuple[float, int]] = {}
+        out: Times = {}
         for info in self._view.nodes:
             node = self._view.truth(info.name)
             if node is not None and info.name not in exclude:
                 out[info.name] = self.expected(request, node, now)
         return out
 
-    def pick(self, request: SimRequest, times: dict[str, tuple[float, int]]) -> str:
+    def pick(self, request: SimRequest, times: Times) -> str:
         """The rule: the holder of the longest prefix while within the affinity of the least time, else the least
         (`times` is not empty)."""
-        best = min(times, key=lambda name: times[name][0])
-        deep = max(times, key=lambda name: (times[name][1], -times[name][0]))
+        best, deep = quickest(times), deepest(times)
         held = times[deep][1]
         if held and times[deep][0] <= self.settings.affinity(held, len(request.blocks)) * times[best][0]:
             return deep
@@ -134,4 +148,4 @@ class FullInformation(Policy):
         if times:
             return self.pick(request, times)
         assert self._view is not None
-        return next((n.name for n in self._view.nodes if n.name not in exclude), self._view.nodes[0].name)
+        return first_not_excluded([n.name for n in self._view.nodes], exclude)

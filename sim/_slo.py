@@ -36,7 +36,7 @@ from prismlb.semantics import Slice, parse_signature
 from prismlb.wire import NodeMetrics, NodeVector
 
 from ._cluster import NodeSpec
-from ._model import PROFILES, GpuClass
+from ._model import PROFILES, GpuClass, cached_tokens
 from ._types import SimRequest, Workload
 
 SLO_SCALE = 5.0
@@ -116,7 +116,7 @@ def ttft_floors_s(workload: Workload, nodes: Sequence[NodeSpec]) -> dict[int, fl
                 if b not in seen and together[b] < 2:  # neither seen before nor held by another of its moment
                     break
                 hit += 1
-            uncached = r.input_tokens - min(r.input_tokens - r.media_tokens, hit * block)
+            uncached = r.input_tokens - cached_tokens(r.input_tokens, r.media_tokens, hit, block)
             floors[r.id] = min(unloaded_ttft_s(r, c, uncached) for c in classes)
         for r in moment:
             seen.update(r.blocks)

@@ -42,6 +42,7 @@ import math
 import random
 
 from .._cluster import KV_EVENT_DELAY_S
+from .._model import cached_tokens
 from .._types import ClusterView, Outcome, Policy, SimRequest
 from ._fallback import first_not_excluded
 from ._matches import leading_matches
@@ -158,8 +159,9 @@ class DynamoKvRouter(Policy):
         """The request's prompt tokens a worker holding its first `overlap` blocks must still compute: Dynamo counts
         its blocks of the engine's size (16 tokens), which a media part's tokens start anew, so the held blocks
         cover at most the prompt's text (the replay's last text block may be partial)."""
-        text = request.input_tokens - request.media_tokens
-        return request.input_tokens - min(text, overlap * self.block_tokens)
+        return request.input_tokens - cached_tokens(
+            request.input_tokens, request.media_tokens, overlap, self.block_tokens
+        )
 
     def logits(self, request: SimRequest, candidates: list[str]) -> dict[str, float]:
         """Each candidate's cost: `overlap_score_weight * prefill_blocks + decode_blocks` (lower is better)."""
