@@ -104,6 +104,22 @@ def segments(request: SimRequest) -> int:
     return math.ceil((request.input_tokens - request.media_tokens) * BYTES_PER_TOKEN / SEGMENT_BYTES) + 1
 
 
+def engine_job(request: SimRequest, model: EngineModel, now: float) -> Job:
+    """The job `request` becomes on `model`'s engine, arriving at `now`: at least one output token, and only that one
+    when its output cannot fit the cache (an engine truncates it; the prompt itself always fits in a replay)."""
+    job = Job(
+        request.blocks,
+        request.input_tokens,
+        max(1, request.output_tokens),
+        model.profile.media_s(request.media),
+        now,
+        media_tokens=request.media_tokens,
+    )
+    if not model.fits(job):
+        job.output_tokens = 1
+    return job
+
+
 def recovery_s(killed_at: float, refused: Sequence[float]) -> float:
     """Seconds from a kill to the end of the last 1-second window after it in which two or more attempts were
     sent to the dead node: until then the policy still routes traffic there. A lone attempt in a window (a
@@ -313,6 +329,9 @@ class _View:
         """The simulated time of the policy's current `start` or `tick`."""
         self.kv_subscribed = False
         self.kv_pending: deque[KvEvent] = deque()
+        self.requests: Sequence[SimRequest] = ()
+        """The replay's requests in arrival order, those still to come included: what no router can know. Only the
+        reference that measures what looking ahead would be worth (`_oracle.Lookahead`) reads it."""
 
     def stats(self, name: str) -> EngineStats | None:
         node = self._nodes.get(name)
@@ -399,6 +418,7 @@ class Simulation:
         self._rng = random.Random(seed)  # lost segments
         self._foreign_rng = random.Random(seed + 1)  # foreign arrivals, their sizes and block ids
         self.view = _View(self.nodes, vector_period_s, self.agent_vectors)
+        self.view.requests = workload.requests
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self.ttft: list[tuple[str, float, float, bool]] = []  # (slice, first token time, ttft s, within its SLO)
@@ -478,18 +498,8 @@ class Simulation:
         self.dispatched += 1
         if node.info.numa_node != self.gateway_numa(request):
             self.cross_numa += 1
-        profile = node.model.profile
-        job = Job(
-            request.blocks,
-            request.input_tokens,
-            max(1, request.output_tokens),
-            profile.media_s(request.media),
-            now,
-            media_tokens=request.media_tokens,
-        )
+        job = engine_job(request, node.model, now)
         job.tag = _Attempt(request, name, parse_signature(request.signature)[0].value)
-        if not node.model.fits(job):
-            job.output_tokens = 1  # an engine truncates what cannot fit; the prompt itself always fits here
         node.opened += 1
         node.account(now, +1)
         node.jobs.add(job)

@@ -21,6 +21,7 @@ Times are model seconds given by the caller: `advance(now)` processes everything
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from collections import OrderedDict, deque
@@ -152,6 +153,21 @@ class EngineModel:
 
     def cached(self, block: int) -> bool:
         return block in self._refs or block in self._free
+
+    def copy(self) -> EngineModel:
+        """An independent copy of the engine's queue, batch and cache, for a what-if: its jobs are copies (their
+        times fill in on the copy alone; their tags are shared), its event lists start empty."""
+        twin = copy.copy(self)
+        jobs = {id(job): copy.copy(job) for job in (*self.waiting, *(job for _, _, job in self._decoding))}
+        if self.prefilling is not None:
+            jobs[id(self.prefilling)] = copy.copy(self.prefilling)
+            twin.prefilling = jobs[id(self.prefilling)]
+        twin.waiting = deque(jobs[id(job)] for job in self.waiting)
+        twin._decoding = [(finish, seq, jobs[id(job)]) for finish, seq, job in self._decoding]
+        twin._refs = dict(self._refs)
+        twin._free = OrderedDict(self._free)
+        twin.stored, twin.removed = [], []
+        return twin
 
     # --- driving ------------------------------------------------------------------------------------------
 

@@ -21,14 +21,17 @@ capacity back for a burst to come) is outside it. Its estimate leaves out what a
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prismlb.router import Settings
+from prismlb.semantics import Slice
 
-from ._cluster import RTO_S, _Node, _View, segments
-from ._model import DECODE_INTERFERENCE, EngineModel, Job, cached_tokens
+from ._cluster import RTO_S, _Node, _View, engine_job, segments
+from ._model import DECODE_INTERFERENCE, EngineModel, GpuClass, Job, cached_tokens
+from ._slo import pool_classes, slo_s
 from ._types import ClusterView, Policy, SimRequest
 from .policies._fallback import first_not_excluded
 
@@ -74,6 +77,28 @@ def _held(blocks: Sequence[int], model: EngineModel, queue: _Queue) -> int:
     return held
 
 
+def _expected(
+    request: SimRequest, model: EngineModel, queue: _Queue, loss: float, now: float, block_tokens: int
+) -> tuple[float, int]:
+    """The request's true time to first token on the engine `model` (`queue`: what has been read of its queue) if
+    sent now to a node losing `loss` of its segments, and its leading blocks cached there."""
+    queue.sync(model, block_tokens)
+    profile = model.profile
+    rate = profile.prefill_tokens_per_s
+    held = _held(request.blocks, model, queue)
+    cached = cached_tokens(request.input_tokens, request.media_tokens, held, block_tokens)
+    own_s = profile.media_s(request.media) + (request.input_tokens - cached) / rate
+    queued_s = queue.encoder_s + queue.tokens / rate
+    stretch = 1 + DECODE_INTERFERENCE * model.decoding / profile.max_batch
+    prefilling_s = model.prefill_end_s - now if model.prefilling is not None else 0.0
+    return max(0.0, prefilling_s) + (queued_s + own_s) * stretch + _stall_s(request, loss), held
+
+
+def _stall_s(request: SimRequest, loss: float) -> float:
+    """The retransmission stall a request's segments cost on average on a node losing `loss` of them."""
+    return loss * segments(request) * RTO_S
+
+
 Times = dict[str, tuple[float, int]]
 """Node name → (the request's true time to first token there, its leading blocks cached there)."""
 
@@ -99,29 +124,20 @@ class FullInformation(Policy):
         self.settings = Settings(cache_affinity=affinity)
         self._view: _View | None = None
         self._queues: dict[str, _Queue] = {}
+        self.classes: dict[Slice, frozenset[GpuClass]] = {}
+        """The GPU classes of each slice's pool, for a request's SLO (`_slo.slo_s`)."""
 
     def start(self, view: ClusterView, now: float) -> None:
         if not isinstance(view, _View):
             raise TypeError("the full-information reference reads the replay's own engines: it runs in a Simulation")
         self._view = view
         self._queues = {node.name: _Queue() for node in view.nodes}
+        self.classes = pool_classes([node.spec for info in view.nodes if (node := view.truth(info.name)) is not None])
 
     def expected(self, request: SimRequest, node: _Node, now: float) -> tuple[float, int]:
         """The request's time to first token on `node` if sent now, and how many of its leading blocks it would
         find cached there."""
-        model = node.model
-        queue = self._queues[node.spec.name]
-        queue.sync(model, self.block_tokens)
-        profile = model.profile
-        rate = profile.prefill_tokens_per_s
-        held = _held(request.blocks, model, queue)
-        cached = cached_tokens(request.input_tokens, request.media_tokens, held, self.block_tokens)
-        own_s = profile.media_s(request.media) + (request.input_tokens - cached) / rate
-        queued_s = queue.encoder_s + queue.tokens / rate
-        stretch = 1 + DECODE_INTERFERENCE * model.decoding / profile.max_batch
-        stall_s = node.loss * segments(request) * RTO_S
-        prefilling_s = model.prefill_end_s - now if model.prefilling is not None else 0.0
-        return max(0.0, prefilling_s) + (queued_s + own_s) * stretch + stall_s, held
+        return _expected(request, node.model, self._queues[node.spec.name], node.loss, now, self.block_tokens)
 
     def times(self, request: SimRequest, now: float, exclude: frozenset[str]) -> Times:
         """Each live node's (time to first token, leading blocks cached) for the request (`expected`), but those in
@@ -149,3 +165,83 @@ class FullInformation(Policy):
             return self.pick(request, times)
         assert self._view is not None
         return first_not_excluded([n.name for n in self._view.nodes], exclude)
+
+
+class Lookahead(FullInformation):
+    """The oracle, looking ahead: for each of its first `candidates` options (the rule's choice, the deepest holder,
+    then the quickest nodes), it plays the replay's next `horizon` requests (which it knows: `_View.requests`) on
+    copies of the engines, each placed by the oracle's rule, and takes the option under which the fewest of them
+    and the request miss their SLO (`_slo.slo_s`), the least total time to first token of equals, the rule's choice
+    of equals. A what-if by rollout, as a planner would do it with a perfect forecast: what looking ahead could
+    add to a placement made one request at a time. Rollouts leave out the node's foreign arrivals still to come."""
+
+    name = "oracle-lookahead"
+
+    def __init__(
+        self,
+        *,
+        block_tokens: int,
+        affinity: float = Settings().cache_affinity,
+        horizon: int = 24,
+        candidates: int = 3,
+    ) -> None:
+        super().__init__(block_tokens=block_tokens, affinity=affinity)
+        self.horizon, self.candidates = horizon, candidates
+        self._requests: Sequence[SimRequest] = ()
+        self._index: dict[int, int] = {}
+
+    def start(self, view: ClusterView, now: float) -> None:
+        super().start(view, now)
+        assert self._view is not None
+        self._requests = self._view.requests
+        self._index = {request.id: i for i, request in enumerate(self._requests)}
+
+    def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
+        times = self.times(request, now, exclude)
+        if not times:
+            return super().choose(request, now, exclude)
+        ranked = [self.pick(request, times), deepest(times), *sorted(times, key=lambda name: times[name][0])]
+        options = list(dict.fromkeys(ranked))[: self.candidates]
+        if len(options) == 1:
+            return options[0]
+        start = self._index[request.id] + 1
+        future = self._requests[start : start + self.horizon]
+        scores = {name: self.play(request, name, future, now, list(times)) for name in options}
+        return min(options, key=scores.__getitem__)
+
+    def play(
+        self, request: SimRequest, first: str, future: Sequence[SimRequest], now: float, names: Sequence[str]
+    ) -> tuple[int, float]:
+        """(SLO misses, total time to first token) of `request` sent to `first` now and of `future` after it, each
+        placed by the oracle's rule on `names`, on copies of their engines."""
+        assert self._view is not None
+        loss = {name: node.loss for name in names if (node := self._view.truth(name)) is not None}
+        models = {name: node.model.copy() for name in names if (node := self._view.truth(name)) is not None}
+        queues = {name: _Queue() for name in models}
+        placed: list[tuple[SimRequest, Job, float]] = []
+        for model in models.values():
+            model.advance(now)
+        target = first
+        for arrival in (request, *future):
+            t = max(now, arrival.arrival_s)
+            if arrival is not request:
+                for model in models.values():
+                    model.advance(t)
+                times = {
+                    name: _expected(arrival, model, queues[name], loss[name], t, self.block_tokens)
+                    for name, model in models.items()
+                }
+                target = self.pick(arrival, times)
+            job = engine_job(arrival, models[target], t)
+            models[target].submit(job, t)
+            placed.append((arrival, job, _stall_s(arrival, loss[target])))
+        for model in models.values():
+            while (due := model.next_event_s()) < math.inf:
+                model.advance(due)
+        misses, total = 0, 0.0
+        for arrival, job, stall in placed:
+            assert job.first_token_s is not None, "an engine run to the end gives every job its first token"
+            ttft = job.first_token_s - arrival.arrival_s + stall
+            misses += ttft > slo_s(arrival, self.classes)
+            total += ttft
+        return misses, total

@@ -89,7 +89,7 @@ def test_the_rules_table_divides_each_rule_by_the_best_baseline(bench: ModuleTyp
     rules = [f"oracle, {name}" for name in bench.RULES]
     policies = ["prism", "llm-d", "oracle", *rules]
     found = [Goodput("tenants-1", p, 2.0 if p == "llm-d" else 2.5, 1.0, 0.9, None, None) for p in policies]
-    text = bench.rules_table(found, ["tenants:1"], policies)
+    text = bench.rules_table(found, ["tenants:1"], policies, ["oracle", *rules])
     rows = text.splitlines()
     assert rows[2] == "| tenants-1 | llm-d 200% | " + " | ".join(["1.25×"] * (1 + len(rules))) + " |"
     assert rows[3].startswith("| geometric mean | | 1.250 |") and rows[4].startswith("| ≥ 1.2× | | 1 |")

@@ -3,14 +3,16 @@ within the affinity factor, and it sees what no router reads (a throttled GPU, f
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
 
 from prismlb.sim import SimRequest, Workload
 from prismlb.sim._cluster import Degrade, NodeSpec, Simulation
-from prismlb.sim._model import Job
-from prismlb.sim._oracle import FullInformation
+from prismlb.sim._model import PROFILES, EngineModel, Job
+from prismlb.sim._oracle import FullInformation, Lookahead
+from prismlb.sim._slo import slo_s
 
 from .test_sim_cluster import Spread, workload
 
@@ -103,3 +105,63 @@ def test_it_is_a_policy_the_replay_treats_like_any_other() -> None:
     results = [Simulation(workload(), p, NODES, utilisation=0.5, seed=0).run() for p in (oracle, spread)]
     assert all(r.completed == r.requests == 400 for r in results)
     assert results[0].policy == "oracle" and results[0].kv_hit_rate > results[1].kv_hit_rate
+
+
+def test_a_copied_engine_runs_on_its_own() -> None:
+    original = EngineModel(PROFILES["a100"], block_tokens=512)
+    for i in range(6):
+        original.submit(Job(tuple(range(10 * i, 10 * i + 4)), 4 * 512, 30, 0.0, 0.0), 0.0)
+    original.advance(0.5)  # some decoding, one in prefill, some waiting
+    assert original.decoding and original.prefilling is not None and original.waiting
+    waiting = len(original.waiting)
+    twin = original.copy()
+    twin.submit(Job((999,), 512, 1, 0.0, 0.5), 0.5)
+    ahead = [job for _, job in ((0, twin.prefilling), *((0, j) for j in twin.waiting))]
+    while (due := twin.next_event_s()) < math.inf:
+        twin.advance(due)
+    assert all(job.first_token_s is not None for job in ahead)
+    assert original.prefilling is not None and original.prefilling.first_token_s is None
+    assert len(original.waiting) == waiting and not original.cached(999) and twin.cached(999)
+    done = [job for job in (original.prefilling, *original.waiting)]
+    while (due := original.next_event_s()) < math.inf:
+        original.advance(due)
+    assert [job.first_token_s for job in done] == [job.first_token_s for job in ahead[:-1]]
+
+
+def test_a_rollout_foretells_the_replay_the_oracle_then_makes() -> None:
+    requests = workload(120, 0.002).requests
+    oracle = Recording(affinity=3.0)
+    Simulation(Workload("w", requests, 512, "test"), oracle, NODES, utilisation=2.0, seed=0).run()
+    ahead = Lookahead(block_tokens=512, affinity=3.0, horizon=len(requests))
+    replay = Simulation(Workload("w", requests, 512, "test"), ahead, NODES, utilisation=2.0, seed=0)
+    ahead.start(replay.view, 0.0)
+    first = requests[0]
+    chosen = FullInformation.choose(ahead, first, 0.0, frozenset())
+    misses, total = ahead.play(first, chosen, requests[1:], 0.0, [n.name for n in NODES])
+    measured = [oracle.measured_s[r.id] for r in requests]
+    assert total == pytest.approx(sum(measured), rel=1e-9)
+    assert misses == sum(t > slo_s(r, ahead.classes) for r, t in zip(requests, measured, strict=True)) > 0
+    assert all(not n.model.waiting and n.model.prefilling is None for n in replay.nodes.values())
+
+
+def test_looking_ahead_it_leaves_the_holder_free_for_the_prompt_to_come() -> None:
+    prompt = tuple(range(1, 9))
+    long = SimRequest(1, 0.0, 20 * 512, 1, tuple(range(100, 120)))  # fresh everywhere: 1 s on either node
+    follow = SimRequest(2, 0.001, 9 * 512, 1, (*prompt, 50))  # the held prompt and one block more
+    nodes = NODES[:2]
+    picks = {}
+    for policy in (FullInformation(block_tokens=512), Lookahead(block_tokens=512, horizon=1, candidates=2)):
+        replay = Simulation(Workload("two", [long, follow], 512, "test"), policy, nodes, utilisation=1.0, seed=0)
+        policy.start(replay.view, 0.0)
+        replay.nodes["n0"].model.load_context(Job(prompt, 8 * 512, 1, 0.0, 0.0))
+        picks[policy.name] = policy.choose(long, 0.0, frozenset())
+        assert not replay.nodes["n0"].model.waiting and not replay.nodes["n0"].model.cached(100)
+    assert picks == {"oracle": "n0", "oracle-lookahead": "n1"}
+
+
+def test_with_one_option_looking_ahead_is_the_oracle() -> None:
+    runs = [
+        Simulation(workload(200, 0.01), policy, NODES, utilisation=2.0, seed=0).run()
+        for policy in (FullInformation(block_tokens=512), Lookahead(block_tokens=512, candidates=1))
+    ]
+    assert runs[0].slices["all"] == runs[1].slices["all"]
