@@ -14,8 +14,9 @@ router's (the prefix index's delayed events, the routers' shared queue counts, t
 Its goodput against Prism's says how much of Prism's gap to an ideal is information and how much is the rule:
 placement is one decision per request, in order, without knowing what comes next, so no router with these
 inputs does better by seeing more. It is not an upper bound on every policy: a rule that looks ahead (holding
-capacity back for a burst to come) is outside it. Its estimate leaves out what an engine's admission adds
-(a full batch or cache holding the queue's head back) and requests still in their retransmission stall.
+capacity back for a burst to come) is outside it, and `Lookahead` measures what that could add, with a perfect
+forecast. Its estimate leaves out what an engine's admission adds (a full batch or cache holding the queue's head
+back) and requests still in their retransmission stall.
 """
 
 from __future__ import annotations
