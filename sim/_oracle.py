@@ -173,8 +173,10 @@ class Lookahead(FullInformation):
     then the quickest nodes), it plays the replay's next `horizon` requests (which it knows: `_View.requests`) on
     copies of the engines, each placed by the oracle's rule, and takes the option under which the fewest of them
     and the request miss their SLO (`_slo.slo_s`), the least total time to first token of equals, the rule's choice
-    of equals. A what-if by rollout, as a planner would do it with a perfect forecast: what looking ahead could
-    add to a placement made one request at a time. Rollouts leave out the node's foreign arrivals still to come."""
+    of equals. A what-if by rollout, as a planner would do it with a perfect forecast: what looking ahead could add
+    to a placement made one request at a time. Counting misses lets a rollout give up on requests already lost
+    (the attainment a goodput search reads rises, and the tail with it); with `lateness` it weighs the seconds past
+    each SLO instead. Rollouts leave out the node's foreign arrivals still to come."""
 
     name = "oracle-lookahead"
 
@@ -185,9 +187,10 @@ class Lookahead(FullInformation):
         affinity: float = Settings().cache_affinity,
         horizon: int = 24,
         candidates: int = 3,
+        lateness: bool = False,
     ) -> None:
         super().__init__(block_tokens=block_tokens, affinity=affinity)
-        self.horizon, self.candidates = horizon, candidates
+        self.horizon, self.candidates, self.lateness = horizon, candidates, lateness
         self._requests: Sequence[SimRequest] = ()
         self._index: dict[int, int] = {}
 
@@ -212,9 +215,10 @@ class Lookahead(FullInformation):
 
     def play(
         self, request: SimRequest, first: str, future: Sequence[SimRequest], now: float, names: Sequence[str]
-    ) -> tuple[int, float]:
-        """(SLO misses, total time to first token) of `request` sent to `first` now and of `future` after it, each
-        placed by the oracle's rule on `names`, on copies of their engines."""
+    ) -> tuple[float, float]:
+        """(SLO misses, or with `lateness` the seconds past their SLOs, and the total time to first token) of
+        `request` sent to `first` now and of `future` after it, each placed by the oracle's rule on `names`, on
+        copies of their engines."""
         assert self._view is not None
         loss = {name: node.loss for name in names if (node := self._view.truth(name)) is not None}
         models = {name: node.model.copy() for name in names if (node := self._view.truth(name)) is not None}
@@ -239,10 +243,11 @@ class Lookahead(FullInformation):
         for model in models.values():
             while (due := model.next_event_s()) < math.inf:
                 model.advance(due)
-        misses, total = 0, 0.0
+        missed, total = 0.0, 0.0
         for arrival, job, stall in placed:
             assert job.first_token_s is not None, "an engine run to the end gives every job its first token"
             ttft = job.first_token_s - arrival.arrival_s + stall
-            misses += ttft > slo_s(arrival, self.classes)
+            over_s = ttft - slo_s(arrival, self.classes)
+            missed += max(0.0, over_s) if self.lateness else over_s > 0
             total += ttft
-        return misses, total
+        return missed, total

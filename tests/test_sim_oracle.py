@@ -141,6 +141,11 @@ def test_a_rollout_foretells_the_replay_the_oracle_then_makes() -> None:
     measured = [oracle.measured_s[r.id] for r in requests]
     assert total == pytest.approx(sum(measured), rel=1e-9)
     assert misses == sum(t > slo_s(r, ahead.classes) for r, t in zip(requests, measured, strict=True)) > 0
+    late = Lookahead(block_tokens=512, affinity=3.0, lateness=True)
+    late.start(replay.view, 0.0)
+    over_s, _ = late.play(first, chosen, requests[1:], 0.0, [n.name for n in NODES])
+    expected_s = sum(max(0.0, t - slo_s(r, ahead.classes)) for r, t in zip(requests, measured, strict=True))
+    assert over_s == pytest.approx(expected_s, rel=1e-9) and over_s > 0
     assert all(not n.model.waiting and n.model.prefilling is None for n in replay.nodes.values())
 
 
