@@ -20,7 +20,7 @@ With `--rules` the sound search also takes the oracle under other rules (`RULES`
 spending a request's SLO, rather than a fixed factor of the least time, gets a myopic placement further. With
 `--lookahead` it also takes `oracle-lookahead` (`_oracle.Lookahead`): the oracle choosing each request's node by
 playing the requests to come, which it knows, on copies of the engines (a perfect forecast, rollouts of
-`LOOKAHEAD_HORIZON` requests over `LOOKAHEAD_CANDIDATES` options): what looking ahead could add.
+`Lookahead.HORIZON` requests over `Lookahead.CANDIDATES` options): what looking ahead could add.
 """
 
 from __future__ import annotations
@@ -52,16 +52,8 @@ from prismlb.sim._workload import LEVELS, WORKLOADS
 REFERENCES = ("oracle", "oracle-greedy")
 VARIANTS["oracle"] = lambda tokens: FullInformation(block_tokens=tokens)
 VARIANTS["oracle-greedy"] = lambda tokens: FullInformation(block_tokens=tokens, affinity=1.0)
-LOOKAHEAD = "oracle-lookahead"
-LOOKAHEAD_HORIZON = 128
-"""Requests each rollout plays after the one placed: on tenants-1 at 330% (2,000 requests) horizons of 8, 64 and 128
-(four options) attain 78.7%, 86.3% and 87.6% against the oracle's 84.4%: a short one misleads."""
-LOOKAHEAD_CANDIDATES = 8
-"""Options each placement plays out (every node of most clusters here): at 330% on tenants-1, eight options
-with a horizon of 64 attain 91.1% against four options' 86.3%."""
-VARIANTS[LOOKAHEAD] = lambda tokens: Lookahead(
-    block_tokens=tokens, horizon=LOOKAHEAD_HORIZON, candidates=LOOKAHEAD_CANDIDATES
-)
+LOOKAHEAD = Lookahead.name
+VARIANTS[LOOKAHEAD] = lambda tokens: Lookahead(block_tokens=tokens)
 
 
 class SloRule(FullInformation):

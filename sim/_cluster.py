@@ -316,7 +316,11 @@ class _View:
     """The `ClusterView` policies read."""
 
     def __init__(
-        self, nodes: Mapping[str, _Node], vector_period_s: float, agents: Callable[[float], list[NodeVector]]
+        self,
+        nodes: Mapping[str, _Node],
+        vector_period_s: float,
+        agents: Callable[[float], list[NodeVector]],
+        requests: Sequence[SimRequest] = (),
     ) -> None:
         self._nodes = nodes
         self._agents = agents
@@ -329,7 +333,7 @@ class _View:
         """The simulated time of the policy's current `start` or `tick`."""
         self.kv_subscribed = False
         self.kv_pending: deque[KvEvent] = deque()
-        self.requests: Sequence[SimRequest] = ()
+        self.requests = requests
         """The replay's requests in arrival order, those still to come included: what no router can know. Only the
         reference that measures what looking ahead would be worth (`_oracle.Lookahead`) reads it."""
 
@@ -417,8 +421,7 @@ class Simulation:
         self.degrade = tuple(degrade)
         self._rng = random.Random(seed)  # lost segments
         self._foreign_rng = random.Random(seed + 1)  # foreign arrivals, their sizes and block ids
-        self.view = _View(self.nodes, vector_period_s, self.agent_vectors)
-        self.view.requests = workload.requests
+        self.view = _View(self.nodes, vector_period_s, self.agent_vectors, workload.requests)
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self.ttft: list[tuple[str, float, float, bool]] = []  # (slice, first token time, ttft s, within its SLO)
