@@ -55,14 +55,13 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping
 
-from prismlb.semantics import ENGINE_LATENCY_KEY, Slice
+from prismlb.semantics import ENGINE_LATENCY_KEY, TAU0_MS, Slice
 from prismlb.wire import MAX_MS, MAX_TABLE_VALUE, NodeVector, TableNode
 
 from ._registry import EntryKey, NodeState
 from ._slices import overflow, pools
 from ._topology import TOPOLOGY_SLICES, WHOLE_NODE, gpu_entries
 
-TAU0_MS: Mapping[Slice, float] = {Slice.LLM: 800.0, Slice.VLM: 1200.0, Slice.AV: 250.0, Slice.RAG: 800.0}
 WEIGHT_STEP = 0.05
 WEIGHT_FLOOR = 0.05
 HYSTERESIS = 0.075

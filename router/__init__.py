@@ -44,6 +44,7 @@ from ._ring import Ring
 from ._router import Router
 from ._settings import Settings
 from ._snapshot import Endpoint
+from ._turns import Ticket
 
 if TYPE_CHECKING:
     from ._httpx import AsyncPrismTransport, PrismTransport
@@ -79,6 +80,7 @@ __all__ = [
     "Ring",
     "Router",
     "Settings",
+    "Ticket",
     "ShedError",
     "add_parser",
     "block_hash",

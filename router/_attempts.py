@@ -1,7 +1,8 @@
 """The attempts of one request: whether it may go again to another endpoint after one failed.
 
 One place decides it for `Router.call`, `Router.acall` and both httpx transports, sync and async alike, as
-httpx maps exceptions once for its sync and async transports: the callers do the I/O, this does none.
+httpx maps exceptions once for its sync and async transports: the callers do the I/O, this does none. The first
+attempt also waits here for the request's turn (`Router.turn`, `Settings.hold_tokens`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from prismlb.wire import NoRouteError
 
 from ._errors import ShedError
 from ._health import Outcome, classify
+from ._request import Key, Request
 
 if TYPE_CHECKING:
     from ._lease import Lease
-    from ._request import Key, Request
     from ._router import Router
+    from ._turns import Ticket
 
 
 class Attempts:
@@ -27,18 +29,53 @@ class Attempts:
     reset, a 500) may have run the request already, and running it twice is the caller's call, not the router's.
     """
 
-    __slots__ = ("_request", "_router", "_tries", "tried")
+    __slots__ = ("_request", "_router", "_silent", "_tries", "tried")
 
-    def __init__(self, router: Router, request: Request | Key, tries: int | None = None) -> None:
+    def __init__(
+        self, router: Router, request: Request | Key, tries: int | None = None, *, first_tokens: bool = False
+    ) -> None:
+        """`first_tokens`: the caller reports the first token (`Lease.first_token`: a streamed response), so the
+        request waits for its turn (`Router.turn`); one that does not (a response read whole) sends at once, and its
+        load, held to the end, is left out of the turns (`Lease` `silent`)."""
         self._router = router
-        self._request = request
+        self._request = request if isinstance(request, Request) else Request(key=request)
         self._tries = router.settings.connect_tries if tries is None else tries
+        self._silent = not first_tokens
         self.tried: list[str] = []
         """Labels of the endpoints tried so far (`Lease.label`), which later attempts exclude."""
 
     def first(self) -> Lease:
-        """The first attempt's lease (not begun). Raises what `Router.request` raises: NoRouteError, ShedError."""
-        return self._router.request(self._request)
+        """The first attempt's lease (not begun), after waiting up to `hold_max_s` for the request's turn. Raises
+        what `Router.request` raises: NoRouteError, ShedError."""
+        ticket = self._ticket()
+        if ticket is not None and not ticket.wait(self._router.settings.hold_max_s):
+            self._router.leave(ticket, expired=True)
+        return self._placed(ticket)
+
+    async def afirst(self) -> Lease:
+        """`first` for a coroutine: the wait does not block the event loop."""
+        router = self._router
+        ticket = self._ticket()
+        if ticket is not None:
+            try:
+                granted = await ticket.wait_async(router.settings.hold_max_s, router._lock)
+            except BaseException:  # cancelled while waiting: the turn goes to the next
+                router.leave(ticket)
+                raise
+            if not granted:
+                router.leave(ticket, expired=True)
+        return self._placed(ticket)
+
+    def _ticket(self) -> Ticket | None:
+        return self._router.turn(self._request) if self._router.holds and not self._silent else None
+
+    def _placed(self, ticket: Ticket | None) -> Lease:
+        try:
+            return self._router.request(self._request, turn=ticket, silent=self._silent)
+        except BaseException:
+            if ticket is not None:
+                self._router.leave(ticket)
+            raise
 
     def retry(self, lease: Lease, outcome: Outcome, *, refused: bool = False) -> Lease | None:
         """The next attempt's lease (not begun) after `lease` ended with `outcome`, or None: give up and hand the
@@ -50,7 +87,7 @@ class Attempts:
             return None
         self.tried.append(lease.label)
         try:
-            return self._router.request(self._request, exclude=self.tried)
+            return self._router.request(self._request, exclude=self.tried, silent=self._silent)
         except (NoRouteError, ShedError):
             return None
 

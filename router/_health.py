@@ -87,6 +87,7 @@ class EndpointState:
         "outcomes",
         "peers",
         "settings",
+        "silent",
         "state",
         "timeouts",
         "trials",
@@ -100,6 +101,7 @@ class EndpointState:
         self.peers = peers  # every endpoint state of the router, for the cap on open circuits (None: alone)
         self.inflight = 0
         self.load = 0  # what bounded load compares: requests in flight, or their prefill work (Settings.load)
+        self.silent = 0  # the part of `load` whose callers report no first token (held to the end, unseen by turns)
         self.gated = False  # unavailable now, or recently: admits() decides
         self.fails = 0
         self.fails_since = 0.0

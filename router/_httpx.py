@@ -214,12 +214,12 @@ class _Run:
     exception or a response status means for the next. The transports only send and close (as httpx maps
     exceptions once for its sync and async transports); this does no I/O."""
 
-    def __init__(self, request: httpx.Request, attempts: Attempts, streamed: bool) -> None:
+    def __init__(self, request: httpx.Request, attempts: Attempts, streamed: bool, lease: Lease) -> None:
         self._request = request
         self._attempts = attempts
         self._streamed = streamed
-        self.lease = attempts.first()
-        """The current attempt's lease."""
+        self.lease = lease
+        """The current attempt's lease (the first's from `Attempts.first` or `afirst`, after the request's turn)."""
 
     def forwarded(self) -> httpx.Request:
         """The request re-addressed to the current attempt's endpoint."""
@@ -343,12 +343,13 @@ class _Routing(Generic[_Transport]):
         self._tries = tries
         self._tokenize = tokenize
 
-    def _run(self, request: httpx.Request) -> _Run:
-        """The attempts of `request`, its body read."""
+    def _attempts(self, request: httpx.Request) -> tuple[Attempts, bool]:
+        """The attempts of `request`, its body read, and whether it is streamed: a streamed request reports its
+        first token and waits for its turn (`Router.turn`); one read whole does neither."""
         described, streamed = describe(
             request, self._block_size, self._prefix_tokens, self._tokenize, self._router.rejects
         )
-        return _Run(request, Attempts(self._router, described, self._tries), streamed)
+        return Attempts(self._router, described, self._tries, first_tokens=streamed), streamed
 
 
 class PrismTransport(_Routing[httpx.BaseTransport], httpx.BaseTransport):
@@ -359,7 +360,8 @@ class PrismTransport(_Routing[httpx.BaseTransport], httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         request.read()
-        run = self._run(request)
+        attempts, streamed = self._attempts(request)
+        run = _Run(request, attempts, streamed, attempts.first())
         while True:
             run.lease.begin()
             try:
@@ -389,7 +391,8 @@ class AsyncPrismTransport(_Routing[httpx.AsyncBaseTransport], httpx.AsyncBaseTra
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await request.aread()
-        run = self._run(request)
+        attempts, streamed = self._attempts(request)
+        run = _Run(request, attempts, streamed, await attempts.afirst())
         while True:
             run.lease.begin()
             try:

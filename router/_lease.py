@@ -31,12 +31,15 @@ class Lease:
         "_held",
         "_lock",
         "_outcome",
+        "_placed",
         "_slow_s",
         "_started",
         "_state",
         "_trial",
         "_units",
+        "_silent",
         "_until_first",
+        "_wake",
         "endpoint",
         "headers",
         "label",
@@ -56,6 +59,9 @@ class Lease:
         *,
         units: int = 1,
         until_first_token: bool = False,
+        silent: bool = False,
+        wake: Callable[[], None] | None = None,
+        placed: Callable[[], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.headers = headers
@@ -73,6 +79,9 @@ class Lease:
         self._units = units  # what the request adds to its endpoint's and group's load ...
         self._until_first = until_first_token  # ... until its first token, else until it ends
         self._held = 0
+        self._silent = silent  # its caller reports no first token: its load is held to the end, unseen by turns
+        self._wake = wake  # the router's waiting room, told when this lease's load falls
+        self._placed = placed  # ... and when the request whose turn it was is placed
 
     @property
     def node_id(self) -> str:
@@ -90,8 +99,12 @@ class Lease:
         with self._lock:
             self._trial = self._state.start(now, self._units)
             self._counter.value += self._units
+            if self._silent:
+                self._state.silent += self._units
         self._held = self._units
         self._started = now
+        if self._placed is not None:
+            self._placed()
 
     def first_token(self) -> None:
         """Mark the arrival of the first token; later calls are ignored."""
@@ -101,7 +114,11 @@ class Lease:
                 with self._lock:
                     self._state.load -= self._held
                     self._counter.value -= self._held
+                    if self._silent:
+                        self._state.silent -= self._held
                 self._held = 0
+                if self._wake is not None:
+                    self._wake()
 
     def fail(self, outcome: Outcome = Outcome.ERROR) -> None:
         """Report this outcome when the lease ends, whatever else happens."""
@@ -122,7 +139,11 @@ class Lease:
             self._state.end(outcome, self._trial, now)
             self._state.load -= self._held
             self._counter.value -= self._held
+            if self._silent:
+                self._state.silent -= self._held
         self._held = 0
+        if self._wake is not None:
+            self._wake()
         return outcome
 
     def __enter__(self) -> Self:

@@ -41,12 +41,18 @@ class Request:
     prefix index to expect each node's time to first token (`Settings.prefix_index`)."""
     block_size: int = BLOCK_SIZE
     """Tokens per block of `blocks`: the engines' KV block size."""
+    slo_s: float | None = None
+    """The caller's TTFT target in seconds, which orders the requests the router holds back (`Settings.hold_tokens`);
+    None: the project's rule (`semantics.ttft_slo_s`) over the slice's τ0 and the prompt's prefill on the slice's
+    slowest node."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cost, int) or self.cost < 1:
             raise ValueError(f"cost must be a positive integer (prompt tokens), got {self.cost!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer (tokens), got {self.block_size!r}")
+        if self.slo_s is not None and not self.slo_s > 0:
+            raise ValueError(f"slo_s must be positive seconds or None, got {self.slo_s!r}")
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str], *, key: Key | None = None, slice: str | None = None) -> Request:

@@ -15,6 +15,7 @@ from typing import Self, TypeVar
 import zmq
 from prometheus_client import CollectorRegistry
 
+from prismlb.semantics import Slice, ttft_slo_s
 from prismlb.wire import (
     MAX_PLACED_BLOCKS,
     MAX_ROUTER_LOAD_NODES,
@@ -43,6 +44,7 @@ from ._request import CONTEXT_HEADER, SESSION_HEADER, Key, Request, slice_of
 from ._sessions import Session, SessionTable
 from ._settings import Settings
 from ._snapshot import Endpoint, Group, InFlight, SliceRoute, Snapshot, build
+from ._turns import Ticket, Turns
 
 _log = logging.getLogger("prism.router")
 ECHO_ALPHA = 0.1
@@ -148,6 +150,10 @@ class Router:
         self._shares: tuple[float, float] | None = None  # averages of this router's and its peers' queued work
         self._placed_out: collections.deque[tuple[str, Sequence[int]]] = collections.deque(maxlen=MAX_PENDING_PLACED)
         """Placements not reported yet: (node, blocks the node did not hold), appended by any caller's thread."""
+        self.holds = self.settings.hold_tokens > 0 and self.settings.load == "prefill"
+        """Whether requests wait for their turn (`Settings.hold_tokens`, with `load="prefill"`)."""
+        self.turns = Turns()
+        """The waiting room (`turn`), read under the accounting lock."""
         self.index = PrefixIndex(self.settings.placed_ttl_s)
         """Which nodes cache which prompt blocks: fed by the cluster's KV events (the brain's stream, or the
         caller's own feed) and by this router's placements; read by the expected-TTFT choice."""
@@ -260,6 +266,7 @@ class Router:
             self._states = {label: s for label, s in self._states.items() if label in used_states}
             self._counters = {name: c for name, c in self._counters.items() if name in used_counters}
         self._has_table.set()
+        self._wake()
         first_of_epoch = current is None or current.table.epoch != table.epoch
         _log.log(
             logging.INFO if first_of_epoch else logging.DEBUG,
@@ -394,6 +401,7 @@ class Router:
             self._echo = min(ceiling, avg_theirs / avg_mine) if avg_mine > 0 else float(ceiling)
         self._fresh = {}
         self._peer_load, self._peer_at = peers, now
+        self._wake()
 
     def _on_cluster_load(self, load: ClusterLoad) -> None:
         self.apply_cluster_load(load.loads, load.placed, load.routers)
@@ -433,10 +441,21 @@ class Router:
         group, index, _, _, _ = self._place(Request(key=request, slice=slice_name), ())
         return group.entries[index][4]
 
-    def request(self, request: Request | Key, slice_name: str | None = None, *, exclude: Collection[str] = ()) -> Lease:
+    def request(
+        self,
+        request: Request | Key,
+        slice_name: str | None = None,
+        *,
+        exclude: Collection[str] = (),
+        turn: Ticket | None = None,
+        silent: bool = False,
+    ) -> Lease:
         """Place a request and return its lease: use it as `with router.request(...) as lease:`.
 
         `exclude` holds entry labels (`Lease.label`) this request must not go to, such as ones already tried.
+        `turn` is the request's granted ticket (`turn`), whose lease beginning lets the slice's next request be
+        considered; `silent`: its caller will not report a first token (a response read whole), so its load stays
+        to the end and the waiting room does not count it.
         """
         if not isinstance(request, Request):
             request = Request(key=request, slice=slice_name)
@@ -461,12 +480,19 @@ class Router:
             self.clock,
             units=units if prefill else 1,
             until_first_token=prefill,
+            silent=silent,
+            wake=self._wake if self.holds else None,
+            placed=None if turn is None else lambda: self._placed(turn),
         )
 
-    def call(self, request: Request | Key, fn: Callable[[Lease], T], *, tries: int | None = None) -> T:
+    def call(
+        self, request: Request | Key, fn: Callable[[Lease], T], *, tries: int | None = None, first_tokens: bool = False
+    ) -> T:
         """`fn(lease)` inside a lease; when connecting fails (`ConnectionRefusedError`), again on the next probe,
-        up to `tries` attempts (default `settings.connect_tries`; `Attempts` decides)."""
-        attempts = Attempts(self, request, tries)
+        up to `tries` attempts (default `settings.connect_tries`; `Attempts` decides). `first_tokens`: `fn` calls
+        `lease.first_token()` when the first token arrives, so the request waits for its turn (`Settings.hold_tokens`);
+        a caller that does not would hold its prefill as queued to the end, and requests would wait behind it."""
+        attempts = Attempts(self, request, tries, first_tokens=first_tokens)
         lease = attempts.first()
         while True:
             with lease:
@@ -479,11 +505,17 @@ class Router:
             lease = following
 
     async def acall(
-        self, request: Request | Key, fn: Callable[[Lease], Awaitable[T]], *, tries: int | None = None
+        self,
+        request: Request | Key,
+        fn: Callable[[Lease], Awaitable[T]],
+        *,
+        tries: int | None = None,
+        first_tokens: bool = False,
     ) -> T:
-        """`call` for coroutines: `await fn(lease)`, retried on the next probe when connecting fails."""
-        attempts = Attempts(self, request, tries)
-        lease = attempts.first()
+        """`call` for coroutines: `await fn(lease)`, retried on the next probe when connecting fails; the wait for
+        the request's turn does not block the event loop."""
+        attempts = Attempts(self, request, tries, first_tokens=first_tokens)
+        lease = await attempts.afirst()
         while True:
             async with lease:
                 try:
@@ -493,6 +525,104 @@ class Router:
                     if following is None:
                         raise
             lease = following
+
+    def turn(self, request: Request) -> Ticket:
+        """Join the waiting room (`Settings.hold_tokens`): the request's ticket, granted at once while its slice has
+        room and nobody is waiting, else when its turn comes. Raises what placing it would: NoRouteError,
+        ShedError. Wait with `Ticket.wait`, then place with `request(..., turn=ticket)`, or `leave` it."""
+        _, target = self._slice(request)
+        now = self.clock()
+        group = target.group
+        if request.slo_s is not None:
+            budget = request.slo_s
+        else:
+            try:
+                slice_ = Slice(request.slice) if request.slice is not None else slice_of(request.modality)
+            except ValueError:  # a slice of the table's own naming ("default"): the text slice's target
+                slice_ = slice_of(None)
+            # Its prefill alone on the slice's slowest node, at the speed assumed until the brain has measured one.
+            rate = min(group.rates) if group.timed else self.settings.assumed_prefill_tokens_per_s
+            budget = ttft_slo_s(slice_, request.cost / rate)
+        ticket = Ticket(request, target.name, now, now + budget)
+        with self._lock:
+            self.turns.join(ticket)
+            self._grant(now)
+        return ticket
+
+    def leave(self, ticket: Ticket, *, expired: bool = False) -> None:
+        """Stop waiting for `ticket`'s turn (`expired`: it waited `hold_max_s` and goes anyway), or give back its
+        grant unused (a caller that gave up, or failed before placing it), so the slice's next request is
+        considered."""
+        with self._lock:
+            self.turns.leave(ticket, expired=expired)
+            self._grant(self.clock())
+
+    def _placed(self, ticket: Ticket) -> None:
+        with self._lock:
+            self.turns.placed(ticket)
+            self._grant(self.clock())
+
+    def _wake(self) -> None:
+        """Some queue fell (a first token, an end, the peers' sums): let go what now has room."""
+        if self.turns.waiting:
+            with self._lock:
+                self._grant(self.clock())
+
+    def _grant(self, now: float) -> None:
+        """Under the accounting lock: in every slice with requests waiting, let go those waiting `hold_max_s`, and
+        the earliest-deadline one while an entry of the slice has at most `hold_tokens` queued and no other
+        ticket of the slice is granted and not yet placed (one at a time, so each sees the queues the last left)."""
+        if not self.turns.waiting:
+            return
+        snapshot = self._snapshot
+        hold_max_s = self.settings.hold_max_s
+        for key, room in self.turns.rooms.items():
+            for ticket in room.expired(now - hold_max_s):
+                self.turns.grant(ticket, now, expired=True)
+            if room.granted is not None and now - room.granted_at < hold_max_s:
+                continue
+            head = room.first(1)
+            if not head:
+                continue
+            target = snapshot.routes.get(key) if snapshot is not None else None
+            if target is None or any(  # a slice gone from the table: placing it will say so
+                self._room(group, now) for group in (target.group, target.overflow) if group is not None
+            ):
+                self.turns.grant(head[0], now)
+
+    def _room(self, group: Group, now: float) -> bool:
+        """Whether some available entry of `group` has at most `hold_tokens` of prefill queued that will report a
+        first token (this router's and its peers')."""
+        limit = self.settings.hold_tokens
+        peers, echo, fresh = self._peers(now)
+        for i, (state, _, _, _, _) in enumerate(group.entries):
+            if state.gated and not state.admits(now):
+                continue
+            if self._queued(group, i, peers, echo, fresh) - state.silent <= limit:
+                return True
+        return False
+
+    def _peers(self, now: float) -> tuple[Mapping[str, float] | None, float, Mapping[str, float]]:
+        """(peers' queued prefill per node, `echo`, this router's fresh placements per node): the peers' sums while
+        fresh (`peer_load_ttl_s`), else (None, 0, {})."""
+        if now - self._peer_at <= self.settings.peer_load_ttl_s:
+            return self._peer_load, self._echo, self._fresh
+        return None, 0.0, {}
+
+    @staticmethod
+    def _queued(
+        group: Group, i: int, peers: Mapping[str, float] | None, echo: float, fresh: Mapping[str, float]
+    ) -> float:
+        """Entry `i`'s queued prefill work in tokens: this router's, its peers' (spread over the node's per-GPU
+        entries) and the `echo` of what it placed since the peers' sums."""
+        state, _, _, _, endpoint = group.entries[i]
+        node_id = endpoint.node_id
+        queued: float = state.load
+        if peers and node_id in peers:
+            queued += peers[node_id] / len(group.by_node[node_id])
+        if echo and node_id in fresh:
+            queued += echo * fresh[node_id] / len(group.by_node[node_id])
+        return queued
 
     def slice_of(self, slice_name: str | None = None) -> str:
         """The slice whose entries take a request named for `slice_name` (None: the text slice): that slice, or the
@@ -792,20 +922,14 @@ class Router:
         if kept is not None and kept not in candidates:
             candidates.append(kept)
         cost = request.cost
-        peers = self._peer_load if now - self._peer_at <= self.settings.peer_load_ttl_s else None
-        echo, fresh = (self._echo, self._fresh) if peers is not None else (0.0, {})
+        peers, echo, fresh = self._peers(now)
         out: dict[int, tuple[float, float]] = {}
         for i in candidates:
             state, _, _, _, endpoint = entries[i]
             if (state.gated and not state.admits(now)) or (exclude and state.label in exclude):
                 continue
-            node_id = endpoint.node_id
-            queued = state.load
-            if peers and node_id in peers:  # a node's peers' work spreads over its per-GPU entries
-                queued += peers[node_id] / len(group.by_node[node_id])
-            if echo and node_id in fresh:
-                queued += echo * fresh[node_id] / len(group.by_node[node_id])
-            own = cost - self._cached(request, depths.get(node_id, 0))
+            queued = self._queued(group, i, peers, echo, fresh)
+            own = cost - self._cached(request, depths.get(endpoint.node_id, 0))
             scale, stall = group.stretch[i] / group.rates[i], group.stall[i]
             out[i] = ((queued + own) * scale + stall, own * scale + stall)
         return out, echo

@@ -56,6 +56,20 @@ class Settings:
     peer_load_ttl_s: float = 2.0
     """How long the peers' queued prefill work from the brain is used after it arrived: past it (a brain gone,
     a lost stream) the router counts its own queue alone, as it would without peers."""
+    hold_tokens: int = 2048
+    """With `load="prefill"`, requests whose callers report first tokens (the httpx transports' streamed requests,
+    `Router.call(..., first_tokens=True)`) wait at the router while every entry of their slice (and its overflow)
+    has more than this many prompt tokens queued (sent, no first token yet, this router's and its peers'), and go in
+    order of deadline: arrival plus TTFT SLO (`Request.slo_s`, else `semantics.ttft_slo_s`; docs/router.md). An
+    engine serves its queue in arrival order; kept short, the order is the router's, and a short prompt due soon no
+    longer waits behind long ones. 2048 was chosen over 1 and 8192 across every workload of the replay at once
+    (docs/eval.md): with 8192 the engines' queues are long enough to keep most of their order (0: never hold)."""
+    assumed_prefill_tokens_per_s: float = 10_000.0
+    """The prefill speed a waiting request's deadline assumes while the brain has measured none in its slice (a
+    cold start): an 8B model on an A100. Deadlines need seconds: without a speed every prompt would get τ0 alone,
+    and the first seconds' requests would go in arrival order, long prompts before short ones."""
+    hold_max_s: float = 10.0
+    """The longest a request waits for its turn; then it goes whatever the queues (counted as expired)."""
     balance: float = 1.05
     """Bounded-load factor c: an entry takes a request only while its load stays under c × its weighted share
     of the slice's load (Mirrokni et al.); 0 turns the bound off."""
@@ -143,6 +157,17 @@ class Settings:
             raise ValueError(f"placed_ttl_s must not be negative, got {self.placed_ttl_s}")
         if self.max_ring_points < 1 or self.drop_hold_s < 0:
             raise ValueError("max_ring_points must be at least 1 and drop_hold_s not negative")
-        for name in ("fail_timeout_s", "slow_s", "open_s", "session_ttl_s", "load_report_s", "peer_load_ttl_s"):
+        if self.hold_tokens < 0:
+            raise ValueError(f"hold_tokens must be 0 (off) or positive, got {self.hold_tokens}")
+        for name in (
+            "fail_timeout_s",
+            "slow_s",
+            "open_s",
+            "session_ttl_s",
+            "load_report_s",
+            "peer_load_ttl_s",
+            "hold_max_s",
+            "assumed_prefill_tokens_per_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -73,6 +73,8 @@ class Group:
     rates: tuple[float, ...]
     """Each entry's prefill speed in prompt tokens per second: the brain's estimate, else the median of the
     group's estimates, else 1 for all (then expected times only compare, which is all they are used for)."""
+    timed: bool
+    """Whether any entry's prefill speed is known: whether `rates` are in tokens per second."""
     stretch: tuple[float, ...]
     """Each entry's highest weight in the group over its own: how much its expected time to first token is
     stretched for the health and tail latency the brain saw there."""
@@ -224,6 +226,7 @@ def _group(
         balance=settings.balance,
         index={label: i for i, label in enumerate(ring.labels)},
         rates=tuple(n.prefill_tokens_per_s or typical for n in ring.entries),
+        timed=bool(known),
         stretch=tuple(top / w for w in ring.weights),
         stall=tuple((n.stall_ms or 0.0) / 1000 if known else 0.0 for n in ring.entries),
         by_node={node: tuple(indices) for node, indices in by_node.items()},

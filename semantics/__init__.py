@@ -1,5 +1,5 @@
 """What the parts of Prism must agree on beyond the wire format: node health, NUMA weights, A/B arm and
-zone assignment, modality slices, the KV Bloom filter and the one quantile rule."""
+zone assignment, modality slices, the TTFT SLO, the KV Bloom filter and the one quantile rule."""
 
 from ._arms import assign_arm, assign_zone
 from ._bloom import (
@@ -15,6 +15,7 @@ from ._bloom import (
 from ._health import DIMENSIONS, Dimension, Health, health
 from ._modality import DEFAULT_SLICE, ENGINE_LATENCY_KEY, MODALITY_HEADER, Slice, parse_signature
 from ._numa import CROSS_NUMA, SAME_NUMA, numa_factor
+from ._slo import SLO_SCALE, TAU0_MS, ttft_slo_s
 from ._stats import quantile
 
 __all__ = [
@@ -30,7 +31,9 @@ __all__ = [
     "Health",
     "MODALITY_HEADER",
     "SAME_NUMA",
+    "SLO_SCALE",
     "Slice",
+    "TAU0_MS",
     "assign_arm",
     "assign_zone",
     "block_key",
@@ -41,4 +44,5 @@ __all__ = [
     "numa_factor",
     "parse_signature",
     "quantile",
+    "ttft_slo_s",
 ]

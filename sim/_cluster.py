@@ -465,6 +465,9 @@ class Simulation:
         while remaining:
             now, _, kind, payload = heapq.heappop(self._heap)
             remaining -= handlers[kind](now, payload)
+            while self.policy.holding and (released := self.policy.released(now)):
+                for request in released:
+                    remaining -= self._send(now, (request, frozenset(), 0))
             if kind == "vectors" and now > span and self._idle():
                 raise RuntimeError(f"{remaining} requests unaccounted for with every node idle (a replay bug)")
         for node in self.nodes.values():
@@ -481,14 +484,23 @@ class Simulation:
         return self._result(now, time.perf_counter() - started)
 
     def _idle(self) -> bool:
-        """No request queued or running anywhere, and none about to arrive or be retried."""
-        return all(not n.model.running and not n.model.waiting for n in self.nodes.values()) and not any(
-            kind == "arrive" for _, _, kind, _ in self._heap
+        """No request queued or running anywhere, held by the policy, or about to arrive or be retried."""
+        return (
+            all(not n.model.running and not n.model.waiting for n in self.nodes.values())
+            and not self.policy.holding
+            and not any(kind == "arrive" for _, _, kind, _ in self._heap)
         )
 
     # --- events -------------------------------------------------------------------------------------------
 
     def _arrive(self, now: float, payload: object) -> int:
+        request, _, attempts = cast(tuple[SimRequest, frozenset[str], int], payload)
+        if not attempts and not self.policy.admit(request, now):
+            return 0
+        return self._send(now, payload)
+
+    def _send(self, now: float, payload: object) -> int:
+        """An attempt of a request the policy let go: its choice, the connect, the engine's queue."""
         request, exclude, attempts = cast(tuple[SimRequest, frozenset[str], int], payload)
         name = self.policy.choose(request, now, exclude)
         node = self.nodes[name]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from prismlb.brain import BrainConfig, LoadRelay
-from prismlb.router import PREFIX_TOKENS, Lease, Outcome, Request, Router, Settings
+from prismlb.router import PREFIX_TOKENS, Lease, Outcome, Request, Router, Settings, Ticket
 from prismlb.wire import LOAD_REFRESH_S
 
 from ._cluster import KV_EVENT_DELAY_S
@@ -101,6 +101,8 @@ class PrismPolicy(Policy):
         self.sessions = sessions
         self._next_train = train_interval_s
         self._leases: dict[int, Lease] = {}
+        self._tickets: dict[int, Ticket] = {}  # request id -> its turn, until it is placed
+        self._held: dict[int, SimRequest] = {}  # requests waiting for their turn, by id (in arrival order)
 
     def _clock(self) -> float:
         return self.now
@@ -144,10 +146,9 @@ class PrismPolicy(Policy):
     def start(self, view: ClusterView, now: float) -> None:
         self.tick(view, now)
 
-    def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
-        self.now = now
-        router = self.routers[request.id % len(self.routers)]
-        placed = Request(
+    def _request(self, request: SimRequest) -> Request:
+        """The request as the library's helpers describe it to the router."""
+        return Request(
             key=affinity_key(request, self.block_tokens),
             modality=request.signature,
             session=request.session if self.sessions else None,
@@ -155,7 +156,37 @@ class PrismPolicy(Policy):
             blocks=caller_blocks(request, self.block_tokens),
             block_size=self.block_tokens,
         )
-        lease = router.request(placed, exclude=exclude)
+
+    def admit(self, request: SimRequest, now: float) -> bool:
+        """The request joins its router's waiting room (`Router.turn`), as `Router.call` and the transports have it
+        wait: it goes at once when granted at once, else when `released` finds its ticket granted."""
+        self.now = now
+        router = self.routers[request.id % len(self.routers)]
+        if not router.holds:
+            return True
+        ticket = router.turn(self._request(request))
+        self._tickets[request.id] = ticket
+        if ticket.granted:
+            return True
+        self._held[request.id] = request
+        return False
+
+    def released(self, now: float) -> list[SimRequest]:
+        self.now = now
+        out = [r for r in self._held.values() if self._tickets[r.id].granted]
+        for r in out:
+            del self._held[r.id]
+        return out
+
+    @property
+    def holding(self) -> int:
+        return len(self._held)
+
+    def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
+        self.now = now
+        router = self.routers[request.id % len(self.routers)]
+        ticket = self._tickets.pop(request.id, None)
+        lease = router.request(ticket.request if ticket else self._request(request), exclude=exclude, turn=ticket)
         self._leases[request.id] = lease
         return lease.node_id
 

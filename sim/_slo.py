@@ -6,13 +6,11 @@ A request's SLO is one a well-run cluster can meet:
 
 The unloaded TTFT is what the engine model (`_model.EngineModel`) gives the request alone on an idle node: its
 media encoders plus its whole prompt at the class's prefill rate (no queue, no cache hit, no decode batch to
-share steps with). τ0 (`brain.TAU0_MS`) is the slice's interactive tolerance, the floor for short prompts;
+share steps with). τ0 (`semantics.TAU0_MS`) is the slice's interactive tolerance, the floor for short prompts;
 the scaled term takes over for long ones, which no router can prefill within τ0.
 
-SLO_SCALE = 5, after DistServe (OSDI'24), which sets TTFT SLOs as multiples of a single-request baseline latency,
-and Mooncake (FAST'25), which sets its TTFT threshold as a multiple of the TTFT of a single request processed
-without interference. 5× lets a request wait behind a few prompts of its own size and still meet its SLO,
-while one stuck behind a hot node's backlog misses it.
+The rule and its constants are the project's one TTFT target (`prismlb.semantics.ttft_slo_s`), which Prism's
+router also orders the requests it holds back by (`Settings.hold_tokens`).
 
 Slices come from the request's signature as the router maps them (`prismlb.semantics.parse_signature`), pools
 from the node labels as the brain forms them (`brain._slices.pools`, an empty pool falling back along its
@@ -30,17 +28,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from prismlb.brain import TAU0_MS
 from prismlb.brain._slices import fallback, pools
-from prismlb.semantics import Slice, parse_signature
+from prismlb.semantics import SLO_SCALE, Slice, parse_signature, ttft_slo_s
 from prismlb.wire import NodeMetrics, NodeVector
 
 from ._cluster import NodeSpec
 from ._model import PROFILES, GpuClass, cached_tokens
 from ._types import SimRequest, Workload
 
-SLO_SCALE = 5.0
-"""TTFT SLO as a multiple of the request's unloaded TTFT on its pool's slowest class (DistServe, Mooncake)."""
 GOODPUT_TARGET = 0.9
 """Share of requests that must meet their SLO for a load to count towards goodput (DistServe's 90%)."""
 SEARCH_START = 0.8
@@ -127,7 +122,7 @@ def slo_s(request: SimRequest, classes: Mapping[Slice, frozenset[GpuClass]]) -> 
     """The request's TTFT SLO in seconds, given the pool classes of the cluster (`pool_classes`)."""
     slice_ = slice_of(request)
     slowest = max((unloaded_ttft_s(request, c) for c in classes[slice_]), default=0.0)
-    return max(TAU0_MS[slice_] / 1000, SLO_SCALE * slowest)
+    return ttft_slo_s(slice_, slowest)
 
 
 def attainment(workload: Workload, ttft_s: Mapping[int, float], nodes: Sequence[NodeSpec]) -> float:

@@ -109,8 +109,9 @@ class ClusterView(Protocol):
 
 class Policy(ABC):
     """A routing policy under replay. The simulator calls, in simulated time `now` (seconds):
-    `start` once, `choose` per attempt, `dispatched` / `first_token` / `finished` per attempt, `tick` every
-    `tick_s`. `choose` must not return a name in `exclude` unless every node is excluded."""
+    `start` once, `admit` per request (a policy may hold it and hand it back through `released`), `choose` per
+    attempt, `dispatched` / `first_token` / `finished` per attempt, `tick` every `tick_s`. `choose` must not return
+    a name in `exclude` unless every node is excluded."""
 
     name: str = "policy"
     tick_s: float = 1.0
@@ -121,6 +122,21 @@ class Policy(ABC):
     @abstractmethod
     def choose(self, request: SimRequest, now: float, exclude: frozenset[str]) -> str:
         """The node name for this attempt of `request`."""
+
+    def admit(self, request: SimRequest, now: float) -> bool:
+        """Whether the request, arriving, goes at once (`choose` follows); False: the policy holds it until
+        `released` hands it back."""
+        return True
+
+    def released(self, now: float) -> list[SimRequest]:
+        """Held requests to send now, in order; the simulator asks again after sending them, and after every event,
+        while `holding` is not 0."""
+        return []
+
+    @property
+    def holding(self) -> int:
+        """Requests the policy holds."""
+        return 0
 
     def dispatched(self, node: str, request: SimRequest, now: float) -> None:
         """The request was sent to `node` (or the connect was tried)."""

@@ -1,0 +1,151 @@
+"""The router's waiting room: requests held back while their slice has no room, let go earliest deadline first.
+
+An engine serves its queue in arrival order: a request sent to a queue waits behind everything sent there before it,
+however much sooner it must start. A router that sends only while some node of the slice has less than an engine
+step's worth of prefill queued (`Settings.hold_tokens`) keeps the engines' queues short and the order its own: the
+requests it holds go in order of deadline, their arrival plus their TTFT SLO (`semantics.ttft_slo_s`), so a short
+prompt due in 800 ms is not stuck behind a long one that may take seconds. Nothing waits while there is room, so an
+unloaded cluster sees no difference; nothing waits longer than `Settings.hold_max_s`.
+
+The room is the router's rule (`Router._grant`); this module is its bookkeeping: the tickets, one deadline-ordered
+heap per slice, and the ways a caller waits for its turn (a thread, a coroutine, or a simulation that asks which
+tickets were granted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from ._request import Request
+
+
+class Ticket:
+    """One request's place in the waiting room. `granted` turns True when it may go (or when it has waited
+    `hold_max_s`); the caller then places it with `Router.request(..., turn=ticket)`, whose lease beginning lets
+    the next request of the slice be considered."""
+
+    __slots__ = ("_event", "_future", "deadline", "granted", "joined", "left", "request", "slice_key")
+
+    def __init__(self, request: Request, slice_key: str, joined: float, deadline: float) -> None:
+        self.request = request
+        self.slice_key = slice_key
+        self.joined = joined
+        self.deadline = deadline
+        self.granted = False
+        self.left = False  # gone from the room without a grant (its caller stopped waiting)
+        self._event = threading.Event()
+        self._future: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
+
+    def _grant(self) -> None:
+        self.granted = True
+        self._event.set()
+        if self._future is not None:
+            loop, future = self._future
+            loop.call_soon_threadsafe(_resolve, future)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block this thread until the turn comes; False when `timeout_s` passed first."""
+        return self._event.wait(timeout_s)
+
+    async def wait_async(self, timeout_s: float, lock: threading.Lock) -> bool:
+        """`wait` for a coroutine; `lock` is the router's, under which grants are made."""
+        loop = asyncio.get_running_loop()
+        with lock:
+            if self.granted:
+                return True
+            future: asyncio.Future[None] = loop.create_future()
+            self._future = (loop, future)
+        try:
+            await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            return self.granted
+        return True
+
+    def __repr__(self) -> str:
+        state = "granted" if self.granted else "left" if self.left else "waiting"
+        return f"Ticket({self.slice_key} deadline={self.deadline:.3f} {state})"
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+@dataclass
+class Room:
+    """The tickets waiting in one slice: by deadline (the order turns go in) and by arrival (the order they
+    expire in), and the one granted ticket not yet placed."""
+
+    by_deadline: list[tuple[float, int, Ticket]] = field(default_factory=list)
+    by_arrival: deque[Ticket] = field(default_factory=deque)
+    granted: Ticket | None = None
+    granted_at: float = 0.0
+
+    def first(self, count: int) -> list[Ticket]:
+        """The `count` earliest-deadline tickets still waiting, in order (those gone are dropped on the way)."""
+        heap = self.by_deadline
+        while heap and (heap[0][2].granted or heap[0][2].left):
+            heapq.heappop(heap)
+        return [t for _, _, t in heapq.nsmallest(count, heap) if not (t.granted or t.left)]
+
+    def expired(self, before: float) -> list[Ticket]:
+        """The tickets still waiting that joined at or before `before`, oldest first, taken out of arrival order."""
+        out = []
+        while self.by_arrival and (
+            self.by_arrival[0].granted or self.by_arrival[0].left or self.by_arrival[0].joined <= before
+        ):
+            ticket = self.by_arrival.popleft()
+            if not (ticket.granted or ticket.left):
+                out.append(ticket)
+        return out
+
+
+class Turns:
+    """Every slice's room and what it has given. Used under the router's lock."""
+
+    def __init__(self) -> None:
+        self.rooms: dict[str, Room] = {}
+        self._order = itertools.count()
+        self.waiting = 0
+        """Tickets waiting now, in every room."""
+        self.counts = {"granted": 0, "expired": 0, "left": 0}
+        """Turns given for room (at once or after a wait); requests let go because they had waited `hold_max_s`;
+        and requests whose callers stopped waiting (cancelled) before either."""
+
+    def join(self, ticket: Ticket) -> None:
+        room = self.rooms.setdefault(ticket.slice_key, Room())
+        heapq.heappush(room.by_deadline, (ticket.deadline, next(self._order), ticket))
+        room.by_arrival.append(ticket)
+        self.waiting += 1
+
+    def grant(self, ticket: Ticket, now: float, *, expired: bool = False) -> None:
+        """Let `ticket` go: as its slice's one granted ticket (until it is placed), or past its wait (`expired`)."""
+        self.waiting -= 1
+        if expired:
+            self.counts["expired"] += 1
+        else:
+            self.counts["granted"] += 1
+            room = self.rooms[ticket.slice_key]
+            room.granted, room.granted_at = ticket, now
+        ticket._grant()
+
+    def leave(self, ticket: Ticket, *, expired: bool = False) -> None:
+        """The caller stopped waiting (`expired`: after `hold_max_s`, else cancelled): drop the ticket, or its grant."""
+        room = self.rooms.get(ticket.slice_key)
+        if room is not None and room.granted is ticket:
+            room.granted = None
+        if not ticket.granted and not ticket.left:
+            ticket.left = True
+            self.waiting -= 1
+            self.counts["expired" if expired else "left"] += 1
+
+    def placed(self, ticket: Ticket) -> None:
+        """The granted ticket's request was placed: the slice may consider its next."""
+        room = self.rooms.get(ticket.slice_key)
+        if room is not None and room.granted is ticket:
+            room.granted = None

@@ -1,0 +1,162 @@
+"""The router's waiting room (`Router.turn`, `Settings.hold_tokens`): who waits, in what order, and what lets go."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from prismlb.router import Lease, Request, Router, Settings
+from prismlb.sim._cluster import NodeSpec, Simulation
+from prismlb.sim._prism import PrismPolicy
+from prismlb.sim._types import SimRequest, Workload
+from prismlb.wire import RoutingTable, SliceTable, TableNode
+
+from .conftest import Clock
+
+RATE = 10_000.0  # prompt tokens per second on every node of the table
+
+
+def router(nodes: int = 1, *, clock: Clock | None = None, **settings: object) -> Router:
+    table = RoutingTable(
+        epoch=1,
+        version=1,
+        issued_unix_s=time.time(),
+        slices=[
+            SliceTable(
+                name="llm",
+                nodes=[
+                    TableNode(node_id=f"n{i}", endpoint=f"http://n{i}:8000", weight=1.0, prefill_tokens_per_s=RATE)
+                    for i in range(nodes)
+                ],
+            )
+        ],
+    )
+    values = {"hold_tokens": 1000, **settings}
+    return Router.from_table(table, settings=Settings(**values), clock=clock or Clock())  # type: ignore[arg-type]
+
+
+def placed(r: Router, cost: int, **fields: object) -> Lease:
+    """A request granted its turn at once, placed and begun."""
+    ticket = r.turn(Request(cost=cost, **fields))  # type: ignore[arg-type]
+    assert ticket.granted
+    lease = r.request(ticket.request, turn=ticket)
+    lease.begin()
+    return lease
+
+
+def test_on_by_default_off_at_0_and_without_prefill_load() -> None:
+    assert Router(settings=Settings()).holds
+    assert not Router(settings=Settings(hold_tokens=0)).holds
+    assert not Router(settings=Settings(load="requests")).holds
+    with pytest.raises(ValueError, match="hold_tokens"):
+        Settings(hold_tokens=-1)
+    with pytest.raises(ValueError, match="hold_max_s"):
+        Settings(hold_max_s=0)
+    with pytest.raises(ValueError, match="slo_s"):
+        Request(slo_s=0)
+
+
+def test_a_request_waits_while_every_entry_is_full_and_goes_at_the_first_token() -> None:
+    r = router(2)
+    first, second = placed(r, 2000), placed(r, 2000)  # both entries over 1,000 queued tokens
+    ticket = r.turn(Request(cost=10))
+    assert not ticket.granted and r.turns.waiting == 1
+    first.first_token()  # its entry's queue falls to 0
+    assert ticket.granted and r.turns.waiting == 0
+    second.end()
+    assert r.turns.counts == {"granted": 3, "expired": 0, "left": 0}
+
+
+def test_turns_go_by_deadline_one_at_a_time_each_seeing_the_queue_the_last_left() -> None:
+    clock = Clock()
+    r = router(1, clock=clock)
+    busy = placed(r, 2000)
+    long_prompt = r.turn(Request(cost=40_000))  # SLO 5 x 4 s = 20 s
+    clock.now += 1.0
+    short = r.turn(Request(cost=100))  # SLO τ0 = 0.8 s: due at 1.8 s, before the long prompt's 20 s
+    custom = r.turn(Request(cost=100, slo_s=30.0))  # the caller's own SLO: due at 31 s
+    assert short.deadline == pytest.approx(101.8) and long_prompt.deadline == pytest.approx(120.0)  # Clock: 100 s
+    busy.first_token()
+    assert short.granted and not long_prompt.granted and not custom.granted
+    r.request(short.request, turn=short).begin()  # 100 tokens queued: room still, so the next goes
+    assert long_prompt.granted and not custom.granted
+    r.request(long_prompt.request, turn=long_prompt).begin()  # 40,100 queued: the entry is full again
+    assert not custom.granted
+
+
+def test_a_caller_may_stop_waiting_and_no_request_waits_longer_than_hold_max_s() -> None:
+    clock = Clock()
+    r = router(1, clock=clock, hold_max_s=5.0)
+    placed(r, 2000)
+    a, b = r.turn(Request(cost=10)), r.turn(Request(cost=20))
+    r.leave(a)  # its caller gave up
+    assert r.turns.counts["left"] == 1 and not b.granted
+    clock.now += 5.0
+    c = r.turn(Request(cost=30))  # any change of the room lets go what waited long enough
+    assert b.granted and not c.granted
+    assert r.turns.counts == {"granted": 1, "expired": 1, "left": 1}
+
+
+def test_a_thread_and_a_coroutine_wait_for_their_turn_without_blocking_others() -> None:
+    r = router(1, clock=Clock())
+    busy = placed(r, 2000)
+    sync = r.turn(Request(cost=10))
+    waited: list[bool] = []
+    thread = threading.Thread(target=lambda: waited.append(sync.wait(10.0)))
+    thread.start()
+
+    async def main() -> bool:
+        ticket = r.turn(Request(cost=10, slo_s=60.0))
+        waiting = asyncio.ensure_future(ticket.wait_async(10.0, r._lock))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        busy.first_token()  # lets the thread's ticket (the earlier deadline) go ...
+        thread.join(10.0)
+        r.request(sync.request, turn=sync).begin()  # ... whose placement (10 tokens) leaves room for the next
+        return await waiting
+
+    assert asyncio.run(main()) is True
+    assert waited == [True]
+
+
+def test_call_waits_for_its_turn_and_a_timed_out_wait_still_sends() -> None:
+    r = router(1, hold_max_s=0.05, clock=time.monotonic)  # type: ignore[arg-type]
+    busy = r.request(Request(cost=5000))
+    busy.begin()
+    assert r.call(Request(cost=10), lambda lease: lease.node_id) == "n0"  # reports no first token: goes at once
+    assert r.turns.counts == {"granted": 0, "expired": 0, "left": 0}
+    started = time.monotonic()
+    assert r.call(Request(cost=10), lambda lease: lease.node_id, first_tokens=True) == "n0"
+    assert time.monotonic() - started >= 0.05  # it waited its hold_max_s, then went
+    assert r.turns.counts["expired"] == 1
+
+
+def test_a_replay_holds_requests_and_every_one_completes() -> None:
+    """Through the simulator's `admit`/`released` seam: a burst on one node waits at the router and all of it is
+    served in order of deadline (the table has no measured speed yet: `assumed_prefill_tokens_per_s`)."""
+    requests = tuple(
+        SimRequest(id=i, arrival_s=0.001 * i, input_tokens=tokens, output_tokens=2, blocks=(), signature="text")
+        for i, tokens in enumerate([8000, 8000, 9000, 100, 8000, 100])
+    )
+    workload = Workload(name="burst", requests=requests, block_tokens=16, source="test")
+    policy = PrismPolicy(block_tokens=16, settings=Settings(hold_tokens=1, prefix_index=False))
+    held: list[int] = []
+    admit = policy.admit
+
+    def counted(request: SimRequest, now: float) -> bool:
+        went = admit(request, now)
+        held.append(policy.holding)
+        return went
+
+    policy.admit = counted  # type: ignore[method-assign]
+    result = Simulation(workload, policy, [NodeSpec("n0", "a100")], utilisation=1.0, seed=0).run()
+    assert max(held) == len(requests) - 1  # the first went at once; the rest waited behind its prefill
+    assert len(result.ttft_s) == len(requests)
+    order = sorted(result.ttft_s, key=lambda i: requests[i].arrival_s + result.ttft_s[i])
+    # The first goes at once; the short ones (due τ0 = 0.8 s after arriving) overtake the long ones waiting (due
+    # 5 x 0.8 s and 5 x 0.9 s after arriving), which go in order of deadline among themselves.
+    assert order == [0, 3, 5, 1, 4, 2]
+    assert policy.routers[0].turns.counts == {"granted": len(requests), "expired": 0, "left": 0}
