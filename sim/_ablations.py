@@ -245,7 +245,14 @@ def no_overflow(block_tokens: int) -> Policy:
     return PrismPolicy(block_tokens=block_tokens, settings=Settings(overflow=0.0))
 
 
+def no_hold(block_tokens: int) -> Policy:
+    """No waiting room (`Settings(hold_tokens=0)`): every request goes to its engine's queue as it arrives, and is
+    served there in arrival order."""
+    return PrismPolicy(block_tokens=block_tokens, settings=Settings(hold_tokens=0))
+
+
 VARIANTS: dict[str, Callable[[int], Policy]] = {
+    "no-hold": no_hold,
     "no-kv-index": no_kv_index,
     "no-kv-index-flat": no_kv_index_flat,
     "no-cache-affinity": no_cache_affinity,

@@ -20,20 +20,12 @@ RATE = 10_000.0  # prompt tokens per second on every node of the table
 
 
 def router(nodes: int = 1, *, clock: Clock | None = None, **settings: object) -> Router:
-    table = RoutingTable(
-        epoch=1,
-        version=1,
-        issued_unix_s=time.time(),
-        slices=[
-            SliceTable(
-                name="llm",
-                nodes=[
-                    TableNode(node_id=f"n{i}", endpoint=f"http://n{i}:8000", weight=1.0, prefill_tokens_per_s=RATE)
-                    for i in range(nodes)
-                ],
-            )
-        ],
-    )
+    """A router on one slice of `nodes` entries of known speed; `hold_tokens` 1,000 unless `settings` say."""
+    entries = [
+        TableNode(node_id=f"n{i}", endpoint=f"http://n{i}:8000", weight=1.0, prefill_tokens_per_s=RATE)
+        for i in range(nodes)
+    ]
+    table = RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="llm", nodes=entries)])
     values = {"hold_tokens": 1000, **settings}
     return Router.from_table(table, settings=Settings(**values), clock=clock or Clock())  # type: ignore[arg-type]
 

@@ -58,6 +58,7 @@ def weights(built: RoutingTable) -> dict[str, float]:
 
 def test_every_variant_is_listed_with_a_docstring() -> None:
     assert list(VARIANTS) == [
+        "no-hold",
         "no-kv-index",
         "no-kv-index-flat",
         "no-cache-affinity",
@@ -188,7 +189,14 @@ def test_no_predictor_brain_has_no_predictions_where_the_full_brain_has() -> Non
 
 
 def test_prism_and_every_brain_ablation_run_the_librarys_settings() -> None:
-    router_variants = {"no-kv-index", "no-kv-index-flat", "no-cache-affinity", "no-overflow", "4-routers-no-share"}
+    router_variants = {
+        "no-hold",
+        "no-kv-index",
+        "no-kv-index-flat",
+        "no-cache-affinity",
+        "no-overflow",
+        "4-routers-no-share",
+    }
     variants = [variant(16) for name, variant in VARIANTS.items() if name not in router_variants]
     policies = [policy_factories(16)[PRISM](), *variants]
     try:
