@@ -48,7 +48,16 @@ class RouterCollector:
                 outcomes.add_metric([label, outcome.value], count)
         sessions = GaugeMetricFamily("prism_router_sessions", "Sessions remembered for stickiness")
         sessions.add_metric([], router.sessions)
-        return [*families, inflight, available, circuit, outcomes, sessions]
+        waiting = GaugeMetricFamily("prism_router_waiting_requests", "Requests waiting for their turn (hold_tokens)")
+        waiting.add_metric([], router.turns.waiting)
+        turns = CounterMetricFamily(
+            "prism_router_turns",
+            "Requests let go from the waiting room: granted (room), expired (hold_max_s), left (given up)",
+            labels=["outcome"],
+        )
+        for outcome, count in router.turns.counts.items():
+            turns.add_metric([outcome], count)
+        return [*families, inflight, available, circuit, outcomes, sessions, waiting, turns]
 
     @staticmethod
     def _table_families(

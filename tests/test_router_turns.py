@@ -7,8 +7,10 @@ import threading
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from prismlb.router import Lease, Request, Router, Settings
+from prismlb.router._metrics import RouterCollector
 from prismlb.sim._cluster import NodeSpec, Simulation
 from prismlb.sim._prism import PrismPolicy
 from prismlb.sim._types import SimRequest, Workload
@@ -53,13 +55,16 @@ def test_on_by_default_off_at_0_and_without_prefill_load() -> None:
 
 def test_a_request_waits_while_every_entry_is_full_and_goes_at_the_first_token() -> None:
     r = router(2)
+    registry = CollectorRegistry()
+    registry.register(RouterCollector(r))
     first, second = placed(r, 2000), placed(r, 2000)  # both entries over 1,000 queued tokens
     ticket = r.turn(Request(cost=10))
-    assert not ticket.granted and r.turns.waiting == 1
+    assert not ticket.granted and registry.get_sample_value("prism_router_waiting_requests") == 1
     first.first_token()  # its entry's queue falls to 0
-    assert ticket.granted and r.turns.waiting == 0
+    assert ticket.granted and registry.get_sample_value("prism_router_waiting_requests") == 0
     second.end()
     assert r.turns.counts == {"granted": 3, "expired": 0, "left": 0}
+    assert registry.get_sample_value("prism_router_turns_total", {"outcome": "granted"}) == 3
 
 
 def test_turns_go_by_deadline_one_at_a_time_each_seeing_the_queue_the_last_left() -> None:
