@@ -304,3 +304,37 @@ def test_a_tokenize_gives_the_blocks_the_engines_kv_events_name_and_a_failing_on
         fallback, _ = describe(httpx.Request("POST", url, json=body), 16, 64, tokenize, router.rejects)
         assert fallback.blocks == by_text.blocks and fallback.cost == by_text.cost
     assert router.rejects.counts().get("tokenize") == 3
+
+
+def test_a_streamed_request_waits_for_its_turn_and_one_read_whole_does_not(servers: dict[str, NamedServer]) -> None:
+    """One node, room for no queued prompt (`hold_tokens=1`): while a streamed request waits 0.3 s for its first
+    chunk, a second streamed one waits at the router for it, and a request read whole goes at once."""
+    router = make_router({"gpu-a": servers["gpu-a"].address}, hold_tokens=1)
+
+    async def first_chunk_s(client: httpx.AsyncClient, started: float, delay: str = "0") -> float:
+        body = {**chat(1, 1), "stream": True}
+        headers = {"X-Test-Delay": delay}
+        seen: list[float] = []
+        async with client.stream("POST", "/chat/completions", json=body, headers=headers) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    seen.append(time.monotonic() - started)
+        return seen[0]
+
+    async def main() -> tuple[float, float, float]:
+        transport = AsyncPrismTransport(router)
+        async with httpx.AsyncClient(transport=transport, base_url="http://prism.invalid/v1") as client:
+            started = time.monotonic()
+            slow = asyncio.ensure_future(first_chunk_s(client, started, "0.3"))
+            await asyncio.sleep(0.05)
+            held = asyncio.ensure_future(first_chunk_s(client, started))
+            await asyncio.sleep(0.05)
+            assert router.turns.waiting == 1
+            whole = (await client.post("/chat/completions", json=chat(2, 1))).json()  # not streamed: goes at once
+            assert whole["node"] == "gpu-a"
+            whole_s = time.monotonic() - started
+            return await slow, await held, whole_s
+
+    slow_s, held_s, whole_s = asyncio.run(main())
+    assert whole_s < 0.3 <= slow_s <= held_s
+    assert router.turns.counts == {"granted": 2, "expired": 0, "left": 0} and idle(router)
