@@ -49,6 +49,8 @@ def test_on_by_default_off_at_0_and_without_prefill_load() -> None:
         Settings(hold_tokens=-1)
     with pytest.raises(ValueError, match="hold_max_s"):
         Settings(hold_max_s=0)
+    with pytest.raises(ValueError, match="assumed_prefill_tokens_per_s"):
+        Settings(assumed_prefill_tokens_per_s=float("nan"))
     with pytest.raises(ValueError, match="slo_s"):
         Request(slo_s=0)
 
