@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 
 from ._request import Request
 
+COMPACT_AT = 1024
+"""A room's deadline heap is rebuilt without its gone tickets once it holds more than this many entries and more than
+twice the tickets waiting in every room."""
+
 
 class Ticket:
     """One request's place in the waiting room. `granted` turns True when it may go (or when it has waited
@@ -46,7 +50,10 @@ class Ticket:
         self._event.set()
         if self._future is not None:
             loop, future = self._future
-            loop.call_soon_threadsafe(_resolve, future)
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:  # its event loop is closed: nobody waits there any more
+                pass
 
     def wait(self, timeout_s: float) -> bool:
         """Block this thread until the turn comes; False when `timeout_s` passed first."""
@@ -119,6 +126,11 @@ class Turns:
 
     def join(self, ticket: Ticket) -> None:
         room = self.rooms.setdefault(ticket.slice_key, Room())
+        if len(room.by_deadline) > COMPACT_AT and len(room.by_deadline) > 2 * self.waiting:
+            # Tickets gone from the middle of the heap (let go by their wait, or left) wait there to be popped; under
+            # a lasting backlog they would pile up behind the live ones, so the heap is rebuilt without them.
+            room.by_deadline = [item for item in room.by_deadline if not (item[2].granted or item[2].left)]
+            heapq.heapify(room.by_deadline)
         heapq.heappush(room.by_deadline, (ticket.deadline, next(self._order), ticket))
         room.by_arrival.append(ticket)
         self.waiting += 1

@@ -159,3 +159,25 @@ def test_a_replay_holds_requests_and_every_one_completes() -> None:
     # 5 x 0.8 s and 5 x 0.9 s after arriving), which go in order of deadline among themselves.
     assert order == [0, 3, 5, 1, 4, 2]
     assert policy.routers[0].turns.counts == {"granted": len(requests), "expired": 0, "left": 0}
+
+
+def test_tickets_gone_from_a_lasting_backlog_do_not_pile_up_and_a_closed_loop_is_no_error() -> None:
+    clock = Clock()
+    r = router(1, clock=clock, hold_max_s=1.0)
+    placed(r, 2000)  # the entry stays full: nothing is granted for room
+    late = [r.turn(Request(cost=10, slo_s=3600.0)) for _ in range(3000)]  # due after everything that follows
+    clock.now += 1.0
+    for _ in range(3000):  # each join lets go, by their wait, those that waited 1 s: the late ones first
+        r.turn(Request(cost=10))
+        clock.now += 0.001
+    assert all(t.granted for t in late) and r.turns.counts["expired"] >= 3000
+    room = r.turns.rooms["llm"]
+    assert len(room.by_deadline) <= max(1024, 2 * r.turns.waiting) + 1
+
+    ticket = r.turn(Request(cost=10))
+    loop = asyncio.new_event_loop()
+    ticket._future = (loop, loop.create_future())  # a coroutine's wait whose loop has since closed
+    loop.close()
+    clock.now += 1.0
+    r.turn(Request(cost=10))  # it is let go by its wait, here, without raising
+    assert ticket.granted
