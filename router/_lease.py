@@ -112,11 +112,7 @@ class Lease:
             self._first = self._clock()
             if self._until_first and self._held:
                 with self._lock:
-                    self._state.load -= self._held
-                    self._counter.value -= self._held
-                    if self._silent:
-                        self._state.silent -= self._held
-                self._held = 0
+                    self._drop_load()
                 if self._wake is not None:
                     self._wake()
 
@@ -137,14 +133,18 @@ class Lease:
         now = self._clock()
         with self._lock:
             self._state.end(outcome, self._trial, now)
-            self._state.load -= self._held
-            self._counter.value -= self._held
-            if self._silent:
-                self._state.silent -= self._held
-        self._held = 0
+            self._drop_load()
         if self._wake is not None:
             self._wake()
         return outcome
+
+    def _drop_load(self) -> None:
+        """Take the load this lease still holds off its endpoint and group (under the router's lock)."""
+        self._state.load -= self._held
+        self._counter.value -= self._held
+        if self._silent:
+            self._state.silent -= self._held
+        self._held = 0
 
     def __enter__(self) -> Self:
         self.begin()
