@@ -259,6 +259,10 @@ def _timed_connect(sock: socket.socket, address: tuple[str, int]) -> float:
     return elapsed_us
 
 
+TOLERANCE_US = 1000.0
+"""How far the client's own handshake time may be from the kernel's: 0.1% of the 1 s the dropped SYN costs."""
+
+
 def _measure_dropped_syn_handshake() -> tuple[float, Connection, Connection]:
     """One connect whose first SYN nftables drops: (client's own µs, kernel's established and closed records)."""
     with veth_pair() as (a, b):
@@ -281,7 +285,9 @@ def test_handshake_time_matches_the_clients_own_with_a_dropped_syn() -> None:
     """nftables in namespace b drops the first SYN (60 bytes) to the port; the retransmission after the 1 s
     initial RTO gets through. The kernel's handshake time must match what the client measured itself.
     Nothing polls while the client measures: a poller thread waking on the event would hold the GIL. The
-    client's own clock is the noisy one (it can be descheduled on a busy machine), so up to three tries."""
+    client's own clock is the noisy one (it can be descheduled on a busy machine), so up to three tries, each
+    within `TOLERANCE_US`: on the shared 2-core machine one run's three tries were all 320-580 µs over the kernel's
+    figure, while one read from a wrong field would be off by seconds (or be 0)."""
     require_ebpf()
     differences = []
     for _ in range(3):
@@ -293,9 +299,9 @@ def test_handshake_time_matches_the_clients_own_with_a_dropped_syn() -> None:
         print(
             f"handshake: kernel {kernel.handshake_us:.1f} us, client {client_us:.1f} us, diff {differences[-1]:.1f} us"
         )
-        if abs(differences[-1]) <= 300:
+        if abs(differences[-1]) <= TOLERANCE_US:
             break
-    assert min(abs(d) for d in differences) <= 300, differences
+    assert min(abs(d) for d in differences) <= TOLERANCE_US, differences
 
 
 def test_stats_reads_a_live_connection() -> None:
