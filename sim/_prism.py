@@ -103,6 +103,7 @@ class PrismPolicy(Policy):
         self._leases: dict[int, Lease] = {}
         self._tickets: dict[int, Ticket] = {}  # request id -> its turn, until it is placed
         self._held: dict[int, SimRequest] = {}  # requests waiting for their turn, by id (in arrival order)
+        self._given = 0  # turns the routers had given at the last `released`
 
     def _clock(self) -> float:
         return self.now
@@ -173,6 +174,10 @@ class PrismPolicy(Policy):
 
     def released(self, now: float) -> list[SimRequest]:
         self.now = now
+        given = sum(r.turns.counts["granted"] + r.turns.counts["expired"] for r in self.routers)
+        if given == self._given:  # no turn given since the last look: nothing to scan
+            return []
+        self._given = given
         out = [r for r in self._held.values() if self._tickets[r.id].granted]
         for r in out:
             del self._held[r.id]
