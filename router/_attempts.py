@@ -58,7 +58,7 @@ class Attempts:
         ticket = self._ticket()
         if ticket is not None:
             try:
-                granted = await ticket.wait_async(router.settings.hold_max_s, router._lock)
+                granted = await ticket.wait_async(router.settings.hold_max_s)
             except BaseException:  # cancelled while waiting: the turn goes to the next
                 router.leave(ticket)
                 raise

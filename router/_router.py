@@ -581,14 +581,14 @@ class Router:
                 self.turns.grant(ticket, now, expired=True)
             if room.granted is not None and now - room.granted_at < hold_max_s:
                 continue
-            head = room.first(1)
-            if not head:
+            head = room.head()
+            if head is None:
                 continue
             target = snapshot.routes.get(key) if snapshot is not None else None
             if target is None or any(  # a slice gone from the table: placing it will say so
                 self._room(group, now) for group in (target.group, target.overflow) if group is not None
             ):
-                self.turns.grant(head[0], now)
+                self.turns.grant(head, now)
 
     def _room(self, group: Group, now: float) -> bool:
         """Whether some available entry of `group` has at most `hold_tokens` of prefill queued that will report a

@@ -33,7 +33,7 @@ class Ticket:
     `hold_max_s`); the caller then places it with `Router.request(..., turn=ticket)`, whose lease beginning lets
     the next request of the slice be considered."""
 
-    __slots__ = ("_event", "_future", "deadline", "granted", "joined", "left", "request", "slice_key")
+    __slots__ = ("_event", "_future", "_lock", "deadline", "granted", "joined", "left", "request", "slice_key")
 
     def __init__(self, request: Request, slice_key: str, joined: float, deadline: float) -> None:
         self.request = request
@@ -44,12 +44,15 @@ class Ticket:
         self.left = False  # gone from the room without a grant (its caller stopped waiting)
         self._event = threading.Event()
         self._future: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
+        self._lock = threading.Lock()  # a coroutine's future is set and read under it, so no grant slips between
 
     def _grant(self) -> None:
-        self.granted = True
+        with self._lock:
+            self.granted = True
+            waiter = self._future
         self._event.set()
-        if self._future is not None:
-            loop, future = self._future
+        if waiter is not None:
+            loop, future = waiter
             try:
                 loop.call_soon_threadsafe(_resolve, future)
             except RuntimeError:  # its event loop is closed: nobody waits there any more
@@ -59,10 +62,10 @@ class Ticket:
         """Block this thread until the turn comes; False when `timeout_s` passed first."""
         return self._event.wait(timeout_s)
 
-    async def wait_async(self, timeout_s: float, lock: threading.Lock) -> bool:
-        """`wait` for a coroutine; `lock` is the router's, under which grants are made."""
+    async def wait_async(self, timeout_s: float) -> bool:
+        """`wait` for a coroutine, without blocking its event loop."""
         loop = asyncio.get_running_loop()
-        with lock:
+        with self._lock:
             if self.granted:
                 return True
             future: asyncio.Future[None] = loop.create_future()
@@ -93,12 +96,12 @@ class Room:
     granted: Ticket | None = None
     granted_at: float = 0.0
 
-    def first(self, count: int) -> list[Ticket]:
-        """The `count` earliest-deadline tickets still waiting, in order (those gone are dropped on the way)."""
+    def head(self) -> Ticket | None:
+        """The earliest-deadline ticket still waiting (those gone are dropped on the way); None when none waits."""
         heap = self.by_deadline
         while heap and (heap[0][2].granted or heap[0][2].left):
             heapq.heappop(heap)
-        return [t for _, _, t in heapq.nsmallest(count, heap) if not (t.granted or t.left)]
+        return heap[0][2] if heap else None
 
     def expired(self, before: float) -> list[Ticket]:
         """The tickets still waiting that joined at or before `before`, oldest first, taken out of arrival order."""
@@ -148,16 +151,14 @@ class Turns:
 
     def leave(self, ticket: Ticket, *, expired: bool = False) -> None:
         """The caller stopped waiting (`expired`: after `hold_max_s`, else cancelled): drop the ticket, or its grant."""
-        room = self.rooms.get(ticket.slice_key)
-        if room is not None and room.granted is ticket:
-            room.granted = None
+        self.placed(ticket)
         if not ticket.granted and not ticket.left:
             ticket.left = True
             self.waiting -= 1
             self.counts["expired" if expired else "left"] += 1
 
     def placed(self, ticket: Ticket) -> None:
-        """The granted ticket's request was placed: the slice may consider its next."""
+        """The granted ticket's request was placed (or its grant given back): the slice may consider its next."""
         room = self.rooms.get(ticket.slice_key)
         if room is not None and room.granted is ticket:
             room.granted = None

@@ -109,7 +109,7 @@ def test_a_thread_and_a_coroutine_wait_for_their_turn_without_blocking_others() 
 
     async def main() -> bool:
         ticket = r.turn(Request(cost=10, slo_s=60.0))
-        waiting = asyncio.ensure_future(ticket.wait_async(10.0, r._lock))
+        waiting = asyncio.ensure_future(ticket.wait_async(10.0))
         await asyncio.sleep(0)
         assert not waiting.done()
         busy.first_token()  # lets the thread's ticket (the earlier deadline) go ...
