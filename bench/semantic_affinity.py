@@ -19,13 +19,13 @@ import argparse
 import hashlib
 import multiprocessing
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 
 import numpy as np
 
-from prismlb.router import Request, Router, Settings
-from prismlb.router._request import Key
+from prismlb.router import Router, Settings
+from prismlb.router._router import Placement
 from prismlb.router._snapshot import Group
 from prismlb.sim._ablations import VARIANTS
 from prismlb.sim._cluster import Simulation
@@ -116,22 +116,12 @@ class StructureRouter(Router):
         before = self.summaries.get(node_id)
         self.summaries[node_id] = vector.copy() if before is None else before + SUMMARY_ALPHA * (vector - before)
 
-    def _by_ttft(
-        self,
-        group: Group,
-        request: Request,
-        depths: dict[str, int],
-        key: Key | None,
-        exclude: Collection[str],
-        now: float,
-        held: tuple[Group, int] | None = None,
-    ) -> tuple[int | None, float]:
-        anchor, anchor_expected = super()._by_ttft(group, request, depths, key, exclude, now, held)
+    def _by_ttft(self, group: Group, placement: Placement) -> tuple[int | None, float]:
+        anchor, anchor_expected = super()._by_ttft(group, placement)
         if anchor is None or self.vector is None:
             return anchor, anchor_expected
-        expected = {
-            i: ttft for i, (ttft, _) in self._expected_ttft(group, request, depths, key, exclude, now)[0].items()
-        }
+        expected = {i: ttft for i, (ttft, _) in self._expected_ttft(group, placement)[0].items()}
+        depths = placement.depths
         node_of = {i: group.entries[i][4].node_id for i in expected}
         if self.mode == "tie-break":
             depth = depths.get(node_of[anchor], 0)
@@ -145,7 +135,7 @@ class StructureRouter(Router):
             chosen = anchor
         else:
             window = self.settings.cache_affinity * min(expected.values())
-            blocks = len(request.blocks)
+            blocks = len(placement.request.blocks)
 
             def score(i: int) -> tuple[float, float]:
                 overlap = depths.get(node_of[i], 0) / blocks

@@ -198,33 +198,27 @@ static PyObject *Table_route(Table *t, PyObject *key) {
     return pick(t, pos);
 }
 
-/* A new C array of a sequence's ints in [0, high] (None as NO_SLOT where none_ok), its length in *n. */
-static uint32_t *u32_of(PyObject *seq, const char *what, int none_ok, long long high, Py_ssize_t *n) {
+/* Converts one item of a sequence into its array slot `out`; 0, or -1 with an exception set. `how` is the caller's. */
+typedef int (*Convert)(PyObject *item, const void *how, void *out);
+
+/* A new PyMem array of a sequence's items converted one by one, `size` bytes each, its length in *n; NULL with an
+ * exception set on error. An item that is the same object as the one before copies its slot (Ring.slots repeats one
+ * int object over runs of buckets). */
+static void *array_of(PyObject *seq, const char *what, size_t size, Convert convert, const void *how, Py_ssize_t *n) {
     PyObject *fast = PySequence_Fast(seq, what);
     if (fast == NULL) return NULL;
     *n = PySequence_Fast_GET_SIZE(fast);
-    uint32_t *out = PyMem_Malloc(sizeof(uint32_t) * (size_t)(*n > 0 ? *n : 1));
+    char *out = *n > UINT32_MAX ? NULL : PyMem_Malloc(size * (size_t)(*n > 0 ? *n : 1));
     if (out == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < *n; i++) {
-        if (i > 0 && items[i] == items[i - 1]) { /* Ring.slots repeats one int object over runs of buckets */
-            out[i] = out[i - 1];
-            continue;
-        }
-        if (none_ok && items[i] == Py_None) {
-            out[i] = NO_SLOT;
-            continue;
-        }
-        long long v = PyLong_AsLongLong(items[i]);
-        if (v == -1 && PyErr_Occurred()) goto fail;
-        if (v < 0 || v > high) {
-            PyErr_Format(PyExc_ValueError, "%s: %lld is outside [0, %lld]", what, v, high);
+        if (i > 0 && items[i] == items[i - 1])
+            memcpy(out + i * size, out + (i - 1) * size, size);
+        else if (convert(items[i], how, out + i * size) < 0)
             goto fail;
-        }
-        out[i] = (uint32_t)v;
     }
     Py_DECREF(fast);
     return out;
@@ -232,6 +226,35 @@ fail:
     Py_DECREF(fast);
     PyMem_Free(out);
     return NULL;
+}
+
+/* What u32_item accepts: ints in [0, high], and None (as NO_SLOT) where none_ok; `what` names the sequence. */
+typedef struct {
+    const char *what;
+    int none_ok;
+    long long high;
+} U32Range;
+
+static int u32_item(PyObject *item, const void *how, void *out) {
+    const U32Range *range = how;
+    if (range->none_ok && item == Py_None) {
+        *(uint32_t *)out = NO_SLOT;
+        return 0;
+    }
+    long long v = PyLong_AsLongLong(item);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < 0 || v > range->high) {
+        PyErr_Format(PyExc_ValueError, "%s: %lld is outside [0, %lld]", range->what, v, range->high);
+        return -1;
+    }
+    *(uint32_t *)out = (uint32_t)v;
+    return 0;
+}
+
+/* A new C array of a sequence's ints in [0, high] (None as NO_SLOT where none_ok), its length in *n. */
+static uint32_t *u32_of(PyObject *seq, const char *what, int none_ok, long long high, Py_ssize_t *n) {
+    U32Range range = {what, none_ok, high};
+    return array_of(seq, what, sizeof(uint32_t), u32_item, &range, n);
 }
 
 static void Table_dealloc(Table *t) {
@@ -676,6 +699,16 @@ static int64_t ordinal(BlockIndex *x, PyObject *id, int create) {
     return ord;
 }
 
+/* The ordinal of the node a caller's node id names, never a new one: -1 when it has none, -2 on error (an id that is
+ * not a str included). */
+static int64_t known_ordinal(BlockIndex *x, PyObject *node) {
+    PyObject *id = node_id(node);
+    if (id == NULL) return -2;
+    int64_t ord = ordinal(x, id, 0);
+    Py_DECREF(id);
+    return ord;
+}
+
 /* Frees a dropped node's ordinal once nothing names it: no holder (drop() cleared them) and no record. */
 static void release_node(BlockIndex *x, uint32_t ord) {
     Node *node = &x->nodes[ord];
@@ -744,25 +777,14 @@ static int hash_of(PyObject *item, uint64_t *out) {
     return 0;
 }
 
+static int hash_item(PyObject *item, const void *how, void *out) {
+    (void)how;
+    return hash_of(item, out);
+}
+
 /* The hashes of an iterable of blocks as a new PyMem array, *n of them; NULL on error. */
 static uint64_t *hashes_of(PyObject *blocks, Py_ssize_t *n) {
-    PyObject *fast = PySequence_Fast(blocks, "blocks must be an iterable of ints");
-    if (fast == NULL) return NULL;
-    *n = PySequence_Fast_GET_SIZE(fast);
-    uint64_t *out = *n > UINT32_MAX ? NULL : PyMem_Malloc(sizeof(uint64_t) * (size_t)(*n > 0 ? *n : 1));
-    if (out == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    for (Py_ssize_t i = 0; i < *n; i++)
-        if (hash_of(items[i], &out[i]) < 0) goto fail;
-    Py_DECREF(fast);
-    return out;
-fail:
-    Py_DECREF(fast);
-    PyMem_Free(out);
-    return NULL;
+    return array_of(blocks, "blocks must be an iterable of ints", sizeof(uint64_t), hash_item, NULL, n);
 }
 
 /* Node `ord`'s holders with a flag in `which` lose both flags (drop(): every one; reset(): those it held,
@@ -856,10 +878,7 @@ static PyObject *BlockIndex_reset(BlockIndex *x, PyObject *args) {
 }
 
 static PyObject *BlockIndex_drop(BlockIndex *x, PyObject *node) {
-    PyObject *id = node_id(node);
-    if (id == NULL) return NULL;
-    int64_t ord = ordinal(x, id, 0);
-    Py_DECREF(id);
+    int64_t ord = known_ordinal(x, node);
     if (ord == -2) return NULL;
     if (ord == -1) Py_RETURN_NONE;
     if (forget(x, (uint32_t)ord, HELD | CLAIMED) < 0) return NULL;
@@ -987,10 +1006,7 @@ done:
 }
 
 static PyObject *BlockIndex_size(BlockIndex *x, PyObject *node) {
-    PyObject *id = node_id(node);
-    if (id == NULL) return NULL;
-    int64_t ord = ordinal(x, id, 0);
-    Py_DECREF(id);
+    int64_t ord = known_ordinal(x, node);
     if (ord == -2) return NULL;
     return PyLong_FromUnsignedLongLong(ord == -1 ? 0 : x->nodes[ord].size);
 }

@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Self, TypeVar
 
 import zmq
@@ -99,6 +100,24 @@ def _spread(expected: Mapping[int, tuple[float, float]], copies: int, draw: int)
         i = min(level, key=level.__getitem__)
         level[i] += expected[i][1]
     return min(level, key=level.__getitem__)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A request with block hashes being placed by expected time to first token: what the choice reads in each
+    group it weighs (the arm's, then the slice's overflow entries), built once per placement."""
+
+    request: Request
+    key: Key | None
+    """The affinity key (else the session), whose ring position orders each group's candidates."""
+    depths: dict[str, int]
+    """Leading blocks of the prompt each node holds, by node id (`PrefixIndex.match`); nodes holding none are absent."""
+    exclude: Collection[str]
+    """Entry labels the request must not go to, such as ones already tried."""
+    now: float
+    """The router's clock when the placement began."""
+    held: tuple[Group, int] | None
+    """The session's last entry while it is available (`_sticky`), weighed as the holder of the prompt's prefix."""
 
 
 class Router:
@@ -740,21 +759,22 @@ class Router:
                 return home, index
         if not blocks:
             return home, None
-        index, expected = self._by_ttft(home, request, depths, key, exclude, now, held)
+        placement = Placement(request, key, depths, exclude, now, held)
+        index, expected = self._by_ttft(home, placement)
         if spill is not None:
-            other, detour = self._by_ttft(spill, request, depths, key, exclude, now, held)
-            if other is not None and detour * self._detour_price(spill, other, held, request, depths) < expected:
+            other, detour = self._by_ttft(spill, placement)
+            if other is not None and detour * self._detour_price(spill, other, placement) < expected:
                 return spill, other
         return home, index
 
-    def _detour_price(
-        self, spill: Group, index: int, held: tuple[Group, int] | None, request: Request, depths: dict[str, int]
-    ) -> float:
+    def _detour_price(self, spill: Group, index: int, placement: Placement) -> float:
         """What an overflow entry's expected time is multiplied by against the pool's best: `Settings.overflow`
         for a request new there; for the session's own entry, the cache rule's 1 / `_affinity`, since a turn that
         stays adds little work to the other slice's queue and leaves its context where it is."""
+        held = placement.held
         if held is not None and held[0] is spill and held[1] == index:
-            return 1.0 / self._affinity(request, depths.get(spill.entries[index][4].node_id, 0))
+            node_id = spill.entries[index][4].node_id
+            return 1.0 / self._affinity(placement.request, placement.depths.get(node_id, 0))
         return self.settings.overflow
 
     def _on_ring(
@@ -829,20 +849,11 @@ class Router:
         an engine computes at least the last token to produce the first)."""
         return min(request.cost - 1, depth * request.block_size)
 
-    def _by_ttft(
-        self,
-        group: Group,
-        request: Request,
-        depths: dict[str, int],
-        key: Key | None,
-        exclude: Collection[str],
-        now: float,
-        held: tuple[Group, int] | None = None,
-    ) -> tuple[int | None, float]:
+    def _by_ttft(self, group: Group, placement: Placement) -> tuple[int | None, float]:
         """The entry for a request with block hashes and its expected time to first token; (None, inf) when no
         entry is available.
 
-        The entry holding the longest prefix (the session's entry, `held`, when it is in this group: the node
+        The entry holding the longest prefix (the session's entry, `Placement.held`, when it is in this group: the node
         holding the conversation) wins while its expected time (`_expected_ttft`) is within the affinity factor for
         the share of the prompt it holds (`_affinity`) times the least one, else the entry with the least. Ties go to
         the first in the key's probe order, so an idle group places keys as the ring does.
@@ -851,13 +862,14 @@ class Router:
         the entries that `1 + echo` requests like this one would fill (`_spread`), a shallower prefix than the
         choice's weighing that factor times its time there: routers deciding a burst from the same figures
         otherwise all take the same entry, and the draw keeps what the cache rule prefers."""
+        request, depths, held = placement.request, placement.depths, placement.held
         best: int | None = None
         best_expected = math.inf
         deep: int | None = None
         deep_key = (0, math.inf)
         entries = group.entries
         kept = held[1] if held is not None and held[0] is group else None
-        expected, echo = self._expected_ttft(group, request, depths, key, exclude, now, kept)
+        expected, echo = self._expected_ttft(group, placement, kept)
         for i, (ttft, _) in expected.items():
             if ttft < best_expected:
                 best, best_expected = i, ttft
@@ -889,14 +901,7 @@ class Router:
         return self.settings.affinity(depth, len(request.blocks))
 
     def _expected_ttft(
-        self,
-        group: Group,
-        request: Request,
-        depths: dict[str, int],
-        key: Key | None,
-        exclude: Collection[str],
-        now: float,
-        kept: int | None = None,
+        self, group: Group, placement: Placement, kept: int | None = None
     ) -> tuple[dict[int, tuple[float, float]], float]:
         """Each available candidate entry's (expected time to first token, the request's own part of it: its tokens
         the entry's cache lacks), in the key's probe order; and the `echo` in force (0 without fresh peers' sums).
@@ -908,6 +913,8 @@ class Router:
         equal-share bounded-load limit does not apply. In a group larger than `ttft_candidates` only the nodes
         holding the prefix, the `kept` entry (the session's) and the first entries along the key's probe order are
         weighed."""
+        request, key, depths = placement.request, placement.key, placement.depths
+        exclude, now = placement.exclude, placement.now
         entries = group.entries
         pos = position(key) if key is not None else position(request.blocks[0])
         candidates: list[int] = []

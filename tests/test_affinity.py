@@ -26,9 +26,6 @@ from prismlb.router import (
 from prismlb.sim import BLOCK_TOKENS, MOONCAKE_TRACE, mooncake_tokens, traces_dir
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
-MOONCAKE = traces_dir() / MOONCAKE_TRACE
-TRACE_BLOCK = BLOCK_TOKENS  # tokens per Mooncake hash id
-
 
 def tokens(*blocks: int, block_size: int = BLOCK_SIZE, tail: int = 0) -> list[int]:
     """A prompt made of whole blocks, each block's tokens derived from its id, plus `tail` extra tokens."""
@@ -174,10 +171,11 @@ def mooncake_prompts() -> list[list[int]]:
     """The first PREFIX_TOKENS tokens of the Mooncake conversation trace's prompts (all a key reads): each
     512-token block's tokens derived from its hash id (equal ids, equal blocks), cut to the input length; read
     once for the tests that use it."""
-    if not MOONCAKE.exists():
-        pytest.skip(f"the Mooncake trace is not at {MOONCAKE}")
+    trace = traces_dir() / MOONCAKE_TRACE
+    if not trace.exists():
+        pytest.skip(f"the Mooncake trace is not at {trace}")
     prompts = []
-    for line in MOONCAKE.read_text().splitlines():
+    for line in trace.read_text().splitlines():
         row = json.loads(line)
         prompts.append(mooncake_tokens(row["hash_ids"], min(row["input_length"], PREFIX_TOKENS)))
     return prompts
@@ -196,7 +194,7 @@ def max_over_mean(counts: Counter[str], nodes: int) -> float:
 def test_mooncake_keys_spread_where_first_block_keys_collapse(mooncake_prompts: list[list[int]]) -> None:
     prompts = mooncake_prompts
     router = eight_nodes()
-    first_block = [prefix_key(p, block_size=TRACE_BLOCK, prefix_tokens=TRACE_BLOCK) for p in prompts]
+    first_block = [prefix_key(p, block_size=BLOCK_TOKENS, prefix_tokens=BLOCK_TOKENS) for p in prompts]
     assert len(set(first_block)) == 1  # every request shares the first block: a system prompt
     assert max_over_mean(Counter(router.route(k).node_id for k in first_block), 8) == 8.0
 
@@ -204,7 +202,7 @@ def test_mooncake_keys_spread_where_first_block_keys_collapse(mooncake_prompts: 
     assert len(set(keys)) > 7000
     assert max_over_mean(Counter(router.route(k).node_id for k in keys), 8) < 1.3
     # Keying on 512-token blocks gives the same grouping (the trace's blocks are 512 tokens).
-    assert len(set(keys)) == len({prefix_key(p, block_size=TRACE_BLOCK) for p in prompts})
+    assert len(set(keys)) == len({prefix_key(p, block_size=BLOCK_TOKENS) for p in prompts})
 
 
 def test_mooncake_turns_of_one_conversation_share_their_key(mooncake_prompts: list[list[int]]) -> None:

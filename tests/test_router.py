@@ -17,6 +17,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
+from prismlb import wire
 from prismlb.router import Endpoint, Lease, NoRouteError, Outcome, Request, Router, Settings, ShedError, add_parser
 from prismlb.wire import (
     BrainAddress,
@@ -24,13 +25,9 @@ from prismlb.wire import (
     ExperimentArm,
     RejectCounter,
     RoutingTable,
-    SliceHead,
     SliceTable,
-    SliceUpdate,
-    TableHead,
     TableNode,
     TablePublisher,
-    encode,
 )
 
 from .conftest import wait_for
@@ -238,7 +235,7 @@ def test_priority_decides_and_a_restart_without_state_is_followed(brains: Callab
 
 def _invalid_weight_update() -> bytes:
     update = msgspec.to_builtins(
-        SliceUpdate(
+        wire.SliceUpdate(
             epoch=99,
             version=1,
             slice="default",
@@ -261,7 +258,7 @@ def test_hostile_frames_are_counted_and_routing_goes_on(brains: Callable[[], Bra
     garbage = [
         [b"prism.head"],
         [b"prism.head", b"1", b"\xc1 not msgpack"],
-        [b"prism.head", b"7", encode(make_table(99, 0, ["evil"]))[2]],
+        [b"prism.head", b"7", wire.encode(make_table(99, 0, ["evil"]))[2]],
         [b"prism.headless", b"1", b"\x80"],
         [b"prism.slice/default/", b"1", _invalid_weight_update()],
     ]
@@ -283,12 +280,12 @@ def test_hostile_frames_are_counted_and_routing_goes_on(brains: Callable[[], Bra
 
         # A head that names slice versions the router never received cannot make a table: the router keeps
         # its table and asks for a snapshot.
-        orphan = encode(
-            TableHead(
+        orphan = wire.encode(
+            wire.TableHead(
                 epoch=1,
                 version=2,
                 issued_unix_s=time.time(),
-                slices=[SliceHead(name="default", version=2, entries=1)],
+                slices=[wire.SliceHead(name="default", version=2, entries=1)],
             )
         )
         cut_off = router.rejects.counts()["frames"]
