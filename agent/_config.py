@@ -482,34 +482,17 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Agen
     defaults; ConfigError if one is invalid or two contradict."""
     s = SETTINGS.resolve(args, environ)
     _check_engine(s)
-    return AgentConfig(
-        node_id=s["node_id"],
-        host=s["host"],
-        endpoint=s["endpoint"],
-        brain=s["brain"],
-        zone=s["zone"],
-        labels=s["labels"],
-        period_s=s["period"],
-        ebpf=s["ebpf"],
-        curve=_curve(s),
-        metrics_port=s["metrics_port"],
-        metrics_addr=s["metrics_addr"],
-        otlp_host=s["otlp_host"],
-        otlp_grpc_port=s["otlp_grpc_port"],
-        otlp_http_port=s["otlp_http_port"],
-        otlp_max_connections=s["otlp_max_connections"],
-        otlp_read_timeout_s=s["otlp_read_timeout_s"],
-        otlp_max_grpc_rpcs=s["otlp_max_grpc_rpcs"],
-        otlp_max_inflight_bytes=s["otlp_max_inflight_bytes"],
-        trace_ports=s["trace_port"],
-        trace_pids=s["trace_pid"],
-        join_delay_s=s["join_delay"],
-        engine_url=s["engine_url"],
-        kv_events=s["kv_events"],
-        kv_replay=s["kv_replay"],
-        kv_dp_ranks=s["kv_dp_ranks"],
-        kv_full_every_s=s["kv_full_every"],
-    )
+    return s.build(AgentConfig, _SETTING_OF, curve=_curve(s))
+
+
+_SETTING_OF = {
+    "period_s": "period",
+    "trace_ports": "trace_port",
+    "trace_pids": "trace_pid",
+    "join_delay_s": "join_delay",
+    "kv_full_every_s": "kv_full_every",
+}
+"""The `AgentConfig` fields whose setting goes by another name (the flag's, without its unit or plural)."""
 
 
 def _curve(s: ResolvedSettings) -> ClientCurve | None:

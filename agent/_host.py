@@ -12,7 +12,8 @@ _MIN_CPU_WINDOW_S = 0.01
 
 @dataclass(frozen=True)
 class HostSample:
-    """One reading; `cpu_util_ratio` is None when too little time passed since the last reading."""
+    """One reading, each field a node-vector metric of its name; `cpu_util_ratio` is None when too little time
+    passed since the last reading."""
 
     cpu_util_ratio: float | None
     mem_used_bytes: int

@@ -155,12 +155,20 @@ class ConnectionIndex:
 
 @dataclass
 class JoinCounts:
+    """What the joiner saw and joined since start, for the agent's `prism_agent_join_*` counters."""
+
     server_spans: int = 0
+    """Server spans received, whatever their transport."""
     server_spans_with_peer: int = 0
+    """Server spans over TCP naming the peer's address and port and the local port: those a join could find."""
     server_spans_joined: int = 0
+    """Server spans joined to a connection by its 4-tuple."""
     client_spans: int = 0
+    """Client spans over TCP (or of no stated transport)."""
     client_spans_joined: int = 0
+    """Client spans joined to a connection, by peer and process or by thread."""
     joined_by_thread: int = 0
+    """Of `client_spans_joined`, those found only by the thread that opened the connection."""
 
     @property
     def coverage(self) -> float | None:

@@ -140,6 +140,10 @@ class KvEventStats:
         return self.last_seqs[0]
 
 
+_COUNTERS = ("batches", "events", "replayed_batches", "missed_batches", "evicted_blocks", "unhashable_blocks")
+"""The fields of `KvEventStats` the subscriber counts as it goes; the others it reads off its state."""
+
+
 @dataclass(frozen=True)
 class KvChanges:
     """What changed in the node's Prism block set since the last `take_changes()`.
@@ -230,7 +234,7 @@ class KvEventSubscriber:
         self._reset = True
         """The next take is a reset: the set was cleared, the changes overflowed, or none was taken yet."""
         self._block_size: int | None = None
-        self._counts = {"batches": 0, "events": 0, "replayed": 0, "missed": 0, "evicted": 0, "unhashable": 0}
+        self._counts = dict.fromkeys(_COUNTERS, 0)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._ranks: list[_Rank] = []
@@ -299,16 +303,10 @@ class KvEventSubscriber:
 
     def stats(self) -> KvEventStats:
         with self._lock:
-            counts = self._counts
             return KvEventStats(
-                batches=counts["batches"],
-                events=counts["events"],
-                replayed_batches=counts["replayed"],
-                missed_batches=counts["missed"],
-                evicted_blocks=counts["evicted"],
+                **self._counts,
                 blocks=len(self._blocks),
                 last_seqs=tuple(None if r.next_seq is None else r.next_seq - 1 for r in self._ranks),
-                unhashable_blocks=counts["unhashable"],
                 prism_blocks=len(self._held),
             )
 
@@ -375,7 +373,7 @@ class KvEventSubscriber:
             if missed:
                 self.failures.count("gap", f"{rank.where()}: batches {expected}..{seq - 1} missed, {replayed} replayed")
                 with self._lock:
-                    self._counts["missed"] += missed
+                    self._counts["missed_batches"] += missed
         with self._lock:
             rank.next_seq = seq + 1
         events = self._decode(payload)
@@ -423,7 +421,7 @@ class KvEventSubscriber:
                     self._apply(rank.index, events)
                     applied += 1
         with self._lock:
-            self._counts["replayed"] += applied
+            self._counts["replayed_batches"] += applied
         return applied
 
     def _replay_socket(self, rank: _Rank, replay_endpoint: str) -> zmq.Socket:
@@ -512,7 +510,7 @@ class KvEventSubscriber:
                     self.failures.count("extra_keys", f"BlockStored: {exc}")
             key = (rank, block, event.medium, event.group)
             if prism is None:
-                self._counts["unhashable"] += 1
+                self._counts["unhashable_blocks"] += 1
             if key in blocks:
                 blocks.move_to_end(key)
                 if blocks[key] is None and prism is not None:
@@ -526,7 +524,7 @@ class KvEventSubscriber:
                 if len(blocks) > self._max_blocks:
                     oldest, oldest_prism = blocks.popitem(last=False)
                     self._drop(oldest, oldest_prism)
-                    self._counts["evicted"] += 1
+                    self._counts["evicted_blocks"] += 1
         self._block_size = size
 
     def _prism_hash(self, rank: int, block: bytes) -> int | None:

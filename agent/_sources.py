@@ -57,14 +57,7 @@ def _gpu(collector: GpuCollector) -> Reading:
 
 
 def _host(sampler: HostSampler) -> Reading:
-    host = sampler.sample()
-    return Reading(
-        metrics={
-            "cpu_util_ratio": host.cpu_util_ratio,
-            "mem_used_bytes": host.mem_used_bytes,
-            "mem_total_bytes": host.mem_total_bytes,
-        }
-    )
+    return Reading(metrics=dataclasses.asdict(sampler.sample()))
 
 
 def _ebpf(counter: ConnectCounter) -> Reading:

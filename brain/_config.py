@@ -60,13 +60,14 @@ class BrainConfig:
     priority: int = 0
     """Routers follow the live brain with the highest (priority, brain_id); -1000 to 1000."""
     holddown_s: float = 10.0
+    """After a start, the longest the brain waits before its first table while it has not yet heard from
+    `restart_quorum` of the nodes its state folder knew (or, without a state folder, from any node)."""
     failover_model: Path | None = None
     """The failover scheduler's student (`prism train failover`); None or a missing file: the rule-based split."""
     failover_reload_s: float = 600.0
     """How often the brain looks for a new student in `failover_model` and switches to it."""
-    """After a start, the longest the brain waits before its first table while it has not yet heard from
-    `restart_quorum` of the nodes its state folder knew (or, without a state folder, from any node)."""
     restart_quorum: float = 0.9
+    """Share of the nodes the state folder knew that, once heard from, end `holddown_s` early."""
     ingest_workers: int = 0
     """Processes that decode and validate node vectors for the brain (0: the brain's own thread does); for
     fleets beyond what one interpreter decodes in time. Not with CURVE (see `_shards`)."""
@@ -325,20 +326,10 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Brai
         raise ConfigError(f"--curve-clients and --curve-routers must be different folders, both are {clients}")
     if s["ingest_workers"] and secret is not None:
         raise ConfigError("--ingest-workers cannot be used with CURVE: the workers could not check node identities")
-    return BrainConfig(
-        ingest=s["ingest"],
-        updates=s["updates"],
-        snapshot=s["snapshot"],
-        stale_periods=s["stale_periods"],
-        heartbeat_s=s["heartbeat_s"],
-        state_dir=s["state_dir"],
+    return s.build(
+        BrainConfig,
         curve=ServerCurve(secret, clients, AGENTS_DOMAIN) if secret is not None else None,
         curve_routers=ServerCurve(secret, routers, ROUTERS_DOMAIN) if secret is not None else None,
-        allow_plaintext=s["allow_plaintext"],
-        metrics_port=s["metrics_port"],
-        metrics_addr=s["metrics_addr"],
-        admin_port=s["admin_port"],
-        admin_addr=s["admin_addr"],
         admin_access=admin_access(
             s["admin_addr"],
             s["admin_token_file"],
@@ -346,12 +337,5 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Brai
             s["admin_insecure"],
             s["admin_allowed_hosts"],
         ),
-        scale_hook=s["scale_hook"],
-        train_budget_s=s["train_budget_s"],
         brain_id=s["brain_id"] or "",
-        priority=s["priority"],
-        holddown_s=s["holddown_s"],
-        failover_model=s["failover_model"],
-        failover_reload_s=s["failover_reload_s"],
-        ingest_workers=s["ingest_workers"],
     )

@@ -48,6 +48,13 @@ class RegistryCollector(Collector):
         )
 
 
+_SCORE_FAMILIES: tuple[tuple[str, str, str], ...] = (
+    ("mae_ms", "prism_brain_predictor_mae_seconds", "Mean absolute error on held-out recent windows"),
+    ("p99_abs_error_ms", "prism_brain_predictor_p99_error_seconds", "P99 absolute error on held-out windows"),
+)
+"""(score field in ms, family in seconds, HELP) for each score of a predictor, labelled by the predictor."""
+
+
 class PredictorCollector(Collector):
     """The predictors' scores on recent held-out windows, side by side, and which one the weights use."""
 
@@ -58,20 +65,18 @@ class PredictorCollector(Collector):
         evaluation = self._predictor.evaluation
         if evaluation is None:
             return
-        mae = GaugeMetricFamily(
-            "prism_brain_predictor_mae_seconds", "Mean absolute error on held-out recent windows", labels=["predictor"]
-        )
-        p99 = GaugeMetricFamily(
-            "prism_brain_predictor_p99_error_seconds", "P99 absolute error on held-out windows", labels=["predictor"]
-        )
+        scores = sorted(evaluation.scores.items())
+        for field, name, help_text in _SCORE_FAMILIES:
+            family = GaugeMetricFamily(name, help_text, labels=["predictor"])
+            for predictor, score in scores:
+                family.add_metric([predictor], getattr(score, field) * MS_TO_S)
+            yield family
         used = GaugeMetricFamily(
             "prism_brain_predictor_in_use", "1 for the predictor the weights use", labels=["predictor"]
         )
-        for name, score in sorted(evaluation.scores.items()):
-            mae.add_metric([name], score.mae_ms * MS_TO_S)
-            p99.add_metric([name], score.p99_abs_error_ms * MS_TO_S)
-            used.add_metric([name], 1.0 if name == evaluation.best else 0.0)
-        yield from (mae, p99, used)
+        for predictor, _ in scores:
+            used.add_metric([predictor], 1.0 if predictor == evaluation.best else 0.0)
+        yield used
 
 
 class TallyCollector(Collector):

@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from prismlb.wire import ConfigError
 
@@ -29,6 +29,8 @@ SettingParser = Callable[[Any], Any]
 says what is wrong with it."""
 
 Action = Literal["store", "append", "store_true", "store_false"]
+
+_Config = TypeVar("_Config")
 
 
 def parse_text(raw: object) -> str:
@@ -156,6 +158,21 @@ class ResolvedSettings:
     def source(self, name: str) -> str:
         """Where the value came from: its flag, its variable, `FILE: key`, or its default."""
         return self.sources.get(name) or _default_source(self.table[name])
+
+    def build(self, config: type[_Config], renamed: Mapping[str, str] | None = None, **derived: Any) -> _Config:
+        """The dataclass `config` from these values: each field takes the setting of its name, or of the name
+        `renamed` maps it to (field: setting), but for the fields in `derived` (worked out from several settings);
+        a field no setting names keeps its default. One way from settings to a service's config, not a list by
+        hand that a new setting can be left out of."""
+        renamed = renamed or {}
+        names = {f.name: renamed.get(f.name, f.name) for f in fields(config) if f.init and f.name not in derived}
+        wrong = [f"field {n}" for n in renamed if n not in names] + [
+            f"setting {s}" for s in renamed.values() if s not in self.values
+        ]
+        if wrong:
+            raise ValueError(f"{config.__name__}: renamed names an unknown {', '.join(wrong)}")
+        values = {name: self.values[setting] for name, setting in names.items() if setting in self.values}
+        return config(**values, **derived)
 
 
 @dataclass(frozen=True)

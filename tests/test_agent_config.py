@@ -83,6 +83,10 @@ def test_otlp_ports_and_trace_filters_from_file_env_and_flag(tmp_path: Path) -> 
         ({"PRISM_OTLP_GRPC_PORT": "-1"}, "PRISM_OTLP_GRPC_PORT: OTLP port must be 0 (off) to 65535, got -1"),
         ({"PRISM_TRACE_PORTS": "80,http"}, "PRISM_TRACE_PORTS: port 'http' is not an integer in 1..65535"),
         ({"PRISM_JOIN_DELAY_S": "11"}, "PRISM_JOIN_DELAY_S: join delay must be 0 to 10 seconds, got '11'"),
+        ({"PRISM_OTLP_MAX_CONNECTIONS": "many"}, "PRISM_OTLP_MAX_CONNECTIONS: 'many' is not an integer"),
+        ({"PRISM_OTLP_READ_TIMEOUT_S": "-1"}, "PRISM_OTLP_READ_TIMEOUT_S: must be positive, got '-1'"),
+        ({"PRISM_OTLP_MAX_GRPC_RPCS": "1.5"}, "PRISM_OTLP_MAX_GRPC_RPCS: '1.5' is not an integer"),
+        ({"PRISM_OTLP_MAX_INFLIGHT_BYTES": "0"}, "PRISM_OTLP_MAX_INFLIGHT_BYTES: must be positive, got '0'"),
     ],
 )
 def test_bad_variables_name_themselves(environ: dict[str, str], message: str) -> None:

@@ -78,19 +78,32 @@ def assert_quantiles(got: LatencyQuantiles | None, requests: int, p50: float, p9
     assert (got.p50_ms, got.p95_ms, got.p99_ms) == pytest.approx((p50, p95, p99), abs=1e-6)
 
 
+def gauges(kind: str, usage: float, running: int, waiting: int) -> EngineSample:
+    """A sample of only what a scrape reads at once (the first scrape's: no earlier one to take deltas from)."""
+    return EngineSample(
+        kind=kind, kv_cache_usage_ratio=pytest.approx(usage), requests_running=running, requests_waiting=waiting
+    )
+
+
+def gauges_of(got: EngineSample) -> EngineSample:
+    """`got` less what it measured since the previous scrape, to compare with `gauges(...)`."""
+    return EngineSample(
+        kind=got.kind,
+        kv_cache_usage_ratio=got.kv_cache_usage_ratio,
+        requests_running=got.requests_running,
+        requests_waiting=got.requests_waiting,
+    )
+
+
 def test_vllm_gauges_miss_ratio_and_quantiles_from_deltas(server: MetricsServer) -> None:
     collector = scraping(server, fixture("vllm_metrics_1.txt"), fixture("vllm_metrics_2.txt"))
 
     first = collector.sample()
     # Gauges are read at once: running 3+2, waiting 0+1, KV usage mean(0.12, 0.08); no deltas yet.
-    assert first == EngineSample(
-        kind="vllm", kv_cache_usage_ratio=pytest.approx(0.10), requests_running=5, requests_waiting=1
-    )
+    assert first == gauges("vllm", 0.10, running=5, waiting=1)
 
     second = collector.sample()
-    assert second.kind == "vllm"
-    assert second.requests_running == 12 and second.requests_waiting == 6
-    assert second.kv_cache_usage_ratio == pytest.approx(0.40)
+    assert gauges_of(second) == gauges("vllm", 0.40, running=12, waiting=6)
     # queries: engine 0 1000 -> 3000, engine 1 500 -> 1500 (+3000); hits 400 -> 1900, 100 -> 400 (+1800).
     assert second.kv_cache_miss_ratio == pytest.approx(1 - 1800 / 3000)
     # TTFT, 100 new observations; cumulative per bucket: <=0.02: 10, 0.04: 30, 0.06: 50, 0.08: 60, 0.1: 80,
@@ -131,21 +144,17 @@ def test_vllm_counter_reset_skips_the_restarted_series(server: MetricsServer) ->
     # Engine 0 gained no observations and engine 1's histograms went down: no latency this window.
     assert third.ttft is None and third.e2e is None and third.queue is None
     assert third.latency() is None
-    assert third.requests_running == 2 and third.requests_waiting == 0
-    assert third.kv_cache_usage_ratio == pytest.approx(0.11)
+    assert gauges_of(third) == gauges("vllm", 0.11, running=2, waiting=0)
 
 
 def test_sglang_detected_replicas_read_once_and_miss_from_token_counters(server: MetricsServer) -> None:
     collector = scraping(server, fixture("sglang_metrics_1.txt"), fixture("sglang_metrics_2.txt"))
     first = collector.sample()
-    assert first == EngineSample(
-        kind="sglang", kv_cache_usage_ratio=pytest.approx(0.30), requests_running=4, requests_waiting=1
-    )
+    assert first == gauges("sglang", 0.30, running=4, waiting=1)
     second = collector.sample()
     assert collector.kind == "sglang"
     # Both TP ranks publish the scheduler gauges (5 running each): one scheduler, not 10 requests.
-    assert second.requests_running == 5 and second.requests_waiting == 3
-    assert second.kv_cache_usage_ratio == pytest.approx(0.42)
+    assert gauges_of(second) == gauges("sglang", 0.42, running=5, waiting=3)
     # sglang:cache_hit_rate reads 0.0 (set by the last decode log); the counters say prompt +4000, cached +1000.
     assert second.kv_cache_miss_ratio == pytest.approx(0.75)
     # TTFT, 20 new: <=0.2: 4, 0.4: 12, 0.6: 16, 0.8: 18, 1: 20.

@@ -11,22 +11,21 @@ import pytest
 from prismlb.brain._history import _BATCH_ROWS, SCHEMA, History
 from prismlb.wire import ModalityLatency, NodeMetrics, NodeVector
 
+from ._helpers_vectors import node_vector
 from .conftest import Clock
 
 UNIX_NOW = 1_700_000_000.0
 """Where the tests' clocks start: the history stamps rows with Unix seconds."""
 
 
-def vector(node_id: str = "node-a", seq: int = 1, sample_time: float = 1.0, **metrics: float) -> NodeVector:
-    return NodeVector(
-        node_id=node_id,
-        host="h",
-        endpoint="e",
-        seq=seq,
-        sample_time_unix_s=sample_time,
-        period_s=1.0,
-        metrics=NodeMetrics(**metrics),
-    )
+def vector(
+    node_id: str = "node-a",
+    seq: int = 1,
+    sample_time: float = 1.0,
+    latency: dict[str, ModalityLatency] | None = None,
+    **metrics: float,
+) -> NodeVector:
+    return node_vector(node_id, seq, sample_time_unix_s=sample_time, metrics=NodeMetrics(**metrics), latency=latency)
 
 
 def fill(history: History, clock: Clock, seconds: int, nodes: int = 3) -> None:
@@ -44,19 +43,17 @@ def segments(state_dir: Path) -> list[Path]:
 def test_rows_flatten_metrics_and_summarise_latency() -> None:
     history = History(None, clock=Clock(UNIX_NOW))
     history.append(
-        NodeVector(
-            node_id="node-a",
-            host="h",
-            endpoint="e",
+        vector(
             seq=7,
-            sample_time_unix_s=5.0,
-            period_s=1.0,
-            metrics=NodeMetrics(cpu_util_ratio=0.25, mem_used_bytes=2**40, kv_cache_miss_ratio=0.5),
+            sample_time=5.0,
             latency={
                 "llm": ModalityLatency(requests=10, ttft_p99_ms=100.0, e2e_p99_ms=800.0),
                 "vlm": ModalityLatency(requests=2, ttft_p99_ms=300.0),
                 "engine": ModalityLatency(requests=12, ttft_p99_ms=50.0, e2e_p99_ms=900.0),
             },
+            cpu_util_ratio=0.25,
+            mem_used_bytes=2**40,
+            kv_cache_miss_ratio=0.5,
         )
     )
     row = history.frame().row(0, named=True)

@@ -22,6 +22,8 @@ from prismlb.brain._predictor import (
 from prismlb.sim._trace_replay import MOONCAKE_CONVERSATION, ReplayConfig, read_mooncake, replay
 from prismlb.wire import MAX_VECTOR_BYTES, ModalityLatency, NodeMetrics, NodeVector, decode, encode
 
+from ._helpers_vectors import node_vector
+
 needs_trace = pytest.mark.skipif(not MOONCAKE_CONVERSATION.exists(), reason=f"trace not found: {MOONCAKE_CONVERSATION}")
 SMALL = PredictorConfig(steps=4, history=12, holdout=4, min_evaluation_samples=4, batch_size=16)
 
@@ -33,19 +35,6 @@ def _row(value: float) -> tuple[float, ...]:
 def _flat(predicted: dict[str, dict[str, float | None]]) -> list[float | None]:
     """Every series' forecast, in order."""
     return [value for series in predicted.values() for value in series.values()]
-
-
-def _vector(latency: dict[str, ModalityLatency], metrics: NodeMetrics | None = None) -> NodeVector:
-    return NodeVector(
-        node_id="n1",
-        host="h",
-        endpoint="http://h:8000",
-        seq=1,
-        sample_time_unix_s=1.0,
-        period_s=5.0,
-        metrics=metrics or NodeMetrics(),
-        latency=latency,
-    )
 
 
 def _fill(predictor: Predictor, nodes: int, windows: int) -> None:
@@ -73,21 +62,23 @@ def test_parameter_counts() -> None:
 
 
 def test_features_mark_absent_metrics_and_series_are_the_slice_and_engine_entries() -> None:
-    vector = _vector(
-        {
+    vector = node_vector(
+        "n1",
+        1,
+        metrics=NodeMetrics(cpu_util_ratio=0.25, requests_waiting=0),
+        latency={
             "av": ModalityLatency(requests=3, ttft_p99_ms=120.0),
             "vlm": ModalityLatency(requests=0),
             "text": ModalityLatency(requests=3, ttft_p99_ms=900.0),  # no slice of that name: not a series
             "engine": ModalityLatency(requests=3, ttft_p99_ms=300.0),
         },
-        NodeMetrics(cpu_util_ratio=0.25, requests_waiting=0),
     )
     row = node_features(vector)
     assert len(row) == len(NODE_FEATURES) == len(FEATURES) - 1 == 7
     assert row[0] == 0.25 and row[5] == 0.0
     assert math.isnan(row[1]) and math.isnan(row[4])
     assert series_p99_ms(vector) == {"av": 120.0, "vlm": None, "engine": 300.0}
-    assert series_p99_ms(_vector({})) == {}
+    assert series_p99_ms(node_vector("n1", 1)) == {}
 
 
 def test_absent_features_carry_the_last_value_forward() -> None:

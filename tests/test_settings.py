@@ -8,6 +8,7 @@ import argparse
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,24 @@ def test_nothing_given_resolves_to_the_configs_own_defaults() -> None:
     """The tables take their defaults from the config classes, so a service started bare runs as one made in code."""
     assert agent_config(argparse.Namespace(), {}) == AgentConfig()
     assert brain_config(argparse.Namespace(), {}) == BrainConfig()
+
+
+@dataclass(frozen=True)
+class _Config:
+    port: int
+    label: str
+    tag: list[str] | None
+    on: bool = True
+    unset: int = 7
+
+
+def test_a_config_is_built_from_the_settings_of_its_fields() -> None:
+    """Each field takes its setting (or the one it is renamed from) unless derived; a field without one keeps its
+    default, and a setting without a field is left out."""
+    resolved = TABLE.resolve(parse(TABLE, "--port", "82", "--tag", "a"), {})
+    assert resolved.build(_Config, {"label": "name"}, on=False) == _Config(82, "computed", ["a"], on=False, unset=7)
+    with pytest.raises(ValueError, match="unknown field nope, setting missing"):
+        resolved.build(_Config, {"nope": "name", "label": "missing"})
 
 
 def test_services_sharing_a_variable_share_its_declaration() -> None:
