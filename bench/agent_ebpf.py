@@ -468,8 +468,11 @@ class Phase:
     elapsed_s: float = 0.0
     load: Load | None = None
     seen: int | None = None
+    """The load's connections the tracer reported."""
     lost: int | None = None
+    """Events the tracer said it lost over the window."""
     cpu_s: float | None = None
+    """The tracer's CPU seconds over the window."""
     problem: str | None = None
 
     @property

@@ -63,19 +63,27 @@ QUICK = Phases(engines=1, warm_s=3.0, steady_s=5.0, after_s=6.0)
 
 @dataclass
 class Answer:
+    """One request of the load and how it ended."""
+
     caller: str
-    sent_s: float  # since the kill (negative before it)
-    served: str | None = None  # the zone that answered; None: failed
+    """The zone it was sent from."""
+    sent_s: float
+    """Since the kill (negative before it)."""
+    served: str | None = None
+    """The zone that answered; None: failed."""
     latency_s: float = 0.0
 
 
 @dataclass
 class Outcome:
+    """One variant's run."""
+
     variant: str
     answers: list[Answer] = field(default_factory=list)
     split_moved_s: float | None = None
     """When zone a's callers' row first gave zone a nothing, after the kill."""
     problem: str | None = None
+    """Why the variant's load never ran (its routers never had a full table in time); its row says only this."""
 
 
 def table_ready(table: RoutingTable | None, nodes: int, zoned: bool) -> bool:

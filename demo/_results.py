@@ -30,13 +30,19 @@ class Result:
 
 @dataclass
 class NodeStats:
+    """One node's running totals over the requests sent to it."""
+
     ok: int = 0
     errors: int = 0
+    """Requests that failed; those cut off by the time bound are neither these nor `ok`."""
     inflight: int = 0
+    """Requests sent and not ended yet."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    """Of the completed requests' prompt tokens, those the engine found in its prefix cache (its `usage`)."""
     ttft_ms: list[float] = field(default_factory=list)
     kv_usage: float | None = None
+    """The engine's KV-cache usage at its last `/metrics` read; None before the first and once it is killed."""
     window: WindowReport | None = None
     """The engine's batch window at its last `/metrics` read (a killed node's: the last read before the kill)."""
     unreadable_metrics: int = 0

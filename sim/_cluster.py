@@ -62,10 +62,14 @@ its engine model), and an inference server's host idles at a few percent while i
 
 @dataclass(frozen=True, slots=True)
 class NodeSpec:
+    """A node to replay: its engine's hardware and where it sits; `Simulation` gives it an address."""
+
     name: str
     gpu_class: GpuClass
     numa_node: int = 0
+    """See `SimNode.numa_node`."""
     labels: Mapping[str, str] | None = None
+    """Its agent's labels; "gpu" is the GPU class unless these set it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -176,6 +176,24 @@ def run(seed: int, actor: Callable[[np.ndarray, Sequence[ZoneObservation]], np.n
     return episode
 
 
+@dataclass(frozen=True)
+class _Training:
+    """What every stage of one training run draws on: its generator (episode seeds come from it too, so the run's
+    seed fixes them all), the feature ranges every training episode widens, and the progress log."""
+
+    rng: np.random.Generator
+    ranges: Ranges
+    log: Callable[[str], None]
+
+    def next_seed(self) -> int:
+        """A training episode's seed, below the held-out ones."""
+        return int(self.rng.integers(HELD_OUT_SEED))
+
+    def episode(self, actor: Callable[[np.ndarray, Sequence[ZoneObservation]], np.ndarray]) -> Episode:
+        """`run` on the next seed."""
+        return run(self.next_seed(), actor, self.ranges)
+
+
 class _PpoActor:
     """Samples from the teacher and keeps each step's log-probability and value for the update."""
 
@@ -232,24 +250,17 @@ def _behaviour_clone(network: TeacherNetwork, seeds: Sequence[int], ranges: Rang
             optimizer.step()
 
 
-def _ppo(
-    network: TeacherNetwork,
-    steps: int,
-    next_seed: Callable[[], int],
-    rng: np.random.Generator,
-    ranges: Ranges,
-    log: Callable[[str], None],
-) -> int:
+def _ppo(network: TeacherNetwork, steps: int, training: _Training) -> int:
     """PPO on `steps` simulator steps (whole episodes; at least one); the steps taken."""
     optimizer = torch.optim.Adam(network.parameters(), lr=3e-4)
-    generator = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    generator = torch.Generator().manual_seed(int(training.rng.integers(2**31)))
     taken = 0
     while taken < max(1, steps):
         episodes: list[Episode] = []
         agent_steps = 0
         while agent_steps < ROLLOUT_AGENT_STEPS and taken < max(1, steps):
-            actor = _PpoActor(network, rng)
-            episode = run(next_seed(), actor, ranges)
+            actor = _PpoActor(network, training.rng)
+            episode = training.episode(actor)
             episode.extras = actor.extras
             episodes.append(episode)
             taken += len(episode.windows)
@@ -276,7 +287,7 @@ def _ppo(
                 nn.utils.clip_grad_norm_(network.parameters(), 0.5)
                 optimizer.step()
         mean_reward = float(np.mean([r for e in episodes for r in e.step_rewards]))
-        log(f"teacher: {taken} steps, mean step reward {mean_reward:.3f}")
+        training.log(f"teacher: {taken} steps, mean step reward {mean_reward:.3f}")
     return taken
 
 
@@ -306,24 +317,17 @@ def _mixed_actor(
 
 
 def _distil(
-    teacher: TeacherNetwork,
-    student: StudentNetwork,
-    rounds: int,
-    episodes_per_round: int,
-    next_seed: Callable[[], int],
-    rng: np.random.Generator,
-    ranges: Ranges,
-    log: Callable[[str], None],
+    teacher: TeacherNetwork, student: StudentNetwork, rounds: int, episodes_per_round: int, training: _Training
 ) -> tuple[float, float, int]:
     """DAgger rounds of distillation; (KL before, KL after) on held-out states of the final student's own
     rollouts, and the states trained on."""
     initial = copy.deepcopy(student)
     optimizer = torch.optim.Adam(student.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    generator = torch.Generator().manual_seed(int(training.rng.integers(2**31)))
     windows: list[np.ndarray] = []
     for r in range(rounds):
-        actor = _mixed_actor(teacher, student, 1.0 if r == 0 else 0.5**r, rng)
-        windows += [w for _ in range(episodes_per_round) for w in run(next_seed(), actor, ranges).windows]
+        actor = _mixed_actor(teacher, student, 1.0 if r == 0 else 0.5**r, training.rng)
+        windows += [w for _ in range(episodes_per_round) for w in training.episode(actor).windows]
         x = torch.from_numpy(np.concatenate(windows)).float()
         target = _teacher_probs(teacher, np.concatenate(windows))
         for _ in range(6):
@@ -332,9 +336,9 @@ def _distil(
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-        log(f"distillation round {r + 1}/{rounds}: {len(x)} states, KL {loss.item():.4f}")
-    own = _mixed_actor(teacher, student, 0.0, rng)
-    held = np.concatenate([w for _ in range(episodes_per_round) for w in run(next_seed(), own, ranges).windows])
+        training.log(f"distillation round {r + 1}/{rounds}: {len(x)} states, KL {loss.item():.4f}")
+    own = _mixed_actor(teacher, student, 0.0, training.rng)
+    held = np.concatenate([w for _ in range(episodes_per_round) for w in training.episode(own).windows])
     target = _teacher_probs(teacher, held)
     x = torch.from_numpy(held).float()
     with torch.inference_mode():
@@ -392,24 +396,19 @@ def train(out: Path, *, seed: int = 0, teacher_steps: int | None = None, log: Ca
     torch.set_num_threads(1)
     try:
         torch.manual_seed(seed)
-        rng = np.random.default_rng([seed, 7])
-
-        def next_seed() -> int:
-            return int(rng.integers(HELD_OUT_SEED))
-
+        training = _Training(np.random.default_rng([seed, 7]), Ranges(), log)
         # Budgets follow the teacher's: a few seconds for a tiny run, minutes for the default.
         episodes = steps / (EPISODE_S / 0.2)
         bc_episodes = int(np.clip(episodes / 60, 1, 10))
         per_round = int(np.clip(episodes / 80, 1, 8))
         held_out = int(np.clip(episodes / 60, 2, 12))
-        ranges = Ranges()
         teacher = TeacherNetwork()
-        _behaviour_clone(teacher, [next_seed() for _ in range(bc_episodes)], ranges, epochs=8)
+        _behaviour_clone(teacher, [training.next_seed() for _ in range(bc_episodes)], training.ranges, epochs=8)
         log(f"teacher starts from LocalFirst ({bc_episodes} episodes cloned)")
-        taken = _ppo(teacher, steps, next_seed, rng, ranges, log)
+        taken = _ppo(teacher, steps, training)
         student = StudentNetwork()
-        kl_initial, kl_final, states = _distil(teacher, student, 3, per_round, next_seed, rng, ranges, log)
-        save_student(out, student, ranges.array())
+        kl_initial, kl_final, states = _distil(teacher, student, 3, per_round, training)
+        save_student(out, student, training.ranges.array())
         seeds = [HELD_OUT_SEED + seed * 1000 + i for i in range(held_out)]
         teacher_reward = mean_reward(lambda: TeacherPolicy(teacher), seeds)
         student_reward = mean_reward(lambda: StudentPolicy.load(out), seeds)

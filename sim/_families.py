@@ -117,9 +117,11 @@ def _workload(name: str, seed: int, requests: list[SimRequest], how: str) -> Wor
     return Workload(f"{name}-{seed}", _ordered(requests), BLOCK_TOKENS, source)
 
 
-def _check(requests: int) -> None:
+def _start(seed: int, requests: int) -> tuple[np.random.Generator, _Chain]:
+    """A family's generator at `seed` and a fresh block chain for its prompts, once `requests` is positive."""
     if requests <= 0:
         raise ValueError(f"requests must be positive, not {requests}")
+    return np.random.default_rng(seed), _Chain()
 
 
 # Arrivals
@@ -216,9 +218,8 @@ def _chat(
     name: str, seed: int, requests: int, arrivals: Callable[[np.random.Generator, int], list[float]], how: str
 ) -> Workload:
     """The tenants' chat mix at `arrivals`."""
-    _check(requests)
-    rng = np.random.default_rng(seed)
-    tenants, chain = _Tenants(rng), _Chain()
+    rng, chain = _start(seed, requests)
+    tenants = _Tenants(rng)
     out = [tenants.request(rng, chain, i, t) for i, t in enumerate(arrivals(rng, requests))]
     return _workload(name, seed, out, how)
 
@@ -279,9 +280,7 @@ def _turns(
 
 def sessions(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
     """Multi-turn chat: each turn's prompt is the previous prompt, its answer and a new user message."""
-    _check(requests)
-    rng = np.random.default_rng(seed)
-    chain = _Chain()
+    rng, chain = _start(seed, requests)
     system: _Piece = ("system", 1000)
 
     def conversation(k: int, start: float) -> list[SimRequest]:
@@ -308,9 +307,7 @@ def sessions(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
 
 def agentic(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
     """Agent tasks: many short turns over one long context per task, each turn appending a tool call and result."""
-    _check(requests)
-    rng = np.random.default_rng(seed)
-    chain = _Chain()
+    rng, chain = _start(seed, requests)
     system: _Piece = ("agent", 3000)
 
     def task(k: int, start: float) -> list[SimRequest]:
@@ -345,9 +342,7 @@ RAG_SWAP = 0.2
 
 def rag(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
     """RAG: an instruction prefix, k = 3..5 chunks of a Zipf-popular topic's ranking in rank order, the question."""
-    _check(requests)
-    rng = np.random.default_rng(seed)
-    chain = _Chain()
+    rng, chain = _start(seed, requests)
     chunk_popularity = _zipf(RAG_CHUNKS, 0.8)
     topic_popularity = _zipf(RAG_TOPICS, 1.0)
     rankings = [_distinct(rng, chunk_popularity, RAG_RANKING) for _ in range(RAG_TOPICS)]
@@ -405,9 +400,7 @@ def _media(rng: np.random.Generator, signature: str) -> tuple[dict[str, int], in
 
 def multimodal(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
     """Text, image, audio and video requests of 20 apps (Zipf), each app with a system prompt of its own."""
-    _check(requests)
-    rng = np.random.default_rng(seed)
-    chain = _Chain()
+    rng, chain = _start(seed, requests)
     apps = _zipf(MM_APPS, 1.0)
     system_tokens = [_lognormal(rng, 300, 0.8, 4096) for _ in range(MM_APPS)]
     signatures = list(MM_MIX)

@@ -37,8 +37,6 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from prismlb.agent._gpu import _node_metrics
 from prismlb.agent._network import NetworkWindow, TcpCounts
 from prismlb.agent._node import NodeSampler, Reading
@@ -48,7 +46,7 @@ from prismlb.wire import GpuState, NodeVector
 
 from ._cluster import Exposition, NodeSpec, Simulation, _agent_sources, _agent_vector, _ModelScrape, _Node
 from ._eval import _scaled, policy_factories
-from ._families import DEFAULT_REQUESTS, _Chain, _check, _lognormal, _poisson, _rank, _request, _zipf
+from ._families import DEFAULT_REQUESTS, _lognormal, _poisson, _rank, _request, _start, _zipf
 from ._model import GpuClass
 from ._prism import PrismPolicy
 from ._types import ClusterView, EngineStats, KvEvent, Policy, RunResult, SimNode, SimRequest, Workload
@@ -372,9 +370,7 @@ def replay(
 
 def moe(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
     """Audio requests of Zipf-popular expert groups (see the module's docstring); Poisson arrivals."""
-    _check(requests)
-    rng = np.random.default_rng(seed)
-    chain = _Chain()
+    rng, chain = _start(seed, requests)
     popularity = _zipf(EXPERT_GROUPS, EXPERT_ZIPF)
     out: list[SimRequest] = []
     for i, t in enumerate(_poisson(rng, requests, MOE_RATE)):

@@ -67,15 +67,26 @@ class ReplayConfig:
 
     nodes: int = 8
     window_s: float = 5.0
+    """Each node's vector period: one `NodeVector` per node per window."""
     utilisation: float = 0.5
+    """Share of the time the average node's prefill server would be busy with the trace's input tokens, cache
+    hits left out: sets the prefill rate."""
     speed_spread: tuple[float, float] = (0.75, 1.25)
+    """Bounds of the uniform draw of each node's speed factor on that rate."""
     kv_capacity_tokens: int = 262_144
+    """A node's KV cache: admitted requests' input + output tokens at most."""
     max_running: int = 32
+    """Requests in the decode batch at which each output token takes twice `tpot_s`."""
     decode_slowdown: float = 0.5
+    """Share of that slowdown prefill takes (chunked prefill shares the GPU with the batch)."""
     tpot_s: float = 0.02
+    """Seconds per output token with nothing else decoding."""
     cache_blocks: int = 2_048
+    """A node's LRU prefix cache, in blocks of the trace's block size."""
     tokenize_tokens_per_s: float = 50_000.0
+    """Host CPU tokenising speed: the time a window's arriving input tokens take at it adds to the CPU base."""
     seed: int = 0
+    """Seeds each request's node and each node's speed factor."""
 
 
 @dataclass(frozen=True, slots=True)

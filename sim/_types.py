@@ -62,7 +62,10 @@ class EngineStats:
 
 
 class Outcome(Enum):
+    """How an attempt ended, as a policy is told in `finished`."""
+
     OK = "ok"
+    """The node answered: the request completed."""
     CONNECT_ERROR = "connect_error"
     """The node was down: nothing was sent; the caller retries elsewhere."""
 
@@ -74,7 +77,9 @@ class SimNode:
     name: str
     address: str
     gpu_class: str
+    """Its engine's hardware profile (`_model.PROFILES`: "a100", "h100", "l40s")."""
     numa_node: int
+    """The host NUMA node its GPU hangs off; a gateway on the other one crosses the interconnect to reach it."""
 
 
 @dataclass(frozen=True, slots=True)

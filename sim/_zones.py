@@ -281,14 +281,19 @@ class EpisodeMetrics:
 
 @dataclass
 class _Totals:
+    """The episode's steps summed (requests are rates × step length, so not whole), for `ZoneSim.metrics`."""
+
     requests: float = 0.0
     failed: float = 0.0
     cross_zone: float = 0.0
     reward: float = 0.0
     steps: int = 0
     bad: list[bool] = field(default_factory=list)
+    """Per step: whether it failed too many requests or missed the SLO; recovery is a run of good steps."""
     weights: list[np.ndarray] = field(default_factory=list)
     latencies: list[np.ndarray] = field(default_factory=list)
+    """Per step: the requests served on each (caller zone, node) flow and that flow's P99, whose mixture over
+    the episode is its P99."""
 
 
 class ZoneSim:

@@ -28,18 +28,9 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prismlb import semantics
 from prismlb.agent._kv_events import KvChanges, KvEventSubscriber
 from prismlb.router import block_hashes
-from prismlb.semantics import (
-    BLOOM_BITS,
-    BLOOM_CAPACITY,
-    BLOOM_HASHES,
-    CountingBloom,
-    block_key,
-    bloom_contains,
-    bloom_false_positive_rate,
-    bloom_overlap,
-)
 from prismlb.sim import EmulatedEngine, prompt_tokens
 from prismlb.sim import block_hashes as engine_hashes
 from prismlb.sim._model import EngineModel
@@ -62,13 +53,18 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
-class BlockStored(KVCacheEvent):
+class StoredFields(msgspec.Struct, gc=False):
+    """The fields `BlockStored` has begun with, in this order, in both formats."""
+
     block_hashes: list[Hash]
     parent_block_hash: Hash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
+
+
+class BlockStored(KVCacheEvent, StoredFields):
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
@@ -91,13 +87,7 @@ class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     pass
 
 
-class ArrayBlockStored(ArrayEvent, tag="BlockStored"):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
+class ArrayBlockStored(ArrayEvent, StoredFields, tag="BlockStored"):
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
@@ -226,7 +216,7 @@ def poll_until(subscriber: KvEventSubscriber, done: Callable[[], bool], timeout_
 def held(subscriber: KvEventSubscriber, hashes: list[Hash]) -> list[bool]:
     summary = subscriber.summary()
     assert summary is not None
-    return [bloom_contains(summary, h) for h in hashes]
+    return [semantics.bloom_contains(summary, h) for h in hashes]
 
 
 def test_stored_removed_cleared(ctx: zmq.Context, engine: Engine, endpoint: str, replay_endpoint: str) -> None:
@@ -238,8 +228,8 @@ def test_stored_removed_cleared(ctx: zmq.Context, engine: Engine, endpoint: str,
         poll_until(sub, lambda: sub.stats().batches == 2)
         summary = sub.summary()
         assert summary is not None
-        assert (summary.blocks, summary.bloom_hashes, summary.block_size_tokens) == (3, BLOOM_HASHES, 32)
-        assert len(summary.bloom) == BLOOM_BITS // 8
+        assert (summary.blocks, summary.bloom_hashes, summary.block_size_tokens) == (3, semantics.BLOOM_HASHES, 32)
+        assert len(summary.bloom) == semantics.BLOOM_BITS // 8
         assert held(sub, [1, 3, big]) == [True, True, True]
         assert held(sub, [2]) == [False]
         stats = sub.stats()
@@ -247,7 +237,9 @@ def test_stored_removed_cleared(ctx: zmq.Context, engine: Engine, endpoint: str,
 
         engine.publish(AllBlocksCleared())
         poll_until(sub, lambda: sub.stats().batches == 3)
-        assert sub.summary() == KvSummary(blocks=0, bloom=b"", bloom_hashes=BLOOM_HASHES, block_size_tokens=32)
+        assert sub.summary() == KvSummary(
+            blocks=0, bloom=b"", bloom_hashes=semantics.BLOOM_HASHES, block_size_tokens=32
+        )
         assert sub.failures.counts() == {}
 
 
@@ -407,56 +399,57 @@ hashes = st.one_of(st.integers(min_value=-(2**63), max_value=2**64 - 1), st.bina
 @settings(max_examples=200, deadline=None)
 @given(kept=st.lists(hashes, max_size=200), dropped=st.lists(hashes, max_size=200))
 def test_bloom_has_no_false_negatives(kept: list[Hash], dropped: list[Hash]) -> None:
-    bloom = CountingBloom(m_bits=1024, k=4)  # small, so that keys share counters
+    bloom = semantics.CountingBloom(m_bits=1024, k=4)  # small, so that keys share counters
     for h in kept + dropped:
         bloom.add(h)
     for h in dropped:
         bloom.remove(h)
     summary = KvSummary(blocks=len(kept), bloom=bloom.bits(), bloom_hashes=4)
-    assert all(bloom_contains(summary, h) for h in kept)
+    assert all(semantics.bloom_contains(summary, h) for h in kept)
 
 
 def test_bloom_removing_everything_empties_it() -> None:
-    bloom = CountingBloom()
+    bloom = semantics.CountingBloom()
     for h in range(1000):
         bloom.add(h)
     for h in range(1000):
         bloom.remove(h)
-    assert bloom.bits() == bytes(BLOOM_BITS // 8)
+    assert bloom.bits() == bytes(semantics.BLOOM_BITS // 8)
 
 
 def test_bloom_false_positive_rate_at_capacity() -> None:
     rng = random.Random(4)
-    members = list({rng.getrandbits(64) for _ in range(BLOOM_CAPACITY + 20_000)})
-    assert len(members) == BLOOM_CAPACITY + 20_000
-    bloom = CountingBloom()
-    for h in members[:BLOOM_CAPACITY]:
+    capacity = semantics.BLOOM_CAPACITY
+    members = list({rng.getrandbits(64) for _ in range(capacity + 20_000)})
+    assert len(members) == capacity + 20_000
+    bloom = semantics.CountingBloom()
+    for h in members[:capacity]:
         bloom.add(h)
-    summary = KvSummary(blocks=BLOOM_CAPACITY, bloom=bloom.bits(), bloom_hashes=BLOOM_HASHES)
-    rate = sum(bloom_contains(summary, h) for h in members[BLOOM_CAPACITY:]) / 20_000
-    design = bloom_false_positive_rate(BLOOM_BITS, BLOOM_HASHES, BLOOM_CAPACITY)
+    summary = KvSummary(blocks=capacity, bloom=bloom.bits(), bloom_hashes=semantics.BLOOM_HASHES)
+    rate = sum(semantics.bloom_contains(summary, h) for h in members[capacity:]) / 20_000
+    design = semantics.bloom_false_positive_rate(semantics.BLOOM_BITS, semantics.BLOOM_HASHES, capacity)
     assert design == pytest.approx(0.0216, abs=1e-4)
     assert abs(rate - design) < 0.005  # about 5 standard deviations of 20,000 trials
 
 
 def test_bloom_overlap_is_the_leading_run() -> None:
-    bloom = CountingBloom()
+    bloom = semantics.CountingBloom()
     for h in (1, 2, 3, 9):
         bloom.add(h)
-    summary = KvSummary(blocks=4, bloom=bloom.bits(), bloom_hashes=BLOOM_HASHES)
-    assert bloom_overlap(summary, [1, 2, 3, 4]) == 0.75
-    assert bloom_overlap(summary, [1, 2, 5, 9]) == 0.5
-    assert bloom_overlap(summary, [5, 1]) == 0.0
-    assert bloom_overlap(summary, []) == 0.0
-    empty = KvSummary(blocks=0, bloom=b"", bloom_hashes=BLOOM_HASHES)
-    assert not bloom_contains(empty, 1)
+    summary = KvSummary(blocks=4, bloom=bloom.bits(), bloom_hashes=semantics.BLOOM_HASHES)
+    assert semantics.bloom_overlap(summary, [1, 2, 3, 4]) == 0.75
+    assert semantics.bloom_overlap(summary, [1, 2, 5, 9]) == 0.5
+    assert semantics.bloom_overlap(summary, [5, 1]) == 0.0
+    assert semantics.bloom_overlap(summary, []) == 0.0
+    empty = KvSummary(blocks=0, bloom=b"", bloom_hashes=semantics.BLOOM_HASHES)
+    assert not semantics.bloom_contains(empty, 1)
 
 
 def test_block_key_is_vllms_unsigned_64_bit_form() -> None:
-    assert block_key(-1) == block_key(2**64 - 1) == b"\xff" * 8
-    assert block_key(5) == (5).to_bytes(8, "big")
+    assert semantics.block_key(-1) == semantics.block_key(2**64 - 1) == b"\xff" * 8
+    assert semantics.block_key(5) == (5).to_bytes(8, "big")
     digest = hashlib.sha256(b"x").digest()
-    assert block_key(digest) == digest
+    assert semantics.block_key(digest) == digest
 
 
 # --- the Prism view: engine blocks re-hashed with the callers' chain --------------------------------------------

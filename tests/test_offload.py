@@ -14,20 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from prismlb.otel import (
-    QP_RATE_MBPS,
-    URGENT_SHARE,
-    BandwidthScheduler,
-    EmulatedLink,
-    GradientMonitor,
-    SimulatedClock,
-    TokenBucket,
-    Transfer,
-    WallClock,
-    fifo,
-    qp_rate_limits,
-    static_equal_share,
-)
+from prismlb import otel
 from prismlb.wire import ConfigError, InvalidFieldError, NonFiniteError, RejectCounter
 
 from .conftest import load_bench
@@ -73,7 +60,7 @@ def density(module: nn.Module) -> float:
 
 def test_the_monitor_measures_each_layers_l1_density_in_backward_order() -> None:
     model = TwoHeads()
-    with GradientMonitor(model) as monitor:
+    with otel.GradientMonitor(model) as monitor:
         assert monitor.layers == ("embed", "trunk", "head_a", "head_b")
         backward(model)
         layers = {layer.name: layer for layer in monitor.step()}
@@ -92,7 +79,7 @@ def test_the_monitor_measures_each_layers_l1_density_in_backward_order() -> None
 
 def test_scaling_one_heads_loss_step_to_step_makes_its_change_rate_lead() -> None:
     model = TwoHeads()  # no optimizer: the same input gives the same gradients, but for the scale
-    with GradientMonitor(model, alpha=0.5) as monitor:
+    with otel.GradientMonitor(model, alpha=0.5) as monitor:
         for step in range(8):
             backward(model, scale_b=4.0 if step % 2 else 1.0)
             monitor.step()
@@ -103,12 +90,12 @@ def test_scaling_one_heads_loss_step_to_step_makes_its_change_rate_lead() -> Non
     assert rates["head_a"] == pytest.approx(0.0, abs=1e-6)
     assert 0.0 < rates["trunk"] < 0.75 and 0.0 < rates["embed"] < 0.75
     assert max(rates, key=rates.__getitem__) == "head_b"
-    assert BandwidthScheduler(1e9).urgent_layers(rates)[0] == "head_b"
+    assert otel.BandwidthScheduler(1e9).urgent_layers(rates)[0] == "head_b"
 
 
 def test_the_monitor_measures_the_accumulated_gradient_of_several_backwards() -> None:
     model = TwoHeads()
-    with GradientMonitor(model) as monitor:
+    with otel.GradientMonitor(model) as monitor:
         backward(model)
         backward(model, scale_b=3.0)
         layers = {layer.name: layer for layer in monitor.step()}
@@ -119,7 +106,7 @@ def test_the_monitor_measures_the_accumulated_gradient_of_several_backwards() ->
 def test_a_non_finite_gradient_is_counted_and_the_layer_keeps_its_rate() -> None:
     model = TwoHeads()
     rejects = RejectCounter("gradient monitor", LOG)
-    monitor = GradientMonitor(model, rejects=rejects)
+    monitor = otel.GradientMonitor(model, rejects=rejects)
     for scale in (1.0, 2.0):
         backward(model, scale_b=scale)
         monitor.step()
@@ -137,24 +124,24 @@ def test_a_non_finite_gradient_is_counted_and_the_layer_keeps_its_rate() -> None
 
 def test_close_removes_the_hooks_and_tied_weights_count_once() -> None:
     model = TwoHeads()
-    monitor = GradientMonitor(model)
+    monitor = otel.GradientMonitor(model)
     monitor.close()
     monitor.close()
     backward(model)
     assert monitor.step() == ()
     tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
     tied[1].weight = tied[0].weight
-    with GradientMonitor(tied) as monitor:
+    with otel.GradientMonitor(tied) as monitor:
         assert monitor.layers == ("0",)
 
 
 def test_the_monitor_refuses_bad_settings() -> None:
     for alpha in (0.0, 1.5, math.nan):
         with pytest.raises(ConfigError, match="alpha"):
-            GradientMonitor(TwoHeads(), alpha=alpha)
+            otel.GradientMonitor(TwoHeads(), alpha=alpha)
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ConfigError, match="no trainable parameters"):
-        GradientMonitor(frozen)
+        otel.GradientMonitor(frozen)
 
 
 # --- the scheduler ------------------------------------------------------------------------------------------
@@ -165,11 +152,11 @@ PENDING |= {"b3": 2_000_000, "b4": 2_000_000, "norm": 2_000}
 
 
 def test_the_fast_layers_share_at_least_60_percent_by_bytes_and_the_rest_by_change_rate() -> None:
-    scheduler = BandwidthScheduler(10e9)
+    scheduler = otel.BandwidthScheduler(10e9)
     assert scheduler.urgent_layers(RATES) == ("embed", "head")  # ≥ half the fastest, within the top quarter
     plan = scheduler.plan(PENDING, RATES)
     assert plan.urgent == ("embed", "head")
-    assert plan.urgent_share == pytest.approx(URGENT_SHARE) and URGENT_SHARE >= 0.6
+    assert plan.urgent_share == pytest.approx(otel.URGENT_SHARE) and otel.URGENT_SHARE >= 0.6
     assert sum(plan.rates.values()) == pytest.approx(10e9)
     assert plan.rates["embed"] == pytest.approx(4 * plan.rates["head"])  # urgent: by pending bytes
     assert plan.rates["b0"] == pytest.approx(2 * plan.rates["b1"])  # background: by change rate
@@ -179,7 +166,7 @@ def test_the_fast_layers_share_at_least_60_percent_by_bytes_and_the_rest_by_chan
 
 
 def test_a_class_with_nothing_pending_leaves_the_whole_link_to_the_other() -> None:
-    scheduler = BandwidthScheduler(1e9)
+    scheduler = otel.BandwidthScheduler(1e9)
     only_urgent = scheduler.plan({"embed": 10, "head": 30, "b0": 0}, RATES)
     assert only_urgent.rates == {"embed": pytest.approx(0.25e9), "head": pytest.approx(0.75e9)}
     assert only_urgent.urgent_share == pytest.approx(1.0)
@@ -191,7 +178,7 @@ def test_a_class_with_nothing_pending_leaves_the_whole_link_to_the_other() -> No
 
 
 def test_plans_are_deterministic_whatever_the_input_order() -> None:
-    scheduler = BandwidthScheduler(1e9)
+    scheduler = otel.BandwidthScheduler(1e9)
     forward = scheduler.plan(PENDING, RATES)
     backward_order = scheduler.plan(dict(reversed(PENDING.items())), dict(reversed(RATES.items())))
     assert list(forward.rates.items()) == list(backward_order.rates.items())
@@ -202,7 +189,7 @@ def test_plans_are_deterministic_whatever_the_input_order() -> None:
 
 def test_bad_input_gets_a_clear_error_and_is_counted() -> None:
     rejects = RejectCounter("bandwidth scheduler", LOG)
-    scheduler = BandwidthScheduler(1e9, rejects=rejects)
+    scheduler = otel.BandwidthScheduler(1e9, rejects=rejects)
     cases = [
         ({"a": math.nan}, {}, NonFiniteError, "pending bytes of layer 'a' must be finite"),
         ({"a": -1}, {}, InvalidFieldError, "pending bytes of layer 'a' must not be negative"),
@@ -223,30 +210,30 @@ def test_bad_input_gets_a_clear_error_and_is_counted() -> None:
 def test_bad_settings_are_refused() -> None:
     for capacity in (0, -1.0, math.nan, math.inf):
         with pytest.raises(ConfigError, match="capacity"):
-            BandwidthScheduler(capacity)
+            otel.BandwidthScheduler(capacity)
     with pytest.raises(ConfigError, match="urgent_share"):
-        BandwidthScheduler(1e9, urgent_share=1.2)
+        otel.BandwidthScheduler(1e9, urgent_share=1.2)
     with pytest.raises(ConfigError, match="background_floor"):
-        BandwidthScheduler(1e9, background_floor=-0.1)
+        otel.BandwidthScheduler(1e9, background_floor=-0.1)
 
 
 def test_the_rate_classes_map_to_queue_pair_rate_limits_in_kbps() -> None:
-    assert dict(QP_RATE_MBPS) == {"urgent": 800.0, "background": 300.0}
-    plan = BandwidthScheduler(1e9).plan(PENDING, RATES)
-    limits = qp_rate_limits(plan)
+    assert dict(otel.QP_RATE_MBPS) == {"urgent": 800.0, "background": 300.0}
+    plan = otel.BandwidthScheduler(1e9).plan(PENDING, RATES)
+    limits = otel.qp_rate_limits(plan)
     assert limits["embed"] == limits["head"] == 800_000
     assert {limits[name] for name in PENDING if name not in ("embed", "head")} == {300_000}
-    assert qp_rate_limits(plan, {"urgent": 2000.0, "background": 500.5})["b0"] == 500_500
+    assert otel.qp_rate_limits(plan, {"urgent": 2000.0, "background": 500.5})["b0"] == 500_500
     with pytest.raises(ConfigError, match="background QP rate"):
-        qp_rate_limits(plan, {"urgent": 800.0})
+        otel.qp_rate_limits(plan, {"urgent": 800.0})
 
 
 # --- the token bucket and the emulated link -----------------------------------------------------------------
 
 
 def test_the_token_bucket_respects_its_rate_on_a_simulated_clock() -> None:
-    clock = SimulatedClock()
-    bucket = TokenBucket(1e6, burst=4096)
+    clock = otel.SimulatedClock()
+    bucket = otel.TokenBucket(1e6, burst=4096)
     sent, log = 0, []
     while sent < 200_000:
         clock.wait_until(bucket.ready_at(1000, clock.now()))
@@ -266,59 +253,61 @@ def test_the_token_bucket_respects_its_rate_on_a_simulated_clock() -> None:
 
 
 def test_one_transfer_goes_at_the_links_capacity() -> None:
-    link = EmulatedLink(1e9, chunk_bytes=4096)
-    run = link.run([Transfer("a", 1_000_000)], fifo(1e9, ["a"]))
+    link = otel.EmulatedLink(1e9, chunk_bytes=4096)
+    run = link.run([otel.Transfer("a", 1_000_000)], otel.fifo(1e9, ["a"]))
     assert run.completed_s["a"] == pytest.approx(1e-3, rel=1e-6)
     assert run.utilisation == pytest.approx(1.0, rel=1e-6)
     assert (run.bytes_moved, run.chunks) == (1_000_000, math.ceil(1_000_000 / 4096))
 
 
 def test_the_link_executes_the_gradient_aware_plan_and_the_static_ones() -> None:
-    transfers = [Transfer("slow", 700_000), Transfer("fast", 300_000)]
+    transfers = [otel.Transfer("slow", 700_000), otel.Transfer("fast", 300_000)]
     rates = {"fast": 1.0, "slow": 0.1}
-    link = EmulatedLink(1e9, chunk_bytes=1000)
-    aware = link.run(transfers, BandwidthScheduler(1e9).policy(rates))
+    link = otel.EmulatedLink(1e9, chunk_bytes=1000)
+    aware = link.run(transfers, otel.BandwidthScheduler(1e9).policy(rates))
     # fast at 60% until done (0.5 ms), then slow alone: 0.2 MB moved by then, 0.5 MB at the full link
     assert aware.completed_s["fast"] == pytest.approx(0.5e-3, rel=0.01)
     assert aware.completed_s["slow"] == pytest.approx(1.0e-3, rel=0.01)
     assert aware.utilisation == pytest.approx(1.0, rel=0.01)
-    equal = link.run(transfers, static_equal_share(1e9, 2))  # 50% each, kept after fast is done
+    equal = link.run(transfers, otel.static_equal_share(1e9, 2))  # 50% each, kept after fast is done
     assert equal.completed_s["fast"] == pytest.approx(0.6e-3, rel=0.01)
     assert equal.completed_s["slow"] == pytest.approx(1.4e-3, rel=0.01)
     assert equal.utilisation == pytest.approx(1 / 1.4, rel=0.01)
-    in_order = link.run(transfers, fifo(1e9, ["slow", "fast"]))
+    in_order = link.run(transfers, otel.fifo(1e9, ["slow", "fast"]))
     assert in_order.completed_s["slow"] == pytest.approx(0.7e-3, rel=0.01)
     assert in_order.completed_s["fast"] == pytest.approx(1.0e-3, rel=0.01)
     assert in_order.completed_by(["fast", "slow"]) == in_order.completed_s["fast"]
 
 
 def test_released_transfers_wait_for_their_time_and_a_starved_one_is_an_error() -> None:
-    link = EmulatedLink(1e6, chunk_bytes=100)
-    run = link.run([Transfer("late", 1000, release_s=0.5), Transfer("empty", 0, release_s=0.1)], fifo(1e6, []))
+    link = otel.EmulatedLink(1e6, chunk_bytes=100)
+    run = link.run(
+        [otel.Transfer("late", 1000, release_s=0.5), otel.Transfer("empty", 0, release_s=0.1)], otel.fifo(1e6, [])
+    )
     # the transfer's own bucket starts empty at its release: 1000 bytes at 1 MB/s from 0.5 s on
     assert run.completed_s == {"empty": pytest.approx(0.1), "late": pytest.approx(0.501, rel=1e-6)}
     assert run.first_release_s == pytest.approx(0.1) and run.elapsed_s == pytest.approx(0.401, rel=1e-6)
     with pytest.raises(ConfigError, match="no bandwidth to the pending transfers of a"):
-        link.run([Transfer("a", 10)], lambda left: {})
+        link.run([otel.Transfer("a", 10)], lambda left: {})
 
 
 def test_the_link_refuses_bad_transfers_and_counts_them() -> None:
     rejects = RejectCounter("emulated link", LOG)
-    link = EmulatedLink(1e6, rejects=rejects)
-    policy = fifo(1e6, [])
+    link = otel.EmulatedLink(1e6, rejects=rejects)
+    policy = otel.fifo(1e6, [])
     with pytest.raises(InvalidFieldError, match="two transfers"):
-        link.run([Transfer("a", 1), Transfer("a", 2)], policy)
+        link.run([otel.Transfer("a", 1), otel.Transfer("a", 2)], policy)
     with pytest.raises(NonFiniteError, match="bytes of layer 'a' must be finite"):
-        link.run([Transfer("a", math.nan)], policy)  # type: ignore[arg-type]
+        link.run([otel.Transfer("a", math.nan)], policy)  # type: ignore[arg-type]
     with pytest.raises(InvalidFieldError, match="must be an integer"):
-        link.run([Transfer("a", 1.5)], policy)  # type: ignore[arg-type]
+        link.run([otel.Transfer("a", 1.5)], policy)  # type: ignore[arg-type]
     with pytest.raises(InvalidFieldError, match="release time of layer 'a' must not be negative"):
-        link.run([Transfer("a", 1, release_s=-1.0)], policy)
+        link.run([otel.Transfer("a", 1, release_s=-1.0)], policy)
     with pytest.raises(NonFiniteError, match="rate of layer 'a'"):
-        link.run([Transfer("a", 1)], lambda left: {"a": math.nan})
+        link.run([otel.Transfer("a", 1)], lambda left: {"a": math.nan})
     assert rejects.counts() == {"invalid_field": 3, "non_finite": 2}
     with pytest.raises(ConfigError, match="chunk_bytes"):
-        EmulatedLink(1e6, chunk_bytes=0)
+        otel.EmulatedLink(1e6, chunk_bytes=0)
 
 
 def test_on_the_wall_clock_the_link_moves_real_bytes_no_faster_than_its_rate() -> None:
@@ -326,12 +315,12 @@ def test_on_the_wall_clock_the_link_moves_real_bytes_no_faster_than_its_rate() -
     target = bytearray(len(source))
     calls: list[tuple[str, int, int]] = []
 
-    def send(transfer: Transfer, offset: int, nbytes: int) -> None:
+    def send(transfer: otel.Transfer, offset: int, nbytes: int) -> None:
         calls.append((transfer.layer, offset, nbytes))
         target[offset : offset + nbytes] = source[offset : offset + nbytes]
 
-    link = EmulatedLink(1e6, chunk_bytes=512, clock=WallClock())
-    run = link.run([Transfer("g", len(source))], fifo(1e6, ["g"]), send)
+    link = otel.EmulatedLink(1e6, chunk_bytes=512, clock=otel.WallClock())
+    run = link.run([otel.Transfer("g", len(source))], otel.fifo(1e6, ["g"]), send)
     assert bytes(target) == source
     assert calls == [("g", offset, 512) for offset in range(0, 2048, 512)]
     assert run.completed_s["g"] >= 2048 / 1e6 - 1e-9  # a lower bound: the bucket's rate, not a speed limit

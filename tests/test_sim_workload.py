@@ -9,23 +9,7 @@ from collections import Counter
 
 import pytest
 
-from prismlb.sim import (
-    BLOCK_TOKENS,
-    LEVELS,
-    MOONCAKE_TRACE,
-    WORKLOADS,
-    SimRequest,
-    Workload,
-    azure,
-    infinite_cache_hit_rate,
-    load,
-    mooncake_conversation,
-    mooncake_tokens,
-    offered_utilisation,
-    scale_to_utilisation,
-    servegen_mm,
-    traces_dir,
-)
+from prismlb import sim
 from prismlb.sim._workload import (
     AUDIO_TOKENS_PER_CLIP,
     IMAGE_TOKENS_MAX,
@@ -36,7 +20,7 @@ from prismlb.sim._workload import (
 )
 
 pytestmark = pytest.mark.skipif(
-    not (traces_dir() / MOONCAKE_TRACE).exists(), reason=f"traces not found in {traces_dir()}"
+    not (sim.traces_dir() / sim.MOONCAKE_TRACE).exists(), reason=f"traces not found in {sim.traces_dir()}"
 )
 
 # The traces README's rows and measured facts: (rows, span s, mean input tokens, mean output tokens).
@@ -49,18 +33,18 @@ ENCODER_S = {"image": 0.015, "audio": 0.025, "video": 0.120}
 
 
 @pytest.fixture(scope="module")
-def workloads() -> dict[str, Workload]:
-    return {name: load(name, seed=7, limit=None) for name in WORKLOADS}
+def workloads() -> dict[str, sim.Workload]:
+    return {name: sim.load(name, seed=7, limit=None) for name in sim.WORKLOADS}
 
 
 def request(
     number: int, arrival_s: float, input_tokens: int, blocks: tuple[int, ...], media_tokens: int = 0
-) -> SimRequest:
-    return SimRequest(number, arrival_s, input_tokens, 1, blocks, media_tokens=media_tokens)
+) -> sim.SimRequest:
+    return sim.SimRequest(number, arrival_s, input_tokens, 1, blocks, media_tokens=media_tokens)
 
 
 @pytest.mark.parametrize("name", sorted(README))
-def test_trace_rows_span_and_means_match_the_readme(workloads: dict[str, Workload], name: str) -> None:
+def test_trace_rows_span_and_means_match_the_readme(workloads: dict[str, sim.Workload], name: str) -> None:
     rows, span_s, mean_in, mean_out = README[name]
     requests = workloads[name].requests
     assert len(requests) == rows
@@ -69,40 +53,40 @@ def test_trace_rows_span_and_means_match_the_readme(workloads: dict[str, Workloa
     assert statistics.mean(r.output_tokens for r in requests) == pytest.approx(mean_out, rel=0.01)
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
+@pytest.mark.parametrize("name", sim.WORKLOADS)
 def test_requests_are_in_arrival_order_from_zero_with_blocks_covering_text(
-    workloads: dict[str, Workload], name: str
+    workloads: dict[str, sim.Workload], name: str
 ) -> None:
     w = workloads[name]
-    assert w.name == name and w.block_tokens == BLOCK_TOKENS and w.source
+    assert w.name == name and w.block_tokens == sim.BLOCK_TOKENS and w.source
     assert [r.id for r in w.requests] == list(range(len(w.requests)))
     arrivals = [r.arrival_s for r in w.requests]
     assert arrivals[0] == 0.0 and arrivals == sorted(arrivals)
     for r in w.requests:
         assert r.input_tokens >= 1 and r.output_tokens >= 1 and 0 <= r.media_tokens < r.input_tokens
-        assert len(r.blocks) == math.ceil((r.input_tokens - r.media_tokens) / BLOCK_TOKENS)
+        assert len(r.blocks) == math.ceil((r.input_tokens - r.media_tokens) / sim.BLOCK_TOKENS)
 
 
-def test_mooncake_keeps_hash_ids_and_its_infinite_cache_bound(workloads: dict[str, Workload]) -> None:
+def test_mooncake_keeps_hash_ids_and_its_infinite_cache_bound(workloads: dict[str, sim.Workload]) -> None:
     w = workloads["mooncake"]
     assert w.requests[0].blocks[:3] == (0, 1, 2)
     assert all(r.blocks[0] == 0 and r.session is None for r in w.requests)
-    assert infinite_cache_hit_rate(w) == pytest.approx(0.374, abs=0.001)  # the traces README's bound
+    assert sim.infinite_cache_hit_rate(w) == pytest.approx(0.374, abs=0.001)  # the traces README's bound
 
 
 def test_mooncake_arrivals_spread_over_the_three_seconds_its_timestamps_round_to() -> None:
     """The trace records ten requests per timestamp on a 3 s grid; replayed, they arrive one by one within it."""
-    w = mooncake_conversation(limit=2000, seed=1)
+    w = sim.mooncake_conversation(limit=2000, seed=1)
     arrivals = [r.arrival_s for r in w.requests]
     assert len(set(arrivals)) == len(arrivals)
     per_second = Counter(int(t) for t in arrivals)
     assert max(per_second.values()) < 28  # the largest tie of the trace, at one instant before
     assert len(per_second) > 0.5 * arrivals[-1]  # most seconds see an arrival, not one in three
-    assert [r.arrival_s for r in mooncake_conversation(limit=2000, seed=1).requests] == arrivals
-    assert [r.arrival_s for r in mooncake_conversation(limit=2000, seed=2).requests] != arrivals
+    assert [r.arrival_s for r in sim.mooncake_conversation(limit=2000, seed=1).requests] == arrivals
+    assert [r.arrival_s for r in sim.mooncake_conversation(limit=2000, seed=2).requests] != arrivals
 
 
-def _at(*times: float) -> list[SimRequest]:
+def _at(*times: float) -> list[sim.SimRequest]:
     return [request(i, t, 100 + i, (i,)) for i, t in enumerate(times)]
 
 
@@ -126,53 +110,49 @@ def test_timestamps_without_rounding_stay_as_they_are() -> None:
 
 
 def test_mooncake_tokens_derive_each_blocks_tokens_from_its_id() -> None:
-    tokens = mooncake_tokens([7, 9], BLOCK_TOKENS + 3)
-    assert len(tokens) == BLOCK_TOKENS + 3
-    assert tokens[:2] == [7 * BLOCK_TOKENS, 7 * BLOCK_TOKENS + 1]
-    assert tokens[BLOCK_TOKENS - 1 :] == [
-        8 * BLOCK_TOKENS - 1,
-        9 * BLOCK_TOKENS,
-        9 * BLOCK_TOKENS + 1,
-        9 * BLOCK_TOKENS + 2,
-    ]
-    other = mooncake_tokens([7, 3], 2 * BLOCK_TOKENS)
-    assert other[:BLOCK_TOKENS] == tokens[:BLOCK_TOKENS]  # a shared block id: the same tokens
-    assert not set(other[BLOCK_TOKENS:]) & set(tokens[BLOCK_TOKENS:])
-    assert mooncake_tokens([7], 0) == []
+    block = sim.BLOCK_TOKENS
+    tokens = sim.mooncake_tokens([7, 9], block + 3)
+    assert len(tokens) == block + 3
+    assert tokens[:2] == [7 * block, 7 * block + 1]
+    assert tokens[block - 1 :] == [8 * block - 1, 9 * block, 9 * block + 1, 9 * block + 2]
+    other = sim.mooncake_tokens([7, 3], 2 * block)
+    assert other[:block] == tokens[:block]  # a shared block id: the same tokens
+    assert not set(other[block:]) & set(tokens[block:])
+    assert sim.mooncake_tokens([7], 0) == []
 
 
 @pytest.mark.parametrize("name", ["azure-code", "azure-conv"])
-def test_azure_blocks_are_never_shared(workloads: dict[str, Workload], name: str) -> None:
+def test_azure_blocks_are_never_shared(workloads: dict[str, sim.Workload], name: str) -> None:
     w = workloads[name]
     blocks = [b for r in w.requests for b in r.blocks]
     assert len(blocks) == len(set(blocks))
-    assert infinite_cache_hit_rate(w) == 0.0
+    assert sim.infinite_cache_hit_rate(w) == 0.0
 
 
 def test_limit_takes_the_first_rows() -> None:
-    assert len(mooncake_conversation(limit=100).requests) == 100
-    assert len(azure("conv", limit=50).requests) == 50
-    assert len(load("mm", seed=1, limit=300).requests) == 300
+    assert len(sim.mooncake_conversation(limit=100).requests) == 100
+    assert len(sim.azure("conv", limit=50).requests) == 50
+    assert len(sim.load("mm", seed=1, limit=300).requests) == 300
 
 
 def test_hit_bound_counts_blocks_seen_before_capping_partial_blocks_at_the_text() -> None:
-    w = Workload(
+    w = sim.Workload(
         "t",
         [request(0, 0.0, 700, (1, 2)), request(1, 1.0, 600, (1, 3)), request(2, 2.0, 800, (1, 3), media_tokens=200)],
         512,
         "test",
     )
     # request 1: block 1 (512); request 2: block 1 (512) and block 3, partial: 600 text tokens - 512 = 88
-    assert infinite_cache_hit_rate(w) == pytest.approx((512 + 512 + 88) / (700 + 600 + 800))
+    assert sim.infinite_cache_hit_rate(w) == pytest.approx((512 + 512 + 88) / (700 + 600 + 800))
 
 
 def test_mm_is_deterministic_per_seed() -> None:
-    a, b, c = servegen_mm(3, 2000), servegen_mm(3, 2000), servegen_mm(4, 2000)
+    a, b, c = sim.servegen_mm(3, 2000), sim.servegen_mm(3, 2000), sim.servegen_mm(4, 2000)
     assert a == b
     assert a.requests != c.requests
 
 
-def test_mm_mix_follows_the_documented_shares_and_rules(workloads: dict[str, Workload]) -> None:
+def test_mm_mix_follows_the_documented_shares_and_rules(workloads: dict[str, sim.Workload]) -> None:
     requests = workloads["mm"].requests
     assert len(requests) == 6000
     kinds = Counter(r.signature for r in requests)
@@ -192,30 +172,30 @@ def test_mm_mix_follows_the_documented_shares_and_rules(workloads: dict[str, Wor
 
 
 def test_mm_shares_only_each_clients_first_block() -> None:
-    requests = servegen_mm(5, 3000).requests
+    requests = sim.servegen_mm(5, 3000).requests
     firsts = Counter(r.blocks[0] for r in requests)
     rest = [b for r in requests for b in r.blocks[1:]]
     assert max(firsts) < 35 and max(firsts.values()) > 100  # block i: client i's shared system prompt (35 clients)
     assert len(rest) == len(set(rest)) and not set(rest) & set(firsts)
-    assert 0 < infinite_cache_hit_rate(Workload("mm", requests, BLOCK_TOKENS, "")) < 1
+    assert 0 < sim.infinite_cache_hit_rate(sim.Workload("mm", requests, sim.BLOCK_TOKENS, "")) < 1
 
 
 def test_loading_is_fast() -> None:
     start = time.perf_counter()
-    mooncake_conversation()
+    sim.mooncake_conversation()
     assert time.perf_counter() - start < 1.0
     start = time.perf_counter()
-    servegen_mm(0, 6000)
+    sim.servegen_mm(0, 6000)
     assert time.perf_counter() - start < 2.0
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
-@pytest.mark.parametrize("level", sorted(LEVELS))
-def test_scaling_hits_the_named_utilisation(workloads: dict[str, Workload], name: str, level: str) -> None:
+@pytest.mark.parametrize("name", sim.WORKLOADS)
+@pytest.mark.parametrize("level", sorted(sim.LEVELS))
+def test_scaling_hits_the_named_utilisation(workloads: dict[str, sim.Workload], name: str, level: str) -> None:
     w = workloads[name]
-    scaled = scale_to_utilisation(w, LEVELS[level], 8 * 20_000.0, encoder_s_per_media=ENCODER_S)
-    assert offered_utilisation(scaled, 8 * 20_000.0, encoder_s_per_media=ENCODER_S) == pytest.approx(
-        LEVELS[level], abs=1e-6
+    scaled = sim.scale_to_utilisation(w, sim.LEVELS[level], 8 * 20_000.0, encoder_s_per_media=ENCODER_S)
+    assert sim.offered_utilisation(scaled, 8 * 20_000.0, encoder_s_per_media=ENCODER_S) == pytest.approx(
+        sim.LEVELS[level], abs=1e-6
     )
     factor = scaled.requests[-1].arrival_s / w.requests[-1].arrival_s
     assert [r.arrival_s for r in scaled.requests] == pytest.approx([r.arrival_s * factor for r in w.requests])
@@ -225,29 +205,29 @@ def test_scaling_hits_the_named_utilisation(workloads: dict[str, Workload], name
 
 
 def test_utilisation_without_encoders_is_prompt_tokens_over_capacity_and_span() -> None:
-    w = Workload("t", [request(0, 0.0, 1000, (1, 2)), request(1, 10.0, 3000, (3,) * 6)], 512, "test")
-    assert offered_utilisation(w, 100.0) == pytest.approx(4000 / 100 / 10)
-    assert scale_to_utilisation(w, 0.5, 100.0).requests[1].arrival_s == pytest.approx(80.0)
-    assert LEVELS == {"50%": 0.5, "80%": 0.8, "95%": 0.95}
+    w = sim.Workload("t", [request(0, 0.0, 1000, (1, 2)), request(1, 10.0, 3000, (3,) * 6)], 512, "test")
+    assert sim.offered_utilisation(w, 100.0) == pytest.approx(4000 / 100 / 10)
+    assert sim.scale_to_utilisation(w, 0.5, 100.0).requests[1].arrival_s == pytest.approx(80.0)
+    assert sim.LEVELS == {"50%": 0.5, "80%": 0.8, "95%": 0.95}
 
 
-def test_bad_arguments_raise_value_error(workloads: dict[str, Workload]) -> None:
+def test_bad_arguments_raise_value_error(workloads: dict[str, sim.Workload]) -> None:
     w = workloads["azure-code"]
     for utilisation in (0.0, -0.5, math.inf, math.nan):
         with pytest.raises(ValueError, match="utilisation"):
-            scale_to_utilisation(w, utilisation, 1e5)
+            sim.scale_to_utilisation(w, utilisation, 1e5)
     for capacity in (0.0, -1.0, math.nan):
         with pytest.raises(ValueError, match="capacity"):
-            scale_to_utilisation(w, 0.8, capacity)
+            sim.scale_to_utilisation(w, 0.8, capacity)
     with pytest.raises(ValueError, match="no requests"):
-        scale_to_utilisation(Workload("empty", [], 512, ""), 0.8, 1e5)
+        sim.scale_to_utilisation(sim.Workload("empty", [], 512, ""), 0.8, 1e5)
     with pytest.raises(ValueError, match="spans no time"):
-        offered_utilisation(Workload("one", [request(0, 0.0, 10, (1,))], 512, ""), 1e5)
+        sim.offered_utilisation(sim.Workload("one", [request(0, 0.0, 10, (1,))], 512, ""), 1e5)
     with pytest.raises(ValueError, match="video"):
-        offered_utilisation(workloads["mm"], 1e5, encoder_s_per_media={"image": 0.01, "audio": 0.02})
+        sim.offered_utilisation(workloads["mm"], 1e5, encoder_s_per_media={"image": 0.01, "audio": 0.02})
     with pytest.raises(ValueError, match="unknown workload"):
-        load("sharegpt", seed=0, limit=None)
+        sim.load("sharegpt", seed=0, limit=None)
     with pytest.raises(ValueError, match="'code' or 'conv'"):
-        azure("chat", limit=None)  # type: ignore[arg-type]
+        sim.azure("chat", limit=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="count"):
-        servegen_mm(0, 0)
+        sim.servegen_mm(0, 0)

@@ -56,7 +56,10 @@ KvApply = Callable[[str, bool, Sequence[int], Sequence[int]], None]
 
 @dataclass
 class KvFollowerStats:
+    """A `KvFollower`'s counts since it was made."""
+
     deltas: int = 0
+    """Deltas applied, live or from the buffer after a snapshot."""
     gaps: int = 0
     """Times a delta did not follow the last one (lost, or from a restarted brain): each asks for a snapshot."""
     snapshots: int = 0

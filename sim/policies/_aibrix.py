@@ -58,9 +58,10 @@ import random
 from collections import OrderedDict
 
 from .._types import ClusterView, Policy, SimRequest
+from .._workload import BLOCK_TOKENS
 from ._fallback import first_not_excluded
 from ._readiness import Readiness
-from ._sglang import CHARS_PER_TOKEN, WorkerOutcomes, _Worker
+from ._sglang import CHARS_PER_TOKEN, WorkerOutcomes
 
 PREFIX_CACHE_BLOCK_SIZE = 4
 """Bytes of the character tokenizer's output (the prompt's UTF-8 text) per hashed block."""
@@ -126,11 +127,12 @@ class AIBrixPrefixCache(WorkerOutcomes, Policy):
 
     def __init__(
         self,
-        block_tokens: int = 512,
+        block_tokens: int = BLOCK_TOKENS,
         seed: int = 0,
         imbalance_abs_count: int = POD_RUNNING_REQUEST_IMBALANCE_ABS_COUNT,
         standard_deviation_factor: float = STANDARD_DEVIATION_FACTOR,
     ) -> None:
+        super().__init__()
         self.block_tokens = block_tokens
         self.imbalance_abs_count = imbalance_abs_count
         self.standard_deviation_factor = standard_deviation_factor
@@ -138,15 +140,11 @@ class AIBrixPrefixCache(WorkerOutcomes, Policy):
             PREFIX_CACHE_BLOCK_NUMBER * PREFIX_CACHE_BLOCK_SIZE // (CHARS_PER_TOKEN * block_tokens)
         )
         self._rng = random.Random(seed)
-        self.names: list[str] = []
-        self.workers: dict[str, _Worker] = {}
         self.readiness = Readiness(READINESS_PERIOD_S, READINESS_FAILURE_THRESHOLD)
         self.ready: set[str] = set()
-        self._sent_at: dict[int, float] = {}
 
     def start(self, view: ClusterView, now: float) -> None:
-        self.names = [n.name for n in view.nodes]
-        self.workers = {n: _Worker() for n in self.names}
+        self.start_workers(view)
         self.ready = self.readiness.start(self.names, now)
 
     def tick(self, view: ClusterView, now: float) -> None:

@@ -44,6 +44,7 @@ import random
 from .._cluster import KV_EVENT_DELAY_S
 from .._model import cached_tokens
 from .._types import ClusterView, Outcome, Policy, SimRequest
+from .._workload import BLOCK_TOKENS
 from ._fallback import first_not_excluded
 from ._matches import leading_matches
 
@@ -121,7 +122,7 @@ class DynamoKvRouter(Policy):
 
     def __init__(
         self,
-        block_tokens: int = 512,
+        block_tokens: int = BLOCK_TOKENS,
         overlap_score_weight: float = OVERLAP_SCORE_WEIGHT,
         temperature: float = ROUTER_TEMPERATURE,
         seed: int = 0,

@@ -40,6 +40,7 @@ import random
 from collections import OrderedDict
 
 from .._types import ClusterView, EngineStats, Policy, SimRequest
+from .._workload import BLOCK_TOKENS
 from ._fallback import first_not_excluded
 from ._matches import leading_matches
 from ._readiness import Readiness
@@ -100,7 +101,7 @@ class LLMDScorer(Policy):
 
     def __init__(
         self,
-        block_tokens: int = 512,
+        block_tokens: int = BLOCK_TOKENS,
         seed: int = 0,
         weights: tuple[float, float, float] = ISSUE_WEIGHTS,
         name: str = "llm-d",

@@ -42,6 +42,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from .._types import ClusterView, Outcome, Policy, SimRequest
+from .._workload import BLOCK_TOKENS
 from ._fallback import first_not_excluded
 
 CACHE_THRESHOLD = 0.3
@@ -202,12 +203,21 @@ class _Worker:
 
 
 class WorkerOutcomes:
-    """sgl-router's per-worker accounting, shared by the routers forked from it: requests in flight per worker
-    (its load), and each attempt's outcome fed to the worker's circuit breaker when the attempt ends (an
-    attempt refused at the instant of dispatch is a failure, a completed one a success)."""
+    """sgl-router's workers and their accounting, shared by the routers forked from it: a worker per node
+    (`start_workers`), requests in flight per worker (its load), and each attempt's outcome fed to the worker's
+    circuit breaker when the attempt ends (an attempt refused at the instant of dispatch is a failure, a
+    completed one a success)."""
 
-    workers: dict[str, _Worker]
-    _sent_at: dict[int, float]
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        """The workers in view order, the order in which ties go."""
+        self.workers: dict[str, _Worker] = {}
+        self._sent_at: dict[int, float] = {}
+
+    def start_workers(self, view: ClusterView) -> None:
+        """A worker per node of the view: healthy, idle, its breaker closed."""
+        self.names = [n.name for n in view.nodes]
+        self.workers = {n: _Worker() for n in self.names}
 
     def dispatched(self, node: str, request: SimRequest, now: float) -> None:
         self.workers[node].load += 1
@@ -229,24 +239,21 @@ class SGLangCacheAware(WorkerOutcomes, Policy):
 
     def __init__(
         self,
-        block_tokens: int = 512,
+        block_tokens: int = BLOCK_TOKENS,
         cache_threshold: float = CACHE_THRESHOLD,
         balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
         balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
     ) -> None:
+        super().__init__()
         self.max_tree_blocks = MAX_TREE_SIZE_CHARS // (CHARS_PER_TOKEN * block_tokens)
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self.names: list[str] = []
-        self.workers: dict[str, _Worker] = {}
         self.tree = PrefixTree([])
         self._evicted_at = 0.0
-        self._sent_at: dict[int, float] = {}
 
     def start(self, view: ClusterView, now: float) -> None:
-        self.names = [n.name for n in view.nodes]
-        self.workers = {n: _Worker() for n in self.names}
+        self.start_workers(view)
         self.tree = PrefixTree(self.names)
         self._evicted_at = now
 

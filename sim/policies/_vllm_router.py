@@ -38,7 +38,7 @@ from __future__ import annotations
 from .._cluster import KV_EVENT_DELAY_S
 from .._types import ClusterView, Policy, SimRequest
 from ._fallback import first_not_excluded
-from ._sglang import HEALTH_CHECK_INTERVAL_S, WorkerOutcomes, _Worker
+from ._sglang import HEALTH_CHECK_INTERVAL_S, WorkerOutcomes
 
 SPECULATIVE_TTL_S = 2.0
 
@@ -99,17 +99,14 @@ class VllmKvAware(WorkerOutcomes, Policy):
     tick_s = KV_EVENT_DELAY_S
 
     def __init__(self, speculative: bool = True, speculative_ttl_s: float = SPECULATIVE_TTL_S) -> None:
+        super().__init__()
         self.speculative = speculative
         self.speculative_ttl_s = speculative_ttl_s
-        self.names: list[str] = []
-        self.workers: dict[str, _Worker] = {}
         self.index = BlockIndex()
         self._next_probe = 0.0
-        self._sent_at: dict[int, float] = {}
 
     def start(self, view: ClusterView, now: float) -> None:
-        self.names = [n.name for n in view.nodes]
-        self.workers = {n: _Worker() for n in self.names}
+        self.start_workers(view)
         self._next_probe = now
         self._ingest(view)
 
