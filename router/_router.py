@@ -552,6 +552,9 @@ class Router:
         _, target = self._slice(request)
         now = self.clock()
         group = target.group
+        # Its prefill alone on the slice's slowest node, at the speed assumed until the brain has measured one.
+        rate = min(group.rates) if group.timed else self.settings.assumed_prefill_tokens_per_s
+        alone_s = request.cost / rate
         if request.slo_s is not None:
             budget = request.slo_s
         else:
@@ -559,10 +562,8 @@ class Router:
                 slice_ = Slice(request.slice) if request.slice is not None else slice_of(request.modality)
             except ValueError:  # a slice of the table's own naming ("default"): the text slice's target
                 slice_ = slice_of(None)
-            # Its prefill alone on the slice's slowest node, at the speed assumed until the brain has measured one.
-            rate = min(group.rates) if group.timed else self.settings.assumed_prefill_tokens_per_s
-            budget = ttft_slo_s(slice_, request.cost / rate)
-        ticket = Ticket(request, target.name, now, now + budget)
+            budget = ttft_slo_s(slice_, alone_s)
+        ticket = Ticket(request, target.name, now, now + budget, now + budget - alone_s)
         with self._lock:
             self.turns.join(ticket)
             self._grant(now)
@@ -589,8 +590,9 @@ class Router:
 
     def _grant(self, now: float) -> None:
         """Under the accounting lock: in every slice with requests waiting, let go those waiting `hold_max_s`, and
-        the earliest-deadline one while an entry of the slice has at most `hold_tokens` queued and no other
-        ticket of the slice is granted and not yet placed (one at a time, so each sees the queues the last left)."""
+        the room's head (`Room.head`: earliest deadline first, late ones last) while an entry of the slice has at most
+        `hold_tokens` queued and no other ticket of the slice is granted and not yet placed (one at a time, so each
+        sees the queues the last left)."""
         if not self.turns.waiting:
             return
         snapshot = self._snapshot
@@ -600,7 +602,7 @@ class Router:
                 self.turns.grant(ticket, now, expired=True)
             if room.granted is not None and now - room.granted_at < hold_max_s:
                 continue
-            head = room.head()
+            head = room.head(now)
             if head is None:
                 continue
             target = snapshot.routes.get(key) if snapshot is not None else None

@@ -4,8 +4,11 @@ An engine serves its queue in arrival order: a request sent to a queue waits beh
 however much sooner it must start. A router that sends only while some node of the slice has less than an engine
 step's worth of prefill queued (`Settings.hold_tokens`) keeps the engines' queues short and the order its own: the
 requests it holds go in order of deadline, their arrival plus their TTFT SLO (`semantics.ttft_slo_s`), so a short
-prompt due in 800 ms is not stuck behind a long one that may take seconds. Nothing waits while there is room, so an
-unloaded cluster sees no difference; nothing waits longer than `Settings.hold_max_s`.
+prompt due in 800 ms is not stuck behind a long one that may take seconds. A request that can no longer start its
+prefill in time to meet its deadline is late: it goes after every request that still can, in the order it became
+late, since taking a turn that cannot meet its SLO would only make the ones behind it miss theirs too (earliest
+deadline first fails that way under overload). Nothing waits while there is room, so an unloaded cluster sees no
+difference; nothing waits longer than `Settings.hold_max_s`, late or not.
 
 The room is the router's rule (`Router._grant`); this module is its bookkeeping: the tickets, one deadline-ordered
 heap per slice, and the ways a caller waits for its turn (a thread, a coroutine, or a simulation that asks which
@@ -33,13 +36,28 @@ class Ticket:
     `hold_max_s`); the caller then places it with `Router.request(..., turn=ticket)`, whose lease beginning lets
     the next request of the slice be considered."""
 
-    __slots__ = ("_event", "_future", "_lock", "deadline", "granted", "joined", "left", "request", "slice_key")
+    __slots__ = (
+        "_event",
+        "_future",
+        "_lock",
+        "deadline",
+        "granted",
+        "joined",
+        "late_at",
+        "left",
+        "request",
+        "slice_key",
+    )
 
-    def __init__(self, request: Request, slice_key: str, joined: float, deadline: float) -> None:
+    def __init__(
+        self, request: Request, slice_key: str, joined: float, deadline: float, late_at: float | None = None
+    ) -> None:
         self.request = request
         self.slice_key = slice_key
         self.joined = joined
         self.deadline = deadline
+        self.late_at = deadline if late_at is None else late_at
+        """When it becomes late: its deadline less its own expected prefill time."""
         self.granted = False
         self.left = False  # gone from the room without a grant (its caller stopped waiting)
         self._event = threading.Event()
@@ -88,20 +106,32 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 @dataclass
 class Room:
-    """The tickets waiting in one slice: by deadline (the order turns go in) and by arrival (the order they
-    expire in), and the one granted ticket not yet placed."""
+    """The tickets waiting in one slice: by deadline (the order turns go in), those found late (after them) and by
+    arrival (the order they expire in), and the one granted ticket not yet placed."""
 
     by_deadline: list[tuple[float, int, Ticket]] = field(default_factory=list)
+    late: deque[Ticket] = field(default_factory=deque)
     by_arrival: deque[Ticket] = field(default_factory=deque)
     granted: Ticket | None = None
     granted_at: float = 0.0
 
-    def head(self) -> Ticket | None:
-        """The earliest-deadline ticket still waiting (those gone are dropped on the way); None when none waits."""
+    def head(self, now: float) -> Ticket | None:
+        """The earliest-deadline ticket still waiting that is not late at `now`, else the first found late (those gone
+        are dropped on the way); None when none waits. Only the deadline order's first is checked for lateness: it is
+        the only one a turn could go to."""
         heap = self.by_deadline
-        while heap and (heap[0][2].granted or heap[0][2].left):
-            heapq.heappop(heap)
-        return heap[0][2] if heap else None
+        while heap:
+            ticket = heap[0][2]
+            if ticket.granted or ticket.left:
+                heapq.heappop(heap)
+            elif ticket.late_at < now:
+                self.late.append(heapq.heappop(heap)[2])
+            else:
+                return ticket
+        late = self.late
+        while late and (late[0].granted or late[0].left):
+            late.popleft()
+        return late[0] if late else None
 
     def expired(self, before: float) -> list[Ticket]:
         """The tickets still waiting that joined at or before `before`, oldest first, taken out of arrival order."""

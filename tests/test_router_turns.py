@@ -86,6 +86,22 @@ def test_turns_go_by_deadline_one_at_a_time_each_seeing_the_queue_the_last_left(
     assert not custom.granted
 
 
+def test_a_request_too_late_for_its_deadline_goes_after_those_still_in_time() -> None:
+    clock = Clock()
+    r = router(1, clock=clock)
+    busy = placed(r, 2000)
+    doomed = r.turn(Request(cost=100))  # due 0.8 s from now, its own prefill 10 ms: late after 0.79 s
+    assert doomed.late_at == pytest.approx(doomed.deadline - 0.01)
+    clock.now += 0.5
+    in_time = r.turn(Request(cost=1000))  # 0.1 s alone, SLO 0.8 s: due at 100.5 + 0.8 s, after the first's
+    clock.now += 0.4  # the first is now late (0.9 s waited), the second is not
+    busy.first_token()
+    assert in_time.granted and not doomed.granted
+    r.request(in_time.request, turn=in_time).begin()  # 1,000 queued: room still, so the late one goes next
+    assert doomed.granted
+    assert r.turns.counts == {"granted": 3, "expired": 0, "left": 0}
+
+
 def test_a_caller_may_stop_waiting_and_no_request_waits_longer_than_hold_max_s() -> None:
     clock = Clock()
     r = router(1, clock=clock, hold_max_s=5.0)
@@ -138,7 +154,7 @@ def test_a_replay_holds_requests_and_every_one_completes() -> None:
     served in order of deadline (the table has no measured speed yet: `assumed_prefill_tokens_per_s`)."""
     requests = tuple(
         SimRequest(id=i, arrival_s=0.001 * i, input_tokens=tokens, output_tokens=2, blocks=(), signature="text")
-        for i, tokens in enumerate([8000, 8000, 9000, 100, 8000, 100])
+        for i, tokens in enumerate([2000, 2000, 2500, 100, 2000, 100])
     )
     workload = Workload(name="burst", requests=requests, block_tokens=16, source="test")
     policy = PrismPolicy(block_tokens=16, settings=Settings(hold_tokens=1, prefix_index=False))
@@ -156,7 +172,7 @@ def test_a_replay_holds_requests_and_every_one_completes() -> None:
     assert len(result.ttft_s) == len(requests)
     order = sorted(result.ttft_s, key=lambda i: requests[i].arrival_s + result.ttft_s[i])
     # The first goes at once; the short ones (due τ0 = 0.8 s after arriving) overtake the long ones waiting (due
-    # 5 x 0.8 s and 5 x 0.9 s after arriving), which go in order of deadline among themselves.
+    # 5 x 0.2 s and 5 x 0.25 s after arriving), which go in order of deadline among themselves: each still in time.
     assert order == [0, 3, 5, 1, 4, 2]
     assert policy.routers[0].turns.counts == {"granted": len(requests), "expired": 0, "left": 0}
 
