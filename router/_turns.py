@@ -49,14 +49,12 @@ class Ticket:
         "slice_key",
     )
 
-    def __init__(
-        self, request: Request, slice_key: str, joined: float, deadline: float, late_at: float | None = None
-    ) -> None:
+    def __init__(self, request: Request, slice_key: str, joined: float, deadline: float, late_at: float) -> None:
         self.request = request
         self.slice_key = slice_key
         self.joined = joined
         self.deadline = deadline
-        self.late_at = deadline if late_at is None else late_at
+        self.late_at = late_at
         """When it becomes late: its deadline less its own expected prefill time."""
         self.granted = False
         self.left = False  # gone from the room without a grant (its caller stopped waiting)
