@@ -8,9 +8,10 @@ what the model is worth in placement. A production brain trains on every control
 across restarts. So here each workload is first replayed `--history-runs` times with Prism at other seeds and loads
 (the cluster's earlier traffic); the windows its brains observed are pooled, one per node and run, into one
 predictor that trains `--steps` minibatches, and the held-out error of all four predictors is printed. Then three
-brains serve the workload itself:
+brains serve the workload itself, each with latency weights (`BrainConfig.latency_weights`: the predictions reach
+placement only through them; the library's default weighs health alone, docs/eval.md):
 
-- `prism`: the library's default (a cold predictor, trained online, the EWMA until a model beats it);
+- `latency-weights`: the library's predictor (a cold predictor, trained online, the EWMA until a model beats it);
 - `ewma`: the EWMA of each series' observed P99 always (`_ablations.ewma`);
 - `lstm-attention`: the trained checkpoint loaded, LSTM-Attention forecasting every series that has its 16 windows
   of input whatever `best()` says, online training continuing.
@@ -35,7 +36,7 @@ from pathlib import Path
 from prismlb.brain import Brain, BrainConfig
 from prismlb.brain._features import node_features
 from prismlb.brain._predictor import Predictor
-from prismlb.sim._ablations import VARIANTS
+from prismlb.sim._ablations import VARIANTS, latency_weighted
 from prismlb.sim._eval import SEARCH_LIMIT, Case, goodput, run_all, run_case
 from prismlb.sim._prism import PrismPolicy
 from prismlb.sim._report import geometric_mean
@@ -47,7 +48,7 @@ WORKLOADS = ("mooncake", "azure-conv", "tenants:1", "sessions:1", "agentic:1", "
 HISTORY_LOADS = (0.5, 0.7, 0.9, 1.0, 0.6, 0.8)
 """The earlier runs' loads, in turn: the history spans quiet and saturated periods."""
 P99_LOADS = (0.8, 0.95)
-POLICIES = ("prism", "ewma", "lstm-attention")
+POLICIES = ("latency-weights", "ewma", "lstm-attention")
 
 _recorded: list[tuple[str, list[float], dict[str, float | None]]] = []
 
@@ -79,7 +80,9 @@ class _TrainedLstmAttentionBrain(Brain):
         self.predictor.load(Path(os.environ[CHECKPOINT_VARIABLE]))
 
 
-VARIANTS["lstm-attention"] = lambda tokens: PrismPolicy(block_tokens=tokens, brain=_TrainedLstmAttentionBrain)
+VARIANTS["lstm-attention"] = lambda tokens: PrismPolicy(
+    block_tokens=tokens, brain=latency_weighted(_TrainedLstmAttentionBrain)
+)
 VARIANTS["recording"] = lambda tokens: PrismPolicy(block_tokens=tokens, brain=_RecordingBrain)
 
 
@@ -119,7 +122,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1500, help="minibatches of training (default 1500)")
     args = parser.parse_args()
     started = time.monotonic()
-    header = "| workload | measure | prism | ewma | lstm-attention | prism / ewma | lstm-attention / ewma |"
+    header = (
+        "| workload | measure | latency-weights | ewma | lstm-attention "
+        "| latency-weights / ewma | lstm-attention / ewma |"
+    )
     rows: list[str] = []
     ratios: dict[str, list[float]] = {"goodput": [], "goodput, gray": [], "p99": [], "p99, gray": []}
     with tempfile.TemporaryDirectory() as folder:
@@ -154,7 +160,7 @@ def main() -> None:
                 )
                 base = by_policy["ewma"]
                 rows.append(
-                    f"| {trace} | {measure} | {cells} | {_ratio(by_policy['prism'], base)} | "
+                    f"| {trace} | {measure} | {cells} | {_ratio(by_policy['latency-weights'], base)} | "
                     f"{_ratio(by_policy['lstm-attention'], base)} |"
                 )
                 if by_policy["lstm-attention"] > 0 and base > 0:

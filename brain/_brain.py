@@ -439,13 +439,14 @@ class Brain:
     def _weights(self, states: dict[str, NodeState]) -> dict[Slice, list[TableNode]]:
         """`compute_weights`; when it fails, the nodes that make it fail are found one by one, counted and
         left out until their next vector (the rest are weighed without them)."""
+        latency = self.config.latency_weights
         try:
-            return compute_weights(states, self.predictions)
+            return compute_weights(states, self.predictions, latency=latency)
         except Exception as first:
             culprits = []
             for node_id, state in states.items():
                 try:
-                    compute_weights({node_id: state}, self.predictions)
+                    compute_weights({node_id: state}, self.predictions, latency=latency)
                 except Exception as exc:
                     culprits.append(node_id)
                     self.faults.count("node_weights", f"{node_id}: {exc!r}")
@@ -454,4 +455,6 @@ class Brain:
             for node_id in culprits:
                 self.registry.nodes.pop(node_id, None)
                 self.predictor.forget(node_id)
-            return compute_weights({n: s for n, s in states.items() if n not in culprits}, self.predictions)
+            return compute_weights(
+                {n: s for n, s in states.items() if n not in culprits}, self.predictions, latency=latency
+            )

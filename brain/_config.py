@@ -25,6 +25,7 @@ from prismlb.service import (
 from prismlb.wire import AGENTS_DOMAIN, ROUTERS_DOMAIN, ConfigError, ServerCurve
 
 from ._admin import AdminAccess, admin_access
+from ._weights import LATENCY_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,10 @@ class BrainConfig:
     ingest_workers: int = 0
     """Processes that decode and validate node vectors for the brain (0: the brain's own thread does); for
     fleets beyond what one interpreter decodes in time. Not with CURVE (see `_shards`)."""
+    latency_weights: bool = LATENCY_WEIGHTS
+    """Weights also weigh each node's latency for the slice, s(τ̂) from the predictor's forecast (the design's
+    rule); off, weights are health alone, since routers already weigh the queues that make most of a node's tail
+    (`_weights`, measured in docs/eval.md)."""
 
 
 def _number(what: str, raw: object) -> float:
@@ -297,6 +302,15 @@ SETTINGS = SettingTable(
             _folder,
             flag="--failover-model",
             variable="PRISM_BRAIN_FAILOVER_MODEL",
+        ),
+        Setting(
+            "latency_weights",
+            "weights also weigh each node's predicted tail latency (the design's rule; the variable: 1 or 0)",
+            _yes_no("latency weights"),
+            _DEFAULT.latency_weights,
+            flag="--latency-weights",
+            variable="PRISM_BRAIN_LATENCY_WEIGHTS",
+            action="store_true",
         ),
         Setting(
             "failover_reload_s",

@@ -1,9 +1,18 @@
-"""Per-slice routing weights: health × latency sensitivity, derated by alarms, floored, held with hysteresis.
+"""Per-slice routing weights: health, derated by alarms (and, where `latency` asks, latency sensitivity), floored,
+held with hysteresis.
 
 For a node in a slice's pool (`_slices`):
 
-    raw = quality / best quality in the pool × s(τ̂),   quality = health × 0.5^(alarming dimensions),
+    raw = quality / best quality in the pool [× s(τ̂) with `latency`],   quality = health × 0.5^(alarming dimensions),
     s(τ) = 1 / (1 + (τ/τ0)²)
+
+The latency factor s(τ̂) is the design's, and off by default (`LATENCY_WEIGHTS`, `BrainConfig.latency_weights`):
+a node's tail latency under load is mostly its queue, which routers already weigh (their own and their peers'
+queued prefill at the node's measured speed, docs/router.md), so stretching its expected time by its latency
+counts the queue twice, and on the ring the weights move keys between nodes as latencies move. Measured in the
+replay (goodput of `prism eval`'s search, all 20 workloads, docs/eval.md): weights of health alone keep 1.02×
+the goodput of the design's weights by expected time and 1.05× on the ring, on a sound cluster, and 1.02× and
+1.03× under the gray failure.
 
 Quality counts relative to the pool's healthiest member (all equal when none has any): weights set shares
 of one pool's traffic, and a condition every member shares (a trace with little prefix reuse puts every
@@ -68,6 +77,10 @@ HYSTERESIS = 0.075
 
 Predictions = Mapping[str, Mapping[Slice, float]]
 """Predicted first-token P99 in ms by node id, then slice."""
+
+
+LATENCY_WEIGHTS = False
+"""Whether weights also weigh each node's latency sensitivity s(τ̂) (the module docstring says why not by default)."""
 
 
 def sensitivity(tau_ms: float, tau0_ms: float) -> float:
@@ -196,10 +209,13 @@ def compute_weights(
     states: Mapping[str, NodeState],
     predictions: Predictions,
     *,
+    latency: bool = LATENCY_WEIGHTS,
     tau0_ms: Mapping[Slice, float] = TAU0_MS,
     topology_slices: frozenset[Slice] = TOPOLOGY_SLICES,
 ) -> dict[Slice, list[TableNode]]:
     """Every slice's entries, sorted by node and GPU; updates each state's held weights (the hysteresis memory).
+    `latency`: each weight also times the node's latency sensitivity s(τ̂) for the slice (the predictions, else
+    its observed P99).
 
     A slice whose pool is empty maps to an empty list; entries a node no longer has are forgotten.
     """
@@ -213,13 +229,14 @@ def compute_weights(
         pool = [states[node_id] for node_id in sorted(pool_ids)]
         spill_ids = set(extra[slice_])
         spill = [states[node_id] for node_id in sorted(spill_ids)]
-        sens = _sensitivities(pool, predictions, slice_, tau0_ms[slice_])
-        sens |= _sensitivities(spill, predictions, slice_, tau0_ms[slice_])
+        sens = _sensitivities(pool, predictions, slice_, tau0_ms[slice_]) if latency else {}
+        if latency:
+            sens |= _sensitivities(spill, predictions, slice_, tau0_ms[slice_])
         best = max((state.quality for state in pool), default=0.0)
         entries: list[TableNode] = []
         for state in pool + spill:
             vector = state.vector
-            raw = min(1.0, state.quality / best if best > 0 else 1.0) * sens[vector.node_id]
+            raw = min(1.0, state.quality / best if best > 0 else 1.0) * sens.get(vector.node_id, 1.0)
             load = _load(vector)
             predicted = _predicted(predictions, vector.node_id, slice_)
             rate = rates.get(vector.node_id)

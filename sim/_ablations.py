@@ -99,7 +99,8 @@ class FlatWeightsBrain(Brain):
 
 
 class NoHealthBrain(Brain):
-    """The brain weighing every node as perfectly healthy (quality 1.0): weights are s(τ̂) alone.
+    """The brain weighing every node as perfectly healthy (quality 1.0): weights are s(τ̂) alone with
+    `BrainConfig.latency_weights`, else 1.0 (as `FlatWeightsBrain`'s).
 
     The weights are computed on copies of the states with quality 1.0, so the registry's smoothed quality (which
     the next vector's quality is averaged with) stays the real one; the held weights (hysteresis) go back."""
@@ -159,25 +160,35 @@ class FleetRateBrain(ClassRateBrain):
         return ""
 
 
+def latency_weighted(brain: Callable[[BrainConfig], Brain]) -> Callable[[BrainConfig], Brain]:
+    """`brain` with `BrainConfig.latency_weights` on: the design's weights, through which alone the predictions
+    reach placement."""
+    return lambda config: brain(dataclasses.replace(config, latency_weights=True))
+
+
 def flat_weights(block_tokens: int) -> Policy:
-    """Every published weight 1.0: health, alarms and latency sensitivity no longer shape the ring."""
+    """Every published weight 1.0: health and alarms no longer shape the ring or stretch expected times."""
     return PrismPolicy(block_tokens=block_tokens, brain=FlatWeightsBrain)
 
 
+def latency_weights(block_tokens: int) -> Policy:
+    """The design's weights (`BrainConfig.latency_weights`): health times each node's latency sensitivity s(τ̂)
+    for the slice, from the predictor's forecast. Not a part switched off but the library's former default, and
+    the base the predictor's own ablations (`ewma`, `no-predictor`, `node-max-prediction`) are read against."""
+    return PrismPolicy(block_tokens=block_tokens, brain=latency_weighted(Brain))
+
+
 def ewma(block_tokens: int) -> Policy:
-    """The predictor's choice among its models and baselines replaced by an EWMA of each series' observed P99 always
-    (`EwmaPredictor`): what LSTM-Attention (and the last value, when it scores better) earn over it."""
-    return PrismPolicy(block_tokens=block_tokens, brain=EwmaBrain, train_steps=0)
+    """With latency weights, the predictor's choice among its models and baselines replaced by an EWMA of each
+    series' observed P99 always (`EwmaPredictor`): against `latency-weights`, what LSTM-Attention (and the last
+    value, when it scores better) earn over it."""
+    return PrismPolicy(block_tokens=block_tokens, brain=latency_weighted(EwmaBrain), train_steps=0)
 
 
 def no_predictor(block_tokens: int) -> Policy:
-    """No predictions: the weights' τ̂ is each node's observed TTFT P99 (`NoPredictorBrain`)."""
-    return PrismPolicy(block_tokens=block_tokens, brain=NoPredictorBrain, train_steps=0)
-
-
-def no_health(block_tokens: int) -> Policy:
-    """Health and alarms ignored (quality 1.0 for every node): the weights are latency sensitivity alone."""
-    return PrismPolicy(block_tokens=block_tokens, brain=NoHealthBrain)
+    """With latency weights, no predictions: the weights' τ̂ is each node's observed TTFT P99
+    (`NoPredictorBrain`); against `latency-weights`, what the forecast earns."""
+    return PrismPolicy(block_tokens=block_tokens, brain=latency_weighted(NoPredictorBrain), train_steps=0)
 
 
 def no_stall(block_tokens: int) -> Policy:
@@ -198,8 +209,9 @@ def fleet_rate(block_tokens: int) -> Policy:
 
 
 def node_max_prediction(block_tokens: int) -> Policy:
-    """One prediction per node, its slowest slice's P99, for every slice (`NodeMaxPredictionBrain`)."""
-    return PrismPolicy(block_tokens=block_tokens, brain=NodeMaxPredictionBrain)
+    """With latency weights, one prediction per node, its slowest slice's P99, for every slice
+    (`NodeMaxPredictionBrain`); against `latency-weights`, what per-slice prediction earns."""
+    return PrismPolicy(block_tokens=block_tokens, brain=latency_weighted(NodeMaxPredictionBrain))
 
 
 def routers_4(block_tokens: int) -> Policy:
@@ -258,10 +270,10 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
     "no-cache-affinity": no_cache_affinity,
     "no-overflow": no_overflow,
     "flat-weights": flat_weights,
+    "latency-weights": latency_weights,
     "ewma": ewma,
     "node-max-prediction": node_max_prediction,
     "no-predictor": no_predictor,
-    "no-health": no_health,
     "no-stall": no_stall,
     "class-rate": class_rate,
     "fleet-rate": fleet_rate,
@@ -272,7 +284,7 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
 """Every ablation by name; each builds its policy from the workload's KV block size."""
 GRAY_VARIANTS = (
     "flat-weights",
-    "no-health",
+    "latency-weights",
     "no-stall",
     "class-rate",
     "no-predictor",

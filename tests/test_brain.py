@@ -169,3 +169,11 @@ def test_config_resolution_order_and_validation() -> None:
         resolve_config(argparse.Namespace(curve_secret="x"), {})
     with pytest.raises(ConfigError):
         resolve_config(argparse.Namespace(metrics_port="70000"), {})
+
+
+def test_latency_weights_are_off_unless_the_flag_or_the_variable_asks() -> None:
+    assert not resolve_config(argparse.Namespace(), {}).latency_weights
+    assert resolve_config(argparse.Namespace(latency_weights=True), {}).latency_weights
+    assert resolve_config(argparse.Namespace(), {"PRISM_BRAIN_LATENCY_WEIGHTS": "1"}).latency_weights
+    with pytest.raises(ConfigError, match="latency weights"):
+        resolve_config(argparse.Namespace(), {"PRISM_BRAIN_LATENCY_WEIGHTS": "sometimes"})

@@ -100,7 +100,10 @@ def _wire(vector: NodeVector) -> NodeVector:
 
 
 def quiet_brain() -> Brain:
-    return Brain(BrainConfig(holddown_s=0.0, train_budget_s=0.0, admin_port=0), CollectorRegistry())
+    """A brain publishing at once, with latency weights: their path reads more of each vector (its latency entries)
+    than the default's, so hostile vectors meet every step the default takes and more."""
+    config = BrainConfig(holddown_s=0.0, train_budget_s=0.0, admin_port=0, latency_weights=True)
+    return Brain(config, CollectorRegistry())
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

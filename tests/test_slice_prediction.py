@@ -62,7 +62,7 @@ def _weight(table: RoutingTable, slice_: Slice, node_id: str) -> float:
 
 
 def _brain(kind: type[Brain] = Brain) -> Brain:
-    return kind(BrainConfig(admin_port=0, train_budget_s=0.0), CollectorRegistry())
+    return kind(BrainConfig(admin_port=0, train_budget_s=0.0, latency_weights=True), CollectorRegistry())
 
 
 def test_each_slice_is_predicted_and_weighed_from_its_own_latency() -> None:

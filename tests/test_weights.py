@@ -9,7 +9,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prismlb.brain import NodeState, Predictions, Registry, TableBuilder, compute_weights, numa_factor, sensitivity
+from prismlb.brain import (
+    LATENCY_WEIGHTS,
+    NodeState,
+    Predictions,
+    Registry,
+    TableBuilder,
+    compute_weights,
+    numa_factor,
+    sensitivity,
+)
 from prismlb.brain._registry import ALARM_DERATE
 from prismlb.brain._topology import BASE_VIRTUAL_NODES, PCIE_DERATE, virtual_nodes
 from prismlb.brain._weights import TAU0_MS, WEIGHT_FLOOR, quantise
@@ -62,8 +71,9 @@ class Cluster:
     def nodes(self) -> dict[str, NodeState]:
         return self.registry.nodes
 
-    def weights(self, predictions: Predictions | None = None) -> dict[Slice, list[TableNode]]:
-        return compute_weights(self.nodes, predictions or {})
+    def weights(self, predictions: Predictions | None = None, latency: bool = True) -> dict[Slice, list[TableNode]]:
+        """The design's weights (`latency`, what most tests here check), else the library's default: health alone."""
+        return compute_weights(self.nodes, predictions or {}, latency=latency)
 
 
 def weight_of(entries: dict[Slice, list[TableNode]], slice_: Slice, node_id: str) -> float:
@@ -104,6 +114,20 @@ def test_weight_is_health_times_sensitivity_per_slice() -> None:
     assert weight_of(w, Slice.LLM, "a") == quantise(0.75 * sensitivity(250.0, 800.0)) == 0.7
     assert weight_of(w, Slice.VLM, "a") == quantise(0.75 * sensitivity(250.0, 1200.0)) == 0.7
     assert weight_of(w, Slice.AV, "a") == quantise(0.75 * 0.5) == 0.4
+
+
+def test_default_weights_are_health_alone_whatever_the_latency() -> None:
+    """Without `latency` (the library's default, `LATENCY_WEIGHTS`) a node's latency and forecast leave its weight:
+    routers weigh the queue that makes most of a tail themselves; health still does."""
+    c = Cluster()
+    c.report("a", {"gpu": "l40s", "nvlink": "yes"}, latency={"engine": 250.0}, cpu_util_ratio=0.45)  # health 0.75
+    c.report("ref", {"gpu": "l40s", "nvlink": "yes"}, latency={"engine": 250.0})
+    c.report("slow", {"gpu": "l40s", "nvlink": "yes"}, latency={"engine": 4000.0})
+    w = c.weights({"ref": {Slice.LLM: 5000.0}}, latency=False)
+    assert not LATENCY_WEIGHTS
+    assert weight_of(w, Slice.LLM, "a") == weight_of(w, Slice.AV, "a") == 0.75
+    assert weight_of(w, Slice.LLM, "ref") == weight_of(w, Slice.LLM, "slow") == weight_of(w, Slice.AV, "slow") == 1.0
+    assert weight_of(c.weights(), Slice.LLM, "slow") < weight_of(c.weights(), Slice.LLM, "a")  # the design's rule
 
 
 def test_latency_source_prediction_then_slice_then_engine() -> None:
