@@ -24,8 +24,9 @@ in the test): in node-1's namespace, what arrives at its port 8000 (requests, ha
 arrives, as on a bad link (a drop on a host's own output is not a retransmission to its TCP, see the test).
 
 Variants, one run each on the same nodes and agents, with the same request schedule (seeded), each with a fresh
-brain and router: `full` (the library's `Brain`), `no-health` (`sim._ablations.NoHealthBrain`: every node weighed
-as perfectly healthy, so weights follow latency alone) and, when `--variants` names them, `no-stall`
+brain and router: `full` (the library's `Brain`: weights of health alone), `no-health` (`sim._ablations.NoHealthBrain`:
+every node weighed as perfectly healthy, so every weight is 1.0 as `flat`'s, since the library weighs no latency
+unless `BrainConfig.latency_weights`) and, when `--variants` names them, `no-stall`
 (`NoStallBrain`: no network stall published, so the router adds none to the lossy node's expected time) and `flat`
 (`FlatWeightsBrain`: every weight 1.0). `--rounds` repeats the sequence, the variants alternating.
 
