@@ -229,9 +229,10 @@ def compute_weights(
         pool = [states[node_id] for node_id in sorted(pool_ids)]
         spill_ids = set(extra[slice_])
         spill = [states[node_id] for node_id in sorted(spill_ids)]
-        sens = _sensitivities(pool, predictions, slice_, tau0_ms[slice_]) if latency else {}
+        sens: dict[str, float] = {}
         if latency:
-            sens |= _sensitivities(spill, predictions, slice_, tau0_ms[slice_])
+            tau0 = tau0_ms[slice_]
+            sens = _sensitivities(pool, predictions, slice_, tau0) | _sensitivities(spill, predictions, slice_, tau0)
         best = max((state.quality for state in pool), default=0.0)
         entries: list[TableNode] = []
         for state in pool + spill:
