@@ -107,7 +107,7 @@ def test_flat_weights_publish_every_entry_at_one() -> None:
     ring_flat.close()
 
 
-def test_no_health_weighs_by_latency_alone_and_keeps_the_real_quality() -> None:
+def test_no_health_weighs_every_node_as_healthy_and_keeps_the_real_quality() -> None:
     vectors = [vector("sick", 1, 400.0, cpu_util_ratio=0.45), vector("well", 2, 400.0)]
     full = weights(table(Brain(CONFIG), vectors))
     assert full["sick"] < full["well"]
