@@ -14,7 +14,7 @@ from ._registry import EntryKey, NodeState, Registry
 from ._slices import Capabilities, Tier, capabilities, pools
 from ._tables import TableBuilder, next_epoch
 from ._topology import numa_factor, virtual_nodes
-from ._weights import LATENCY_WEIGHTS, SPEED_EXPONENT, TAU0_MS, Predictions, compute_weights, sensitivity
+from ._weights import LATENCY_WEIGHTS, TAU0_MS, Predictions, compute_weights, sensitivity
 
 if TYPE_CHECKING:
     from ._brain import Brain
@@ -37,7 +37,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "LATENCY_WEIGHTS",
-    "SPEED_EXPONENT",
     "TAU0_MS",
     "Brain",
     "BrainConfig",

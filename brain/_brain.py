@@ -439,14 +439,14 @@ class Brain:
     def _weights(self, states: dict[str, NodeState]) -> dict[Slice, list[TableNode]]:
         """`compute_weights`; when it fails, the nodes that make it fail are found one by one, counted and
         left out until their next vector (the rest are weighed without them)."""
-        latency, exponent = self.config.latency_weights, self.config.speed_exponent
+        latency = self.config.latency_weights
         try:
-            return compute_weights(states, self.predictions, latency=latency, speed_exponent=exponent)
+            return compute_weights(states, self.predictions, latency=latency)
         except Exception as first:
             culprits = []
             for node_id, state in states.items():
                 try:
-                    compute_weights({node_id: state}, self.predictions, latency=latency, speed_exponent=exponent)
+                    compute_weights({node_id: state}, self.predictions, latency=latency)
                 except Exception as exc:
                     culprits.append(node_id)
                     self.faults.count("node_weights", f"{node_id}: {exc!r}")

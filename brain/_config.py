@@ -25,7 +25,7 @@ from prismlb.service import (
 from prismlb.wire import AGENTS_DOMAIN, ROUTERS_DOMAIN, ConfigError, ServerCurve
 
 from ._admin import AdminAccess, admin_access
-from ._weights import LATENCY_WEIGHTS, SPEED_EXPONENT
+from ._weights import LATENCY_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -76,9 +76,6 @@ class BrainConfig:
     """Weights also weigh each node's latency for the slice, s(τ̂) from the predictor's forecast (the design's
     rule); off, weights are health alone, since routers already weigh the queues that make most of a node's tail
     (`_weights`, measured in docs/eval.md)."""
-    speed_exponent: float = SPEED_EXPONENT
-    """How much of each node's measured prefill speed's difference from the fleet's median the tables keep, from 0
-    (every node at the median) to 1 (as measured); `_weights.SPEED_EXPONENT` says why not 1."""
 
 
 def _number(what: str, raw: object) -> float:
@@ -90,16 +87,6 @@ def _at_least(what: str, minimum: float) -> SettingParser:
         number = _number(what, raw)
         if not number >= minimum:
             raise ValueError(f"{what} must be >= {minimum}, got {raw!r}")
-        return number
-
-    return parse
-
-
-def _between(what: str, low: float, high: float) -> SettingParser:
-    def parse(raw: object) -> float:
-        number = _number(what, raw)
-        if not low <= number <= high:
-            raise ValueError(f"{what} must be from {low} to {high}, got {raw!r}")
         return number
 
     return parse
@@ -324,14 +311,6 @@ SETTINGS = SettingTable(
             flag="--latency-weights",
             variable="PRISM_BRAIN_LATENCY_WEIGHTS",
             action="store_true",
-        ),
-        Setting(
-            "speed_exponent",
-            "how much of the nodes' measured prefill speed differences the tables keep (0: none, 1: all)",
-            _between("speed exponent", 0.0, 1.0),
-            _DEFAULT.speed_exponent,
-            flag="--speed-exponent",
-            variable="PRISM_BRAIN_SPEED_EXPONENT",
         ),
         Setting(
             "failover_reload_s",

@@ -141,38 +141,18 @@ def median_speeds(states: Iterable[NodeState], group: Callable[[NodeVector], str
     return {name: statistics.median(rates) for name, rates in measured.items()}
 
 
-def _whole_fleet(vector: NodeVector) -> str:
-    """One group for every node (`median_speeds`): the fleet's median speed."""
-    return ""
-
-
-SPEED_EXPONENT = 0.5
-"""How much of a node's difference in measured prefill speed from the fleet's median the published speed keeps: a
-node k times faster than the median is published k ** SPEED_EXPONENT times faster (1: as measured; 0: every node at
-the median). Prefill speed is not all of what a node can take: its KV memory, decode batch and the other slices
-that need it do not grow with it, so a router that weighs queues at the full measured speeds sends the fast nodes
-more than they serve well. Measured in the replay (goodput of `prism eval`'s search, docs/eval.md "Speeds
-halfway to the fleet's median"): 0.5 over 1.0 gains 1% on a sound cluster and under the gray failure (all 20
-workloads, up to 7% on the multimodal ones), 2.6% on both held-out mixed fleets; 0 gains more on the evaluation's
-workloads and mixed fleet but loses 10% of tenants-1's on four H100s and four L40S."""
-
-
-def prefill_rates(states: Mapping[str, NodeState], exponent: float = SPEED_EXPONENT) -> dict[str, float]:
+def prefill_rates(states: Mapping[str, NodeState]) -> dict[str, float]:
     """Each node's prefill speed in prompt tokens per second to publish, held with hysteresis in its state: its
     own measure (`NodeMetrics.prefill_tokens_per_s`), else the median of the measured nodes of its GPU class
-    (`median_speeds`), so that a node that has not prefilled yet is expected to run like its peers; drawn towards
-    the fleet's median measure by `exponent` (`SPEED_EXPONENT`). Nodes with neither are absent (routers then take
-    the pool's median)."""
+    (`median_speeds`), so that a node that has not prefilled yet is expected to run like its peers. Nodes with
+    neither are absent (routers then take the pool's median)."""
     typical = median_speeds(states.values())
-    fleet = median_speeds(states.values(), _whole_fleet).get("")
     out: dict[str, float] = {}
     for node_id, state in states.items():
         rate = state.vector.metrics.prefill_tokens_per_s or typical.get(gpu_label(state.vector))
         if not rate:
             state.prefill_rate = None
             continue
-        if fleet:
-            rate = fleet * (rate / fleet) ** exponent
         held = state.prefill_rate
         if held is None or abs(rate - held) > RATE_HYSTERESIS * held:
             held = 2.0 ** (round(math.log2(rate) * RATE_STEPS_PER_DOUBLING) / RATE_STEPS_PER_DOUBLING)
@@ -230,19 +210,17 @@ def compute_weights(
     predictions: Predictions,
     *,
     latency: bool = LATENCY_WEIGHTS,
-    speed_exponent: float = SPEED_EXPONENT,
     tau0_ms: Mapping[Slice, float] = TAU0_MS,
     topology_slices: frozenset[Slice] = TOPOLOGY_SLICES,
 ) -> dict[Slice, list[TableNode]]:
     """Every slice's entries, sorted by node and GPU; updates each state's held weights (the hysteresis memory).
     `latency`: each weight also times the node's latency sensitivity s(τ̂) for the slice (the predictions, else
-    its observed P99). `speed_exponent`: how far the published prefill speeds keep their differences
-    (`prefill_rates`).
+    its observed P99).
 
     A slice whose pool is empty maps to an empty list; entries a node no longer has are forgotten.
     """
     held: dict[str, dict[EntryKey, float]] = {node_id: {} for node_id in states}
-    rates = prefill_rates(states, speed_exponent)
+    rates = prefill_rates(states)
     stalls = {node_id: published_stall(state) for node_id, state in states.items()}
     result: dict[Slice, list[TableNode]] = {}
     members = pools(s.vector for s in states.values())

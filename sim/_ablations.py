@@ -203,14 +203,6 @@ def class_rate(block_tokens: int) -> Policy:
     return PrismPolicy(block_tokens=block_tokens, brain=ClassRateBrain)
 
 
-def measured_speeds(block_tokens: int) -> Policy:
-    """Every node published at its measured prefill speed (`BrainConfig.speed_exponent` 1.0, the former default):
-    against the default, what drawing speeds halfway to the fleet's median earns."""
-    return PrismPolicy(
-        block_tokens=block_tokens, brain=lambda config: Brain(dataclasses.replace(config, speed_exponent=1.0))
-    )
-
-
 def fleet_rate(block_tokens: int) -> Policy:
     """Every node's prefill speed the fleet's median (`FleetRateBrain`): expected times blind to GPU classes."""
     return PrismPolicy(block_tokens=block_tokens, brain=FleetRateBrain)
@@ -283,7 +275,6 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
     "node-max-prediction": node_max_prediction,
     "no-predictor": no_predictor,
     "no-stall": no_stall,
-    "measured-speeds": measured_speeds,
     "class-rate": class_rate,
     "fleet-rate": fleet_rate,
     "no-sessions": no_sessions,
@@ -295,7 +286,6 @@ GRAY_VARIANTS = (
     "flat-weights",
     "latency-weights",
     "no-stall",
-    "measured-speeds",
     "class-rate",
     "no-predictor",
     "ewma",

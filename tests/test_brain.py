@@ -9,15 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from prismlb.brain import (
-    SPEED_EXPONENT,
-    BrainConfig,
-    Registry,
-    TableBuilder,
-    compute_weights,
-    next_epoch,
-    resolve_config,
-)
+from prismlb.brain import BrainConfig, Registry, TableBuilder, compute_weights, next_epoch, resolve_config
 from prismlb.brain._registry import QUALITY_SMOOTHING_S, RTO_MIN_MS, stall_ms
 from prismlb.semantics import Slice, health
 from prismlb.wire import ConfigError, NodeMetrics, NodeVector
@@ -177,15 +169,6 @@ def test_config_resolution_order_and_validation() -> None:
         resolve_config(argparse.Namespace(curve_secret="x"), {})
     with pytest.raises(ConfigError):
         resolve_config(argparse.Namespace(metrics_port="70000"), {})
-
-
-def test_speed_exponent_is_resolved_from_its_flag_and_variable_within_0_and_1() -> None:
-    assert resolve_config(argparse.Namespace(), {}).speed_exponent == SPEED_EXPONENT
-    assert resolve_config(argparse.Namespace(speed_exponent="1"), {}).speed_exponent == 1.0
-    assert resolve_config(argparse.Namespace(), {"PRISM_BRAIN_SPEED_EXPONENT": "0"}).speed_exponent == 0.0
-    for bad in ("1.5", "-0.1", "nan", "fast"):
-        with pytest.raises(ConfigError, match="speed exponent"):
-            resolve_config(argparse.Namespace(), {"PRISM_BRAIN_SPEED_EXPONENT": bad})
 
 
 def test_latency_weights_are_off_unless_the_flag_or_the_variable_asks() -> None:

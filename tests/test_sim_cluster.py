@@ -186,8 +186,7 @@ def test_prism_sends_less_to_a_slowed_node() -> None:
     fault = [Degrade("n2", at_fraction=0.0, slowdown=4.0)]
     Simulation(workload(800), policy, NODES, utilisation=0.5, seed=0, degrade=fault).run()
     rates = {n.node_id: n.prefill_tokens_per_s for n in policy.routers[0].table.slices[0].nodes}  # type: ignore[union-attr]
-    # 4 times slower: published about 2 times slower (`_weights.SPEED_EXPONENT`), as the router then weighs it
-    assert rates["n2"] is not None and all(rates["n2"] < 0.7 * r for n, r in rates.items() if n != "n2" and r)
+    assert rates["n2"] is not None and all(rates["n2"] < 0.5 * r for n, r in rates.items() if n != "n2" and r)
 
 
 class Seen(Watch):

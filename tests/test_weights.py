@@ -21,7 +21,7 @@ from prismlb.brain import (
 )
 from prismlb.brain._registry import ALARM_DERATE
 from prismlb.brain._topology import BASE_VIRTUAL_NODES, PCIE_DERATE, virtual_nodes
-from prismlb.brain._weights import SPEED_EXPONENT, TAU0_MS, WEIGHT_FLOOR, quantise
+from prismlb.brain._weights import TAU0_MS, WEIGHT_FLOOR, quantise
 from prismlb.semantics import Slice
 from prismlb.wire import (
     Experiment,
@@ -71,11 +71,9 @@ class Cluster:
     def nodes(self) -> dict[str, NodeState]:
         return self.registry.nodes
 
-    def weights(
-        self, predictions: Predictions | None = None, latency: bool = True, speed_exponent: float = SPEED_EXPONENT
-    ) -> dict[Slice, list[TableNode]]:
+    def weights(self, predictions: Predictions | None = None, latency: bool = True) -> dict[Slice, list[TableNode]]:
         """The design's weights (`latency`, what most tests here check), else the library's default: health alone."""
-        return compute_weights(self.nodes, predictions or {}, latency=latency, speed_exponent=speed_exponent)
+        return compute_weights(self.nodes, predictions or {}, latency=latency)
 
 
 def weight_of(entries: dict[Slice, list[TableNode]], slice_: Slice, node_id: str) -> float:
@@ -215,28 +213,12 @@ def test_prefill_speed_is_the_nodes_own_else_its_gpu_classs_median() -> None:
     c.report("h3", {"gpu": "h100"}, prefill_tokens_per_s=22_000.0)
     c.report("h-new", {"gpu": "h100"})
     c.report("l-new", {"gpu": "l40s"})
-    entries = c.weights(speed_exponent=1.0)
+    entries = c.weights()
     own = rate_of(entries, "h2")
     assert own is not None and abs(own - 18_000.0) / 18_000.0 < 0.05  # within half a 2^(1/8) step
     newcomer = rate_of(entries, "h-new")
     assert newcomer is not None and abs(newcomer - 20_000.0) / 20_000.0 < 0.05
     assert rate_of(entries, "l-new") is None  # no peer of its class measured: routers take the pool's median
-
-
-def test_published_speeds_keep_half_their_distance_from_the_fleets_median_by_default() -> None:
-    c = Cluster()
-    for name in ("a1", "a2", "a3"):
-        c.report(name, {"gpu": "a100"}, prefill_tokens_per_s=10_000.0)
-    c.report("h1", {"gpu": "h100"}, prefill_tokens_per_s=40_000.0)
-    c.report("l1", {"gpu": "l40s"}, prefill_tokens_per_s=2_500.0)
-    c.report("l-new", {"gpu": "l40s"})
-    entries = c.weights(latency=False)
-    expected = {"a1": 10_000.0, "h1": 20_000.0, "l1": 5_000.0, "l-new": 5_000.0}  # 10,000 x (own / 10,000) ** 0.5
-    for node_id, rate in expected.items():
-        published = rate_of(entries, node_id)
-        assert published is not None and abs(published - rate) / rate < 0.05, node_id
-    fleet_blind = c.weights(latency=False, speed_exponent=0.0)
-    assert {rate_of(fleet_blind, n) for n in expected} == {rate_of(fleet_blind, "a1")}
 
 
 def test_prefill_speed_moves_only_past_its_hysteresis() -> None:
