@@ -690,7 +690,9 @@ class Router:
         if held is not None and not blocks:
             group, index = held
         else:
-            group, index = self._by_prefix(home, spill, request, key, blocks, depths, exclude, remember, now, held)
+            group, index = self._by_prefix(
+                target, home, spill, request, key, blocks, depths, exclude, remember, now, held
+            )
         if index is None:
             pos = position(key) if key is not None else random.getrandbits(32)
             group, index = self._on_ring(snapshot, target, home, pos, exclude, now)
@@ -738,6 +740,7 @@ class Router:
 
     def _by_prefix(
         self,
+        target: SliceRoute,
         home: Group,
         spill: Group | None,
         request: Request,
@@ -753,8 +756,8 @@ class Router:
         node is known to hold, and that has no session entry (`held`), goes where the prefix memory last sent its key
         (it outlives the index's claims of this router's own placements); a request with blocks takes the
         expected-TTFT choice (`_by_ttft`, its session's entry weighed as its prefix's holder), which goes to the
-        slice's overflow entries while they are `Settings.overflow` times faster. Else (`home`, None): the ring
-        decides."""
+        slice's overflow entries while they are `Settings.overflow` times faster and no other slice whose pool holds
+        the entry has requests waiting (`Settings.overflow_yields`). Else (`home`, None): the ring decides."""
         memory = self._memory if remember else None
         if memory is not None and key is not None and not depths and held is None:
             index = self._remembered(home, memory, key, request.cost, exclude, now)
@@ -766,9 +769,25 @@ class Router:
         index, expected = self._by_ttft(home, placement)
         if spill is not None:
             other, detour = self._by_ttft(spill, placement)
-            if other is not None and detour * self._detour_price(spill, other, placement) < expected:
+            if (
+                other is not None
+                and detour * self._detour_price(spill, other, placement) < expected
+                and not self._owner_waits(spill.entries[other][4].node_id, target)
+            ):
                 return spill, other
         return home, index
+
+    def _owner_waits(self, node_id: str, target: SliceRoute) -> bool:
+        """Whether another slice whose pool holds `node_id` has requests waiting in this router's room
+        (`Settings.overflow_yields`): a detour there would take what that slice is short of."""
+        if not self.settings.overflow_yields or not self.turns.waiting:
+            return False
+        snapshot = self._snapshot
+        rooms = self.turns.rooms
+        return snapshot is not None and any(
+            key != target.name and node_id in route.group.by_node and key in rooms and rooms[key].waiting > 0
+            for key, route in snapshot.routes.items()
+        )
 
     def _detour_price(self, spill: Group, index: int, placement: Placement) -> float:
         """What an overflow entry's expected time is multiplied by against the pool's best: `Settings.overflow`

@@ -46,6 +46,11 @@ class Settings:
     still under the pool's best: a pool's preferred hardware waits its turn until queueing on it costs more than
     twice the detour, so the detour's queue, which the other slice's requests would have to wait behind, is taken
     only to halve a wait (0: never; docs/router.md)."""
+    overflow_yields: bool = True
+    """An overflow entry is passed over while a slice whose pool holds it has requests waiting in this router's room
+    (`hold_tokens`): that slice is short of capacity already and has nowhere to go but its pool, so a detour there
+    would take from it what the detour's own slice can wait for at home. When no such slice waits the detour is
+    taken by `overflow` alone, so a quiet cluster keeps the tail it gains from overflowing (docs/router.md)."""
     share_load: bool = True
     """With `load="prefill"`, report this router's queued prefill work per node to the brain it follows and count
     its peers' (the brain's `ClusterLoad` sums less this router's own report) in the expected time to first token:

@@ -112,6 +112,8 @@ class Room:
     by_arrival: deque[Ticket] = field(default_factory=deque)
     granted: Ticket | None = None
     granted_at: float = 0.0
+    waiting: int = 0
+    """Tickets of this slice waiting now (neither granted nor gone)."""
 
     def head(self, now: float) -> Ticket | None:
         """The earliest-deadline ticket still waiting that is not late at `now`, else the first found late (those gone
@@ -164,16 +166,18 @@ class Turns:
             heapq.heapify(room.by_deadline)
         heapq.heappush(room.by_deadline, (ticket.deadline, next(self._order), ticket))
         room.by_arrival.append(ticket)
+        room.waiting += 1
         self.waiting += 1
 
     def grant(self, ticket: Ticket, now: float, *, expired: bool = False) -> None:
         """Let `ticket` go: as its slice's one granted ticket (until it is placed), or past its wait (`expired`)."""
         self.waiting -= 1
+        room = self.rooms[ticket.slice_key]
+        room.waiting -= 1
         if expired:
             self.counts["expired"] += 1
         else:
             self.counts["granted"] += 1
-            room = self.rooms[ticket.slice_key]
             room.granted, room.granted_at = ticket, now
         ticket._grant()
 
@@ -183,6 +187,7 @@ class Turns:
         if not ticket.granted and not ticket.left:
             ticket.left = True
             self.waiting -= 1
+            self.rooms[ticket.slice_key].waiting -= 1
             self.counts["expired" if expired else "left"] += 1
 
     def placed(self, ticket: Ticket) -> None:

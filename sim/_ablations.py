@@ -257,6 +257,12 @@ def no_overflow(block_tokens: int) -> Policy:
     return PrismPolicy(block_tokens=block_tokens, settings=Settings(overflow=0.0))
 
 
+def no_overflow_yield(block_tokens: int) -> Policy:
+    """Overflow by its price alone (`Settings(overflow_yields=False)`): a detour is taken even while the slice whose
+    pool holds the entry has requests waiting in the room."""
+    return PrismPolicy(block_tokens=block_tokens, settings=Settings(overflow_yields=False))
+
+
 def no_hold(block_tokens: int) -> Policy:
     """No waiting room (`Settings(hold_tokens=0)`): every request goes to its engine's queue as it arrives, and is
     served there in arrival order."""
@@ -269,6 +275,7 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
     "no-kv-index-flat": no_kv_index_flat,
     "no-cache-affinity": no_cache_affinity,
     "no-overflow": no_overflow,
+    "no-overflow-yield": no_overflow_yield,
     "flat-weights": flat_weights,
     "latency-weights": latency_weights,
     "ewma": ewma,

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from prismlb.router import Lease, Request, Router, Settings, block_hashes
+from prismlb.router import Lease, Request, Router, Settings, Ticket, block_hashes
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
 from .conftest import Clock
@@ -177,11 +177,11 @@ def test_settings_refuse_an_affinity_below_one() -> None:
         Request(blocks=BLOCKS, block_size=0)
 
 
-
 def test_the_affinity_grows_with_the_share_of_the_prompt_held() -> None:
     settings = Settings(cache_affinity=3.0)
     assert [settings.affinity(held, 6) for held in (0, 3, 6, 9)] == [1.0, 2.0, 3.0, 3.0]
     assert settings.affinity(0, 0) == 1.0 and Settings(cache_affinity=1.0).affinity(6, 6) == 1.0
+
 
 # --- overflow entries: capable nodes outside the slice's pool ------------------------------------------------
 
@@ -214,6 +214,29 @@ def test_overflow_entries_are_off_the_ring_and_taken_only_when_twice_as_fast() -
     assert {sent(r, av_request(n)).node_id for n in (1, 2)} == {"l1", "l2"}
     # Both pool nodes 1 s deep (2 s with this request): 0.9 s on the overflow node is now under half of it.
     assert r.route(av_request(3)).node_id == "h1"
+
+
+def test_an_overflow_entry_is_passed_over_while_a_slice_it_serves_waits_in_the_room() -> None:
+    def waiting_for_h1(r: Router) -> Ticket:
+        """Both pool nodes 1 s deep, h1 2,000 text tokens deep (over the room's 1,000): a text turn waits."""
+        text = sent(r, Request(blocks=tuple(block_hashes(list(range(12_000)), BLOCK)), cost=12_000, block_size=BLOCK))
+        assert {sent(r, av_request(n)).node_id for n in (1, 2)} == {"l1", "l2"}
+        text.end()
+        tokens = list(range(50_000, 52_000))
+        sent(r, Request(blocks=tuple(block_hashes(tokens, BLOCK)), cost=2_000, block_size=BLOCK))
+        ticket = r.turn(Request(cost=500, slice="llm"))
+        assert not ticket.granted
+        return ticket
+
+    r, _ = av_router(hold_tokens=1000)
+    ticket = waiting_for_h1(r)
+    # 0.4 s on h1 with this request, twice that still under the pool's 2 s: but text, whose pool h1 is, waits
+    assert r.route(av_request(3)).node_id in {"l1", "l2"}
+    r.leave(ticket)
+    assert r.route(av_request(3)).node_id == "h1"
+    unyielding, _ = av_router(hold_tokens=1000, overflow_yields=False)
+    waiting_for_h1(unyielding)
+    assert unyielding.route(av_request(3)).node_id == "h1"
 
 
 def test_overflow_off_keeps_a_slice_on_its_pool() -> None:

@@ -109,10 +109,14 @@ def test_a_caller_may_stop_waiting_and_no_request_waits_longer_than_hold_max_s()
     a, b = r.turn(Request(cost=10)), r.turn(Request(cost=20))
     r.leave(a)  # its caller gave up
     assert r.turns.counts["left"] == 1 and not b.granted
+    assert r.turns.waiting == r.turns.rooms["llm"].waiting == 1
     clock.now += 5.0
     c = r.turn(Request(cost=30))  # any change of the room lets go what waited long enough
     assert b.granted and not c.granted
     assert r.turns.counts == {"granted": 1, "expired": 1, "left": 1}
+    assert r.turns.waiting == r.turns.rooms["llm"].waiting == 1
+    r.leave(c)
+    assert r.turns.waiting == r.turns.rooms["llm"].waiting == 0
 
 
 def test_a_thread_and_a_coroutine_wait_for_their_turn_without_blocking_others() -> None:

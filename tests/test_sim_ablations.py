@@ -63,6 +63,7 @@ def test_every_variant_is_listed_with_a_docstring() -> None:
         "no-kv-index-flat",
         "no-cache-affinity",
         "no-overflow",
+        "no-overflow-yield",
         "flat-weights",
         "latency-weights",
         "ewma",
@@ -86,6 +87,7 @@ def test_router_variants_switch_off_their_setting_alone() -> None:
         ("no-kv-index-flat", {"prefix_index": False}),
         ("no-cache-affinity", {"cache_affinity": 1.0}),
         ("no-overflow", {"overflow": 0.0}),
+        ("no-overflow-yield", {"overflow_yields": False}),
         ("4-routers-no-share", {"share_load": False}),
     ):
         policy = VARIANTS[name](512)
@@ -195,6 +197,7 @@ def test_prism_and_every_brain_ablation_run_the_librarys_settings() -> None:
         "no-kv-index-flat",
         "no-cache-affinity",
         "no-overflow",
+        "no-overflow-yield",
         "4-routers-no-share",
     }
     variants = [variant(16) for name, variant in VARIANTS.items() if name not in router_variants]
