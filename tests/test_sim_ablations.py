@@ -80,16 +80,21 @@ def test_every_variant_is_listed_with_a_docstring() -> None:
     assert not set(VARIANTS) & set(policy_factories(16))
 
 
+ROUTER_VARIANTS: dict[str, dict[str, object]] = {
+    "no-hold": {"hold_tokens": 0},
+    "no-kv-index": {"prefix_index": False},
+    "no-kv-index-flat": {"prefix_index": False},
+    "no-cache-affinity": {"cache_affinity": 1.0},
+    "no-overflow": {"overflow": 0.0},
+    "no-overflow-yield": {"overflow_yields": False},
+    "4-routers-no-share": {"share_load": False},
+}
+"""The variants that switch off a router setting, and what they set."""
+
+
 def test_router_variants_switch_off_their_setting_alone() -> None:
     defaults = Settings()
-    for name, changed in (
-        ("no-kv-index", {"prefix_index": False}),
-        ("no-kv-index-flat", {"prefix_index": False}),
-        ("no-cache-affinity", {"cache_affinity": 1.0}),
-        ("no-overflow", {"overflow": 0.0}),
-        ("no-overflow-yield", {"overflow_yields": False}),
-        ("4-routers-no-share", {"share_load": False}),
-    ):
+    for name, changed in ROUTER_VARIANTS.items():
         policy = VARIANTS[name](512)
         assert isinstance(policy, PrismPolicy)
         settings = policy.routers[0].settings
@@ -191,16 +196,7 @@ def test_no_predictor_brain_has_no_predictions_where_the_full_brain_has() -> Non
 
 
 def test_prism_and_every_brain_ablation_run_the_librarys_settings() -> None:
-    router_variants = {
-        "no-hold",
-        "no-kv-index",
-        "no-kv-index-flat",
-        "no-cache-affinity",
-        "no-overflow",
-        "no-overflow-yield",
-        "4-routers-no-share",
-    }
-    variants = [variant(16) for name, variant in VARIANTS.items() if name not in router_variants]
+    variants = [variant(16) for name, variant in VARIANTS.items() if name not in ROUTER_VARIANTS]
     policies = [policy_factories(16)[PRISM](), *variants]
     try:
         assert all(isinstance(p, PrismPolicy) and p.routers[0].settings == Settings() for p in policies)
