@@ -780,13 +780,15 @@ class Router:
     def _owner_waits(self, node_id: str, target: SliceRoute) -> bool:
         """Whether another slice whose pool holds `node_id` has requests waiting in this router's room
         (`Settings.overflow_yields`): a detour there would take what that slice is short of."""
-        if not self.settings.overflow_yields or not self.turns.waiting:
-            return False
         snapshot = self._snapshot
-        rooms = self.turns.rooms
-        return snapshot is not None and any(
-            key != target.name and node_id in route.group.by_node and key in rooms and rooms[key].waiting > 0
-            for key, route in snapshot.routes.items()
+        if not self.settings.overflow_yields or snapshot is None:
+            return False
+        return any(
+            room.waiting
+            and key != target.name
+            and key in snapshot.routes
+            and node_id in snapshot.routes[key].group.by_node
+            for key, room in self.turns.rooms.items()
         )
 
     def _detour_price(self, spill: Group, index: int, placement: Placement) -> float:

@@ -151,11 +151,14 @@ class Turns:
     def __init__(self) -> None:
         self.rooms: dict[str, Room] = {}
         self._order = itertools.count()
-        self.waiting = 0
-        """Tickets waiting now, in every room."""
         self.counts = {"granted": 0, "expired": 0, "left": 0}
         """Turns given for room (at once or after a wait); requests let go because they had waited `hold_max_s`;
         and requests whose callers stopped waiting (cancelled) before either."""
+
+    @property
+    def waiting(self) -> int:
+        """Tickets waiting now, in every room."""
+        return sum(room.waiting for room in self.rooms.values())
 
     def join(self, ticket: Ticket) -> None:
         room = self.rooms.setdefault(ticket.slice_key, Room())
@@ -167,11 +170,9 @@ class Turns:
         heapq.heappush(room.by_deadline, (ticket.deadline, next(self._order), ticket))
         room.by_arrival.append(ticket)
         room.waiting += 1
-        self.waiting += 1
 
     def grant(self, ticket: Ticket, now: float, *, expired: bool = False) -> None:
         """Let `ticket` go: as its slice's one granted ticket (until it is placed), or past its wait (`expired`)."""
-        self.waiting -= 1
         room = self.rooms[ticket.slice_key]
         room.waiting -= 1
         if expired:
@@ -186,7 +187,6 @@ class Turns:
         self.placed(ticket)
         if not ticket.granted and not ticket.left:
             ticket.left = True
-            self.waiting -= 1
             self.rooms[ticket.slice_key].waiting -= 1
             self.counts["expired" if expired else "left"] += 1
 
