@@ -553,9 +553,11 @@ class Router:
         _, target = self._slice(request)
         now = self.clock()
         group = target.group
-        # Its prefill alone on the slice's slowest node, at the speed assumed until the brain has measured one.
-        rate = min(group.rates) if group.timed else self.settings.assumed_prefill_tokens_per_s
-        alone_s = request.cost / rate
+        # Its prefill alone on the slice's slowest node (which its SLO is held to) and on its fastest (where it would
+        # start soonest), at the speed assumed until the brain has measured one.
+        assumed = self.settings.assumed_prefill_tokens_per_s
+        alone_s = request.cost / (min(group.rates) if group.timed else assumed)
+        quickest_s = request.cost / (max(group.rates) if group.timed else assumed)
         if request.slo_s is not None:
             budget = request.slo_s
         else:
@@ -564,7 +566,8 @@ class Router:
             except ValueError:  # a slice of the table's own naming ("default"): the text slice's target
                 slice_ = slice_of(None)
             budget = ttft_slo_s(slice_, alone_s)
-        ticket = Ticket(request, target.name, now, now + budget, now + budget - alone_s)
+        late_at = now + budget - self.settings.late_margin * quickest_s
+        ticket = Ticket(request, target.name, now, now + budget, late_at)
         with self._lock:
             self.turns.join(ticket)
             self._grant(now)

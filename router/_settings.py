@@ -73,6 +73,14 @@ class Settings:
     """The prefill speed a waiting request's deadline assumes while the brain has measured none in its slice (a
     cold start): an 8B model on an A100. Deadlines need seconds: without a speed every prompt would get τ0 alone,
     and the first seconds' requests would go in arrival order, long prompts before short ones."""
+    late_margin: float = 2.0
+    """A waiting request is late once its deadline is nearer than this many times its prefill alone on the slice's
+    fastest entry; late requests go after every request still in time (`hold_tokens`). A request granted its turn
+    still waits for the queue it is placed behind and prefills beside its node's decode batch, so one with less time
+    left than twice its own prefill seldom meets its deadline, and the turn saves more given to one that can. The
+    fastest entry, as the request would go wherever it starts soonest: a slowed GPU in the slice does not make every
+    request late. 1: late only once its prefill alone could no longer end in time; 0: only past its deadline. 2 was
+    chosen over 1, 1.5 and 3 across every workload of the replay at once (docs/eval.md)."""
     hold_max_s: float = 10.0
     """The longest a request waits for its turn; then it goes whatever the queues (counted as expired)."""
     balance: float = 1.05
@@ -162,6 +170,8 @@ class Settings:
             raise ValueError(f"placed_ttl_s must not be negative, got {self.placed_ttl_s}")
         if self.max_ring_points < 1 or self.drop_hold_s < 0:
             raise ValueError("max_ring_points must be at least 1 and drop_hold_s not negative")
+        if self.late_margin < 0:
+            raise ValueError(f"late_margin must not be negative, got {self.late_margin}")
         if self.hold_tokens < 0:
             raise ValueError(f"hold_tokens must be 0 (off) or positive, got {self.hold_tokens}")
         for name in (

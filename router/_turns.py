@@ -4,11 +4,11 @@ An engine serves its queue in arrival order: a request sent to a queue waits beh
 however much sooner it must start. A router that sends only while some node of the slice has less than an engine
 step's worth of prefill queued (`Settings.hold_tokens`) keeps the engines' queues short and the order its own: the
 requests it holds go in order of deadline, their arrival plus their TTFT SLO (`semantics.ttft_slo_s`), so a short
-prompt due in 800 ms is not stuck behind a long one that may take seconds. A request that can no longer start its
-prefill in time to meet its deadline is late: it goes after every request that still can, in the order it became
-late, since taking a turn that cannot meet its SLO would only make the ones behind it miss theirs too (earliest
-deadline first fails that way under overload). Nothing waits while there is room, so an unloaded cluster sees no
-difference; nothing waits longer than `Settings.hold_max_s`, late or not.
+prompt due in 800 ms is not stuck behind a long one that may take seconds. A request whose deadline is nearer
+than `Settings.late_margin` times its own prefill is late: it goes after every request still in time, in the order it
+became late, since a turn given to a request that will most likely miss its SLO makes the ones behind it miss theirs
+too (earliest deadline first fails that way under overload). Nothing waits while there is room, so an unloaded
+cluster sees no difference; nothing waits longer than `Settings.hold_max_s`, late or not.
 
 The room is the router's rule (`Router._grant`); this module is its bookkeeping: the tickets, one deadline-ordered
 heap per slice, and the ways a caller waits for its turn (a thread, a coroutine, or a simulation that asks which
@@ -55,7 +55,8 @@ class Ticket:
         self.joined = joined
         self.deadline = deadline
         self.late_at = late_at
-        """When it becomes late: its deadline less its own expected prefill time."""
+        """When it becomes late: its deadline less `Settings.late_margin` times its prefill alone on the slice's
+        fastest entry."""
         self.granted = False
         self.left = False  # gone from the room without a grant (its caller stopped waiting)
         self._event = threading.Event()

@@ -90,16 +90,33 @@ def test_a_request_too_late_for_its_deadline_goes_after_those_still_in_time() ->
     clock = Clock()
     r = router(1, clock=clock)
     busy = placed(r, 2000)
-    doomed = r.turn(Request(cost=100))  # due 0.8 s from now, its own prefill 10 ms: late after 0.79 s
-    assert doomed.late_at == pytest.approx(doomed.deadline - 0.01)
+    doomed = r.turn(Request(cost=100))  # due 0.8 s from now, its own prefill 10 ms: late 2 x 10 ms before that
+    assert doomed.late_at == pytest.approx(doomed.deadline - 0.02)
     clock.now += 0.5
     in_time = r.turn(Request(cost=1000))  # 0.1 s alone, SLO 0.8 s: due at 100.5 + 0.8 s, after the first's
-    clock.now += 0.4  # the first is now late (0.9 s waited), the second is not
+    clock.now += 0.4  # the first is now late (0.9 s waited), the second is not (0.2 s of margin left is 0.4 s)
     busy.first_token()
     assert in_time.granted and not doomed.granted
     r.request(in_time.request, turn=in_time).begin()  # 1,000 queued: room still, so the late one goes next
     assert doomed.granted
     assert r.turns.counts == {"granted": 3, "expired": 0, "left": 0}
+
+
+def test_lateness_counts_late_margin_times_the_prefill_on_the_quickest_entry() -> None:
+    """The deadline holds a request to the slice's slowest entry (its SLO's rule); lateness asks whether it could
+    still start in time where it would start soonest, so one slowed GPU does not make every request late."""
+    entries = [
+        TableNode(node_id="fast", endpoint="http://fast:8000", weight=1.0, prefill_tokens_per_s=20_000.0),
+        TableNode(node_id="slow", endpoint="http://slow:8000", weight=1.0, prefill_tokens_per_s=2_000.0),
+    ]
+    table = RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="llm", nodes=entries)])
+    for margin, before_s in ((2.0, 1.0), (1.0, 0.5), (0.0, 0.0)):
+        r = Router.from_table(table, settings=Settings(hold_tokens=1000, late_margin=margin), clock=Clock())
+        ticket = r.turn(Request(cost=10_000))  # 5 s alone on the slow entry (SLO 25 s), 0.5 s on the fast one
+        assert ticket.deadline == pytest.approx(100.0 + 25.0)
+        assert ticket.deadline - ticket.late_at == pytest.approx(before_s)
+    with pytest.raises(ValueError, match="late_margin"):
+        Settings(late_margin=-1.0)
 
 
 def test_a_caller_may_stop_waiting_and_no_request_waits_longer_than_hold_max_s() -> None:
