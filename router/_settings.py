@@ -170,7 +170,7 @@ class Settings:
             raise ValueError(f"placed_ttl_s must not be negative, got {self.placed_ttl_s}")
         if self.max_ring_points < 1 or self.drop_hold_s < 0:
             raise ValueError("max_ring_points must be at least 1 and drop_hold_s not negative")
-        if self.late_margin < 0:
+        if not self.late_margin >= 0:  # NaN included
             raise ValueError(f"late_margin must not be negative, got {self.late_margin}")
         if self.hold_tokens < 0:
             raise ValueError(f"hold_tokens must be 0 (off) or positive, got {self.hold_tokens}")

@@ -115,8 +115,9 @@ def test_lateness_counts_late_margin_times_the_prefill_on_the_quickest_entry() -
         ticket = r.turn(Request(cost=10_000))  # 5 s alone on the slow entry (SLO 25 s), 0.5 s on the fast one
         assert ticket.deadline == pytest.approx(100.0 + 25.0)
         assert ticket.deadline - ticket.late_at == pytest.approx(before_s)
-    with pytest.raises(ValueError, match="late_margin"):
-        Settings(late_margin=-1.0)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="late_margin"):
+            Settings(late_margin=bad)
 
 
 def test_a_caller_may_stop_waiting_and_no_request_waits_longer_than_hold_max_s() -> None:
