@@ -356,10 +356,10 @@ def test_a_brain_restarted_without_its_state_is_followed_from_its_first_table(ct
 
         return check
 
-    wait_for(following(publisher, (1, 7)), 3)
+    wait_for(following(publisher, (1, 7)), what="the first table")
     publisher._encoder = TableEncoder()  # the brain restarted on the same addresses, its tables' state lost ...
     publisher.publish(table(1, 1, ("c",)))  # ... and its epoch too: no state directory kept it
-    wait_for(following(publisher, (1, 1)), 3)
+    wait_for(following(publisher, (1, 1)), what="the restarted brain's first table")
     subscriber.stop()
     publisher.close()
     assert [t.order for t in got] == [(1, 7), (1, 1)]
