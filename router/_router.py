@@ -556,8 +556,8 @@ class Router:
         # Its prefill alone on the slice's slowest node (which its SLO is held to) and on its fastest (where it would
         # start soonest), at the speed assumed until the brain has measured one.
         assumed = self.settings.assumed_prefill_tokens_per_s
-        alone_s = request.cost / (min(group.rates) if group.timed else assumed)
-        quickest_s = request.cost / (max(group.rates) if group.timed else assumed)
+        slowest, quickest = (min(group.rates), max(group.rates)) if group.timed else (assumed, assumed)
+        alone_s = request.cost / slowest
         if request.slo_s is not None:
             budget = request.slo_s
         else:
@@ -566,7 +566,7 @@ class Router:
             except ValueError:  # a slice of the table's own naming ("default"): the text slice's target
                 slice_ = slice_of(None)
             budget = ttft_slo_s(slice_, alone_s)
-        late_at = now + budget - self.settings.late_margin * quickest_s
+        late_at = now + budget - self.settings.late_margin * request.cost / quickest
         ticket = Ticket(request, target.name, now, now + budget, late_at)
         with self._lock:
             self.turns.join(ticket)
