@@ -1,7 +1,7 @@
 """Does Prism's goodput lead hold where its defaults were never looked at: workload presets at seeds no default was
 chosen on, and clusters of other sizes and GPU mixes than `prism eval`'s two?
 
-Run: .venv/bin/python bench/eval_generality.py [--jobs 2] [--limit 2000] [--part seeds|shapes|all]
+Run: .venv/bin/python bench/eval_generality.py [--jobs 2] [--limit 2000] [--part seeds|shapes|length|all]
 
 Every policy of `prism eval` (Prism with the library's defaults, every baseline) is searched for its goodput
 (`sim._slo.search`: the highest load with 90% of requests within their own TTFT SLO) exactly as `prism eval
@@ -14,6 +14,10 @@ Every policy of `prism eval` (Prism with the library's defaults, every baseline)
   sessions, agentic and bursty at seed 1, on a mixed fleet labelled as its agents would label it (two H100s with
   NVLink, four A100s, two L40S with CUDA Graphs: text on every GPU class, so per-node speeds and the pools'
   generalists matter), on three A100s and on twenty-four.
+- longer runs (`--part length`, not in `all`): `prism eval`'s own 20 workloads with four times the search's
+  requests (`--long-limit`). At 2,000 requests a run's arrivals span 35-50 s on most workloads, and what a policy
+  holds back until after the last arrival is served on an idle cluster; a lead that is the end of the run's doing
+  shrinks when the run is four times as long.
 
 Each table is `prism eval`'s goodput summary: a column per policy, the best baseline and Prism's ratio to it.
 """
@@ -25,9 +29,10 @@ import multiprocessing
 import os
 import time
 
-from prismlb.sim._eval import SEARCH_LIMIT, goodput, parse_cluster, policy_factories
+from prismlb.sim._eval import EVAL_FAMILIES, SEARCH_LIMIT, SECOND_SEEDS, goodput, parse_cluster, policy_factories
 from prismlb.sim._families import PRESETS
 from prismlb.sim._report import goodput_summary
+from prismlb.sim._workload import WORKLOADS
 
 HELD_OUT_SEEDS = (3, 4)
 SHAPES = {
@@ -42,7 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="replay processes")
     parser.add_argument("--limit", type=int, default=SEARCH_LIMIT, help="requests per replay (as prism eval's search)")
-    parser.add_argument("--part", choices=("seeds", "shapes", "all"), default="all")
+    parser.add_argument("--long-limit", type=int, default=4 * SEARCH_LIMIT, help="requests per replay in --part length")
+    parser.add_argument("--part", choices=("seeds", "shapes", "length", "all"), default="all")
     args = parser.parse_args()
     for spec in SHAPES.values():
         parse_cluster(spec)  # a bad spec stops the bench before any run
@@ -59,6 +65,10 @@ def main() -> None:
                     list(SHAPE_WORKLOADS), policies, seed=1, limit=args.limit, jobs=args.jobs, pool=pool, cluster=spec
                 )
                 print(f"## Cluster {title} (`--cluster {spec}`)\n\n{goodput_summary(rows)}\n", flush=True)
+        if args.part == "length":
+            traces = [*WORKLOADS, *SECOND_SEEDS, *EVAL_FAMILIES]
+            rows = goodput(traces, policies, seed=1, limit=args.long_limit, jobs=args.jobs, pool=pool)
+            print(f"## {args.long_limit} requests per run\n\n{goodput_summary(rows)}\n", flush=True)
     print(f"{time.monotonic() - started:.0f} s")
 
 
