@@ -29,10 +29,9 @@ import multiprocessing
 import os
 import time
 
-from prismlb.sim._eval import EVAL_FAMILIES, SEARCH_LIMIT, SECOND_SEEDS, goodput, parse_cluster, policy_factories
+from prismlb.sim._eval import EVAL_WORKLOADS, SEARCH_LIMIT, goodput, parse_cluster, policy_factories
 from prismlb.sim._families import PRESETS
 from prismlb.sim._report import goodput_summary
-from prismlb.sim._workload import WORKLOADS
 
 HELD_OUT_SEEDS = (3, 4)
 SHAPES = {
@@ -66,8 +65,7 @@ def main() -> None:
                 )
                 print(f"## Cluster {title} (`--cluster {spec}`)\n\n{goodput_summary(rows)}\n", flush=True)
         if args.part == "length":
-            traces = [*WORKLOADS, *SECOND_SEEDS, *EVAL_FAMILIES]
-            rows = goodput(traces, policies, seed=1, limit=args.long_limit, jobs=args.jobs, pool=pool)
+            rows = goodput(list(EVAL_WORKLOADS), policies, seed=1, limit=args.long_limit, jobs=args.jobs, pool=pool)
             print(f"## {args.long_limit} requests per run\n\n{goodput_summary(rows)}\n", flush=True)
     print(f"{time.monotonic() - started:.0f} s")
 

@@ -34,10 +34,9 @@ import time
 from prismlb.router import Settings
 from prismlb.sim._ablations import VARIANTS
 from prismlb.sim._eval import (
-    EVAL_FAMILIES,
+    EVAL_WORKLOADS,
     PRISM,
     SEARCH_LIMIT,
-    SECOND_SEEDS,
     cases,
     goodput,
     policy_factories,
@@ -47,7 +46,7 @@ from prismlb.sim._oracle import FullInformation, Lookahead, Times, deepest, quic
 from prismlb.sim._report import geometric_mean
 from prismlb.sim._slo import Goodput, slo_s
 from prismlb.sim._types import RunResult, SimRequest
-from prismlb.sim._workload import LEVELS, WORKLOADS
+from prismlb.sim._workload import LEVELS
 
 REFERENCES = ("oracle", "oracle-greedy")
 VARIANTS["oracle"] = lambda tokens: FullInformation(block_tokens=tokens)
@@ -246,7 +245,7 @@ def main() -> None:
     parser.add_argument("--lookahead", action="store_true", help=f"also search {LOOKAHEAD} (sound)")
     parser.add_argument("--limit", type=int, default=SEARCH_LIMIT, help=f"requests per workload ({SEARCH_LIMIT})")
     args = parser.parse_args()
-    workloads = args.workload or [*WORKLOADS, *SECOND_SEEDS, *EVAL_FAMILIES]
+    workloads = args.workload or list(EVAL_WORKLOADS)
     policies = [*policy_factories(1), *REFERENCES]
     started = time.monotonic()
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:

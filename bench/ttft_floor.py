@@ -18,8 +18,7 @@ import argparse
 import re
 from pathlib import Path
 
-from prismlb.sim._eval import EVAL_FAMILIES, SECOND_SEEDS, _p99_floor_ms, _workload
-from prismlb.sim._workload import WORKLOADS
+from prismlb.sim._eval import EVAL_WORKLOADS, _p99_floor_ms, _workload
 
 LEVELS = ("50%", "80%", "95%")
 TARGET = 0.8
@@ -44,7 +43,7 @@ def main() -> None:
         f"{'workload':14} {'level':>5} {'floor ms':>9} {'best ms':>9} {'target ms':>9} {'reachable':>9} {'Prism ms':>9}"
     )
     unreachable = cells = 0
-    for spec in [*WORKLOADS, *SECOND_SEEDS, *EVAL_FAMILIES]:
+    for spec in EVAL_WORKLOADS:
         workload, _ = _workload(spec, 1, None)
         floor = _p99_floor_ms(spec, 1, None)
         text = (args.results / f"{workload.name}.md").read_text()

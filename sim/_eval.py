@@ -45,6 +45,9 @@ SECOND_SEEDS = ("mooncake:2", "mm:2")
 """The shared traces a plain `prism eval` replays again at seed 2: those a seed changes (Mooncake's arrivals
 within the 3 s its timestamps round to, the multimodal sample). Azure's timestamps are exact, so a second seed
 would replay them as the first does."""
+EVAL_WORKLOADS = (*WORKLOADS, *SECOND_SEEDS, *EVAL_FAMILIES)
+"""Every workload a plain `prism eval` replays, by name: the shared traces, `SECOND_SEEDS`, then `EVAL_FAMILIES`
+(what the benches that measure "the evaluation's workloads" take)."""
 SEARCH_LIMIT = 2000
 """Requests per workload in the goodput search unless `--limit` says otherwise: a search replays each workload
 seven to ten times per policy."""
