@@ -1,7 +1,7 @@
 """Does Prism's goodput lead hold where its defaults were never looked at: workload presets at seeds no default was
 chosen on, and clusters of other sizes and GPU mixes than `prism eval`'s two?
 
-Run: .venv/bin/python bench/eval_generality.py [--jobs 2] [--limit 2000] [--part seeds|shapes|length|all]
+Run: .venv/bin/python bench/eval_generality.py [--jobs 2] [--limit 2000] [--part seeds|shapes|length|decode|all]
 
 Every policy of `prism eval` (Prism with the library's defaults, every baseline) is searched for its goodput
 (`sim._slo.search`: the highest load with 90% of requests within their own TTFT SLO) exactly as `prism eval
@@ -18,6 +18,10 @@ Every policy of `prism eval` (Prism with the library's defaults, every baseline)
   requests (`--long-limit`). At 2,000 requests a run's arrivals span 35-50 s on most workloads, and what a policy
   holds back until after the last arrival is served on an idle cluster; a lead that is the end of the run's doing
   shrinks when the run is four times as long.
+- reasoning-length replies (`--part decode`, not in `all`): the `reasoning` family (`sim._families.reasoning`, the
+  tenants' chat mix with replies ten times as long at the median) at seeds 1 and 2. Every preset's replies are chat
+  length, so the engines' prefill is what runs out first; here their KV cache and decode batch do, which no
+  router's prefill accounting sees.
 
 Each table is `prism eval`'s goodput summary: a column per policy, the best baseline and Prism's ratio to it.
 """
@@ -40,6 +44,7 @@ SHAPES = {
     "large: 24 A100": "a100:24",
 }
 SHAPE_WORKLOADS = ("mooncake", "azure-conv", "tenants:1", "sessions:1", "agentic:1", "bursty:1")
+DECODE_WORKLOADS = ("reasoning:1", "reasoning:2")
 
 
 def main() -> None:
@@ -47,7 +52,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="replay processes")
     parser.add_argument("--limit", type=int, default=SEARCH_LIMIT, help="requests per replay (as prism eval's search)")
     parser.add_argument("--long-limit", type=int, default=4 * SEARCH_LIMIT, help="requests per replay in --part length")
-    parser.add_argument("--part", choices=("seeds", "shapes", "length", "all"), default="all")
+    parser.add_argument("--part", choices=("seeds", "shapes", "length", "decode", "all"), default="all")
     args = parser.parse_args()
     for spec in SHAPES.values():
         parse_cluster(spec)  # a bad spec stops the bench before any run
@@ -67,6 +72,9 @@ def main() -> None:
         if args.part == "length":
             rows = goodput(list(EVAL_WORKLOADS), policies, seed=1, limit=args.long_limit, jobs=args.jobs, pool=pool)
             print(f"## {args.long_limit} requests per run\n\n{goodput_summary(rows)}\n", flush=True)
+        if args.part == "decode":
+            rows = goodput(list(DECODE_WORKLOADS), policies, seed=1, limit=args.limit, jobs=args.jobs, pool=pool)
+            print(f"## Reasoning-length replies\n\n{goodput_summary(rows)}\n", flush=True)
     print(f"{time.monotonic() - started:.0f} s")
 
 

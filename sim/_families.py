@@ -39,6 +39,8 @@ AGENT_CONTEXT_MAX_TOKENS = 131_072
 
 _Piece = tuple[Hashable, int]
 """A piece of prompt text: (content id, tokens). Equal content ids are identical text."""
+_Output = tuple[float, float, int]
+"""A reply length's lognormal: median, sigma, most tokens."""
 
 
 class _Chain:
@@ -132,6 +134,11 @@ def _poisson(rng: np.random.Generator, n: int, rate: float) -> list[float]:
     return np.cumsum(rng.exponential(1 / rate, n)).tolist()
 
 
+def _steady(rng: np.random.Generator, n: int) -> list[float]:
+    """The chat families' steady arrivals: Poisson at 10 per second (before scaling to a load)."""
+    return _poisson(rng, n, 10.0)
+
+
 MMPP_RATES = (1.0, 8.0)
 """Arrival rates (req/s, before scaling) in the quiet and the burst state."""
 MMPP_SOJOURN_S = (120.0, 20.0)
@@ -206,32 +213,51 @@ class _Tenants:
         self.popularity = _zipf(TENANTS, TENANT_ZIPF)
         self.system_blocks = np.floor(np.exp(rng.uniform(0, math.log(SYSTEM_BLOCKS_MAX + 1), TENANTS))).astype(int)
 
-    def request(self, rng: np.random.Generator, chain: _Chain, i: int, arrival_s: float) -> SimRequest:
-        """Request `i`: its tenant's system prompt, then a user turn of its own."""
+    def request(
+        self, rng: np.random.Generator, chain: _Chain, i: int, arrival_s: float, output: _Output = (130, 1.0, 4096)
+    ) -> SimRequest:
+        """Request `i`: its tenant's system prompt, then a user turn of its own; its reply's length lognormal
+        (`output`: median, sigma, most tokens)."""
         tenant = _rank(rng, self.popularity)
         system: _Piece = (("system", tenant), int(self.system_blocks[tenant]) * BLOCK_TOKENS)
         user: _Piece = (("user", i), _lognormal(rng, 250, 1.2, 16_384))
-        return _request(chain, arrival_s, (system, user), _lognormal(rng, 130, 1.0, 4096))
+        return _request(chain, arrival_s, (system, user), _lognormal(rng, *output))
 
 
 def _chat(
-    name: str, seed: int, requests: int, arrivals: Callable[[np.random.Generator, int], list[float]], how: str
+    name: str,
+    seed: int,
+    requests: int,
+    arrivals: Callable[[np.random.Generator, int], list[float]],
+    how: str,
+    output: _Output = (130, 1.0, 4096),
 ) -> Workload:
-    """The tenants' chat mix at `arrivals`."""
+    """The tenants' chat mix at `arrivals`, replies of `output`'s lengths."""
     rng, chain = _start(seed, requests)
     tenants = _Tenants(rng)
-    out = [tenants.request(rng, chain, i, t) for i, t in enumerate(arrivals(rng, requests))]
+    out = [tenants.request(rng, chain, i, t, output) for i, t in enumerate(arrivals(rng, requests))]
     return _workload(name, seed, out, how)
 
 
 def tenants(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
     """Single-turn requests of 200 tenants (Zipf), each tenant's system prompt 1 to 32 blocks; Poisson arrivals."""
-    return _chat("tenants", seed, requests, lambda rng, n: _poisson(rng, n, 10.0), "Zipf tenants, Poisson arrivals")
+    return _chat("tenants", seed, requests, _steady, "Zipf tenants, Poisson arrivals")
 
 
 def bursty(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
     """The tenants' chat mix with two-state MMPP arrivals: quiet spells and bursts at eight times the rate."""
     return _chat("bursty", seed, requests, _mmpp, "tenants' chat mix, MMPP arrivals")
+
+
+REASONING_OUTPUT: _Output = (1500, 0.8, 32_768)
+"""A reasoning model's replies (median, sigma, most tokens): its thinking comes before the answer, ten times a chat
+reply's length at the median, and a long tail up to a 32K budget."""
+
+
+def reasoning(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
+    """The tenants' chat mix (Poisson) answered by a reasoning model (`REASONING_OUTPUT`): the engines' KV cache
+    and decode batch, not their prefill, are what runs out first."""
+    return _chat("reasoning", seed, requests, _steady, "tenants' chat mix, reasoning-length replies", REASONING_OUTPUT)
 
 
 def ramp(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
@@ -433,16 +459,21 @@ PRESETS: Mapping[str, Preset] = {
 }
 
 
+FAMILIES: Mapping[str, Preset] = {**PRESETS, "reasoning": reasoning}
+"""Every family by name: the presets, and those only a bench replays (`reasoning`: `bench/eval_generality.py
+--part decode`)."""
+
+
 def family_workload(spec: str, requests: int | None = None) -> Workload:
-    """The preset `NAME[:seed]` (seed 1 when omitted) with `requests` requests (default `DEFAULT_REQUESTS`)."""
+    """The family `NAME[:seed]` (seed 1 when omitted) with `requests` requests (default `DEFAULT_REQUESTS`)."""
     name, _, seed_text = spec.partition(":")
-    if name not in PRESETS:
-        raise ValueError(f"unknown workload family {name!r}; presets: {', '.join(PRESETS)}")
+    if name not in FAMILIES:
+        raise ValueError(f"unknown workload family {name!r}; families: {', '.join(FAMILIES)}")
     try:
         seed = int(seed_text) if seed_text else 1
     except ValueError:
         raise ValueError(f"workload {spec!r}: the seed after ':' must be a whole number") from None
-    return PRESETS[name](seed, DEFAULT_REQUESTS if requests is None else requests)
+    return FAMILIES[name](seed, DEFAULT_REQUESTS if requests is None else requests)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from prismlb.cli import main
-from prismlb.sim._families import PRESETS, _Chain, family_workload
+from prismlb.sim._families import FAMILIES, PRESETS, _Chain, family_workload
 from prismlb.sim._types import SimRequest, Workload
 from prismlb.sim._workload import BLOCK_TOKENS, infinite_cache_hit_rate
 
@@ -147,11 +147,25 @@ def test_ramp_rate_rises_over_the_run() -> None:
     assert (times >= 3 * quarter).sum() > 2 * (times < quarter).sum()
 
 
+def test_reasoning_is_the_tenants_mix_with_long_replies(built: dict[str, Workload]) -> None:
+    """Outside the presets `prism eval` replays, by name like them; the same prompts and arrivals as the tenants'
+    at the same seed, only the replies longer (a reasoning model's)."""
+    assert "reasoning" in FAMILIES and "reasoning" not in PRESETS
+    reasoning, tenants = family_workload("reasoning:1", N), built["tenants"]
+    assert reasoning.name == "reasoning-1"
+    assert [(r.arrival_s, r.blocks, r.input_tokens) for r in reasoning.requests] == [
+        (r.arrival_s, r.blocks, r.input_tokens) for r in tenants.requests
+    ]
+    chat = np.median([r.output_tokens for r in tenants.requests])
+    assert np.median([r.output_tokens for r in reasoning.requests]) > 8 * chat
+    assert max(r.output_tokens for r in reasoning.requests) > 4096  # past every chat reply's cap
+
+
 def test_family_workload_parses_name_and_seed() -> None:
     assert family_workload("rag:2", 50) == PRESETS["rag"](2, 50)
     assert family_workload("rag", 50) == PRESETS["rag"](1, 50)
     assert family_workload("rag", 50).name == "rag-1"
-    with pytest.raises(ValueError, match="unknown workload family 'chat'; presets: tenants, sessions, agentic"):
+    with pytest.raises(ValueError, match="unknown workload family 'chat'; families: tenants, sessions, agentic"):
         family_workload("chat:1")
     with pytest.raises(ValueError, match="whole number"):
         family_workload("rag:x")
