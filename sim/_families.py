@@ -41,6 +41,8 @@ _Piece = tuple[Hashable, int]
 """A piece of prompt text: (content id, tokens). Equal content ids are identical text."""
 _Output = tuple[float, float, int]
 """A reply length's lognormal: median, sigma, most tokens."""
+CHAT_OUTPUT: _Output = (130, 1.0, 4096)
+"""The tenants' chat replies."""
 
 
 class _Chain:
@@ -214,7 +216,7 @@ class _Tenants:
         self.system_blocks = np.floor(np.exp(rng.uniform(0, math.log(SYSTEM_BLOCKS_MAX + 1), TENANTS))).astype(int)
 
     def request(
-        self, rng: np.random.Generator, chain: _Chain, i: int, arrival_s: float, output: _Output = (130, 1.0, 4096)
+        self, rng: np.random.Generator, chain: _Chain, i: int, arrival_s: float, output: _Output = CHAT_OUTPUT
     ) -> SimRequest:
         """Request `i`: its tenant's system prompt, then a user turn of its own; its reply's length lognormal
         (`output`: median, sigma, most tokens)."""
@@ -230,7 +232,7 @@ def _chat(
     requests: int,
     arrivals: Callable[[np.random.Generator, int], list[float]],
     how: str,
-    output: _Output = (130, 1.0, 4096),
+    output: _Output = CHAT_OUTPUT,
 ) -> Workload:
     """The tenants' chat mix at `arrivals`, replies of `output`'s lengths."""
     rng, chain = _start(seed, requests)
@@ -250,8 +252,8 @@ def bursty(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
 
 
 REASONING_OUTPUT: _Output = (1500, 0.8, 32_768)
-"""A reasoning model's replies (median, sigma, most tokens): its thinking comes before the answer, ten times a chat
-reply's length at the median, and a long tail up to a 32K budget."""
+"""A reasoning model's replies: its thinking comes before the answer, ten times a chat reply's length
+(`CHAT_OUTPUT`) at the median, and a long tail up to a 32K budget."""
 
 
 def reasoning(seed: int, requests: int = DEFAULT_REQUESTS) -> Workload:
