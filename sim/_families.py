@@ -215,9 +215,7 @@ class _Tenants:
         self.popularity = _zipf(TENANTS, TENANT_ZIPF)
         self.system_blocks = np.floor(np.exp(rng.uniform(0, math.log(SYSTEM_BLOCKS_MAX + 1), TENANTS))).astype(int)
 
-    def request(
-        self, rng: np.random.Generator, chain: _Chain, i: int, arrival_s: float, output: _Output = CHAT_OUTPUT
-    ) -> SimRequest:
+    def request(self, rng: np.random.Generator, chain: _Chain, i: int, arrival_s: float, output: _Output) -> SimRequest:
         """Request `i`: its tenant's system prompt, then a user turn of its own; its reply's length lognormal
         (`output`: median, sigma, most tokens)."""
         tenant = _rank(rng, self.popularity)
