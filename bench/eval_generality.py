@@ -21,7 +21,8 @@ Every policy of `prism eval` (Prism with the library's defaults, every baseline)
 - reasoning-length replies (`--part decode`, not in `all`): the `reasoning` family (`sim._families.reasoning`, the
   tenants' chat mix with replies ten times as long at the median) at seeds 1 and 2. Every preset's replies are chat
   length, so the engines' prefill is what runs out first; here their KV cache and decode batch do, which no
-  router's prefill accounting sees.
+  router's prefill accounting sees. Beside the policies, the ablation `no-admit-wait` (Prism without the brain's
+  wait for KV-cache room, `_registry.admit_ms`) shows what that signal earns where the cache is what runs out.
 
 Each table is `prism eval`'s goodput summary: a column per policy, the best baseline and Prism's ratio to it.
 """
@@ -33,6 +34,7 @@ import multiprocessing
 import os
 import time
 
+from prismlb.sim._ablations import format_ablations
 from prismlb.sim._eval import EVAL_WORKLOADS, SEARCH_LIMIT, goodput, parse_cluster, policy_factories
 from prismlb.sim._families import PRESETS
 from prismlb.sim._report import goodput_summary
@@ -45,6 +47,7 @@ SHAPES = {
 }
 SHAPE_WORKLOADS = ("mooncake", "azure-conv", "tenants:1", "sessions:1", "agentic:1", "bursty:1")
 DECODE_WORKLOADS = ("reasoning:1", "reasoning:2")
+DECODE_ABLATIONS = ("no-admit-wait",)
 
 
 def main() -> None:
@@ -73,8 +76,17 @@ def main() -> None:
             rows = goodput(list(EVAL_WORKLOADS), policies, seed=1, limit=args.long_limit, jobs=args.jobs, pool=pool)
             print(f"## {args.long_limit} requests per run\n\n{goodput_summary(rows)}\n", flush=True)
         if args.part == "decode":
-            rows = goodput(list(DECODE_WORKLOADS), policies, seed=1, limit=args.limit, jobs=args.jobs, pool=pool)
-            print(f"## Reasoning-length replies\n\n{goodput_summary(rows)}\n", flush=True)
+            rows = goodput(
+                list(DECODE_WORKLOADS),
+                [*policies, *DECODE_ABLATIONS],
+                seed=1,
+                limit=args.limit,
+                jobs=args.jobs,
+                pool=pool,
+            )
+            compared = [r for r in rows if r.policy not in DECODE_ABLATIONS]
+            print(f"## Reasoning-length replies\n\n{goodput_summary(compared)}\n", flush=True)
+            print(f"### Ablation\n\n{format_ablations(rows)}\n", flush=True)
     print(f"{time.monotonic() - started:.0f} s")
 
 

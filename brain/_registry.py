@@ -47,6 +47,37 @@ def stall_ms(metrics: NodeMetrics) -> float | None:
     return min(retransmits / requests, MAX_RETRANSMITS_PER_REQUEST) * RTO_MIN_MS
 
 
+MAX_ADMIT_MS = 60_000.0
+"""The longest wait for cache room published: a minute says the node is full, and its health and circuit breaker
+say the rest."""
+
+
+def admit_ms(metrics: NodeMetrics) -> float | None:
+    """The wait for room in the node's KV cache a new request can expect there; None while the cache has room for
+    it and every request waiting, or when the engine does not tell.
+
+    The running requests hold `kv_cache_usage_ratio` of the cache between them (the engine's count, in which a
+    cached block no request holds is free), so its free rest holds `(1 - usage) / usage × running` more requests
+    of their mean size. The waiting requests and the new one past that many wait for running ones to end, the
+    k-th past it for k ends, and requests end at `requests_per_s`: the wait is that count, rounded up, over the
+    pace. No threshold says when a cache is full: a cache with room for every waiting request gives None however
+    busy the node, and a prefill-bound engine's waiting requests are what the routers' queued prompt tokens
+    count already. With long replies a full cache admits nothing until one ends, however short the prefill
+    queue, and this is how the routers see it."""
+    usage, running, waiting, pace = (
+        metrics.kv_cache_usage_ratio,
+        metrics.requests_running,
+        metrics.requests_waiting,
+        metrics.requests_per_s,
+    )
+    if usage is None or waiting is None or not running or not pace or usage <= 0:
+        return None
+    short = waiting + 1 - (1 - usage) / usage * running
+    if short <= 0:
+        return None
+    return min(math.ceil(short) / pace * 1000, MAX_ADMIT_MS)
+
+
 EntryKey = tuple[Slice, int | None]
 """A node's table entry: its slice and, in topology-aware slices, its GPU index (None: the whole node)."""
 

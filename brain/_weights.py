@@ -55,7 +55,8 @@ Each entry also carries the node's `model_version` label, its load (requests_run
 whichever are known; split evenly over per-GPU entries), the predictor's P99 for the slice, if any, its
 prefill speed (`prefill_rate`), which routers weigh a node's queued prompt tokens by, and the network stall a
 request there can expect from its kernel's retransmits (`published_stall`), which routers add to its expected
-time to first token.
+time to first token, and the wait for room in its KV cache (`published_admit`), which routers take instead of its
+queued prefill when longer.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from collections.abc import Callable, Iterable, Mapping
 from prismlb.semantics import ENGINE_LATENCY_KEY, TAU0_MS, Slice
 from prismlb.wire import MAX_MS, MAX_TABLE_VALUE, NodeVector, TableNode
 
-from ._registry import EntryKey, NodeState
+from ._registry import EntryKey, NodeState, admit_ms
 from ._slices import overflow, pools
 from ._topology import TOPOLOGY_SLICES, WHOLE_NODE, gpu_entries
 
@@ -180,6 +181,18 @@ def published_stall(state: NodeState) -> float | None:
     return state.published_stall_ms
 
 
+ADMIT_STEP_MS = 10.0
+
+
+def published_admit(vector: NodeVector) -> float | None:
+    """The node's wait for KV-cache room to publish in ms (`_registry.admit_ms` of its latest vector, not averaged:
+    a cache is full now, and empties as its requests end), in steps of 10 ms; None under 5 ms."""
+    wait = admit_ms(vector.metrics)
+    if wait is None:
+        return None
+    return round(wait / ADMIT_STEP_MS) * ADMIT_STEP_MS or None
+
+
 def _load(vector: NodeVector) -> float | None:
     parts = [v for v in (vector.metrics.requests_running, vector.metrics.requests_waiting) if v is not None]
     return float(sum(parts)) if parts else None
@@ -242,6 +255,7 @@ def compute_weights(
             predicted = _predicted(predictions, vector.node_id, slice_)
             rate = rates.get(vector.node_id)
             stall = stalls[vector.node_id]
+            admit = published_admit(vector)
             model_version = vector.labels.get("model_version", "")
             node_held = held[vector.node_id]
             for entry in gpu_entries(vector) if slice_ in topology_slices else (WHOLE_NODE,):
@@ -258,6 +272,7 @@ def compute_weights(
                         predicted_p99_ms=predicted,
                         prefill_tokens_per_s=None if rate is None else rate * entry.share,
                         stall_ms=stall,
+                        admit_ms=admit,
                         gpu=entry.gpu,
                         numa_node=entry.numa_node,
                         overflow=vector.node_id in spill_ids,

@@ -81,6 +81,10 @@ class Group:
     stall: tuple[float, ...]
     """Each entry's network stall in seconds (`TableNode.stall_ms`), added to its expected time to first token;
     0 for all while no entry's prefill speed is known (then expected times are not in seconds)."""
+    admit: tuple[float, ...]
+    """Each entry's wait for room in its engine's KV cache in seconds (`TableNode.admit_ms`), which its expected
+    time to first token takes instead of its queued prefill when longer; 0 for all while no entry's prefill speed
+    is known."""
     by_node: Mapping[str, tuple[int, ...]]
     """node id -> its entries' indices (several for a node with per-GPU entries)."""
     fast: Callable[[object], Endpoint | None] | None
@@ -229,6 +233,7 @@ def _group(
         timed=bool(known),
         stretch=tuple(top / w for w in ring.weights),
         stall=tuple((n.stall_ms or 0.0) / 1000 if known else 0.0 for n in ring.entries),
+        admit=tuple((n.admit_ms or 0.0) / 1000 if known else 0.0 for n in ring.entries),
         by_node={node: tuple(indices) for node, indices in by_node.items()},
         fast=fast,
     )

@@ -122,6 +122,14 @@ class NoStallBrain(Brain):
         return _every_entry(super()._weights(states), stall_ms=None)
 
 
+class NoAdmitWaitBrain(Brain):
+    """The brain publishing no wait for KV-cache room (`TableNode.admit_ms`): routers expect a node's queue to move
+    at its prefill speed however full its cache (health, weights and everything else unchanged)."""
+
+    def _weights(self, states: dict[str, NodeState]) -> dict[Slice, list[TableNode]]:
+        return _every_entry(super()._weights(states), admit_ms=None)
+
+
 class ClassRateBrain(Brain):
     """The brain publishing, as every node's prefill speed, the median measured speed of its GPU class (the `gpu`
     label): what a router knows from the fleet's inventory, without each node's own measure
@@ -195,6 +203,12 @@ def no_stall(block_tokens: int) -> Policy:
     """No network stall in the expected time to first token (`NoStallBrain`): a node losing segments is seen
     through its health score alone."""
     return PrismPolicy(block_tokens=block_tokens, brain=NoStallBrain)
+
+
+def no_admit_wait(block_tokens: int) -> Policy:
+    """No wait for KV-cache room in the expected time to first token (`NoAdmitWaitBrain`): a node whose cache is
+    full of long replies looks as short as its queued prompt tokens."""
+    return PrismPolicy(block_tokens=block_tokens, brain=NoAdmitWaitBrain)
 
 
 def class_rate(block_tokens: int) -> Policy:
@@ -282,6 +296,7 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
     "node-max-prediction": node_max_prediction,
     "no-predictor": no_predictor,
     "no-stall": no_stall,
+    "no-admit-wait": no_admit_wait,
     "class-rate": class_rate,
     "fleet-rate": fleet_rate,
     "no-sessions": no_sessions,

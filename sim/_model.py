@@ -144,7 +144,9 @@ class EngineModel:
 
     @property
     def kv_usage(self) -> float:
-        return self.used_blocks / self.capacity_blocks
+        """Share of the cache held by running requests (vLLM's `kv_cache_usage_perc`: a cached block no request
+        references is free, evictable on demand, so it does not count)."""
+        return (len(self._refs) + self._private) / self.capacity_blocks
 
     @property
     def prefill_end_s(self) -> float:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prismlb.brain import BrainConfig, Registry, TableBuilder, compute_weights, next_epoch, resolve_config
-from prismlb.brain._registry import QUALITY_SMOOTHING_S, RTO_MIN_MS, stall_ms
+from prismlb.brain._registry import MAX_ADMIT_MS, QUALITY_SMOOTHING_S, RTO_MIN_MS, admit_ms, stall_ms
 from prismlb.semantics import Slice, health
 from prismlb.wire import ConfigError, NodeMetrics, NodeVector
 
@@ -98,6 +98,39 @@ def test_stall_is_retransmits_per_request_times_the_minimum_timeout() -> None:
     assert stall_ms(NodeMetrics(requests_per_s=10.0)) is None
     assert stall_ms(NodeMetrics(tcp_retransmits_per_s=3.0, requests_per_s=0.0)) is None
     assert stall_ms(NodeMetrics(tcp_retransmits_per_s=3.0)) is None
+
+
+def _engine(usage: float | None, running: int | None, waiting: int | None, pace: float | None) -> NodeMetrics:
+    return NodeMetrics(
+        kv_cache_usage_ratio=usage, requests_running=running, requests_waiting=waiting, requests_per_s=pace
+    )
+
+
+def test_admit_wait_counts_the_requests_past_the_free_cache_in_ends_at_the_nodes_pace() -> None:
+    # 90 running hold 0.99 of the cache: the free 0.01 holds 0.9 of one more, so the new request waits for an end,
+    # at 1.5 ends a second; with 2 waiting, it is 2.1 past the room: 3 ends
+    assert admit_ms(_engine(0.99, 90, 0, 1.5)) == pytest.approx(1000 / 1.5)
+    assert admit_ms(_engine(0.99, 90, 2, 1.5)) == pytest.approx(3000 / 1.5)
+    # a busy prefill-bound engine: 5 running hold a fifth, its rest holds 20 more, and the 3 waiting wait for prefill
+    assert admit_ms(_engine(0.2, 5, 3, 1.5)) is None
+    # an empty cache, an idle engine or a figure missing says nothing
+    assert admit_ms(_engine(0.0, 0, 4, 1.5)) is None
+    assert admit_ms(_engine(None, 90, 2, 1.5)) is None
+    assert admit_ms(_engine(0.99, 90, None, 1.5)) is None
+    assert admit_ms(_engine(0.99, 90, 2, 0.0)) is None
+    # a full cache with no request ending: at most a minute
+    assert admit_ms(_engine(1.0, 90, 500, 0.001)) == MAX_ADMIT_MS
+
+
+def test_admit_wait_is_published_in_steps_from_the_latest_vector() -> None:
+    reg = Registry()
+    full = {"kv_cache_usage_ratio": 0.99, "requests_running": 90, "requests_waiting": 2, "requests_per_s": 1.5}
+    reg.update(vec("a", 1, **full), now=0.0)
+    entry = next(n for n in compute_weights(reg.nodes, {})[Slice.LLM] if n.node_id == "a")
+    assert entry.admit_ms == 2000.0  # 1,999.99… ms, in steps of 10 ms
+    reg.update(vec("a", 2, **{**full, "kv_cache_usage_ratio": 0.5, "requests_running": 40}), now=1.0)
+    entry = next(n for n in compute_weights(reg.nodes, {})[Slice.LLM] if n.node_id == "a")
+    assert entry.admit_ms is None  # a request ended and room came back: nothing is held over
 
 
 def _stall_entry(reg: Registry) -> float | None:

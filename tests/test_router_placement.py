@@ -23,9 +23,21 @@ def table(*nodes: TableNode) -> RoutingTable:
     )
 
 
-def node(name: str, *, weight: float = 1.0, rate: float | None = None, stall_ms: float | None = None) -> TableNode:
+def node(
+    name: str,
+    *,
+    weight: float = 1.0,
+    rate: float | None = None,
+    stall_ms: float | None = None,
+    admit_ms: float | None = None,
+) -> TableNode:
     return TableNode(
-        node_id=name, endpoint=f"http://{name}:8000", weight=weight, prefill_tokens_per_s=rate, stall_ms=stall_ms
+        node_id=name,
+        endpoint=f"http://{name}:8000",
+        weight=weight,
+        prefill_tokens_per_s=rate,
+        stall_ms=stall_ms,
+        admit_ms=admit_ms,
     )
 
 
@@ -125,6 +137,15 @@ def test_a_network_stall_is_added_to_the_expected_time() -> None:
     chosen = [sent(r, request(b, cost=16 * BLOCK)).node_id for b in fresh]
     # 256 tokens each at 10,000 tokens/s: the sound node's queue passes the lossy node's 100 ms after four of them.
     assert chosen == ["sound"] * 4 + ["lossy"]
+
+
+def test_a_wait_for_cache_room_stands_for_the_queue_while_longer() -> None:
+    r, _ = router(node("full", rate=10_000, admit_ms=100.0), node("roomy", rate=10_000), balance=0)
+    fresh = [tuple(block_hashes([i] * BLOCK * 16, BLOCK)) for i in range(1, 7)]
+    chosen = [sent(r, request(b, cost=16 * BLOCK)).node_id for b in fresh]
+    # 25.6 ms of prefill each: the roomy node's queue passes the full one's 100 ms wait after four of them; the two
+    # sent to the full node wait for the same room, within it, so the second costs it no more than the first
+    assert chosen == ["roomy"] * 4 + ["full"] * 2
 
 
 def test_a_stall_is_ignored_while_no_prefill_speed_puts_expected_times_in_seconds() -> None:

@@ -17,6 +17,7 @@ from prismlb.sim._ablations import (
     EwmaPredictor,
     FlatWeightsBrain,
     FleetRateBrain,
+    NoAdmitWaitBrain,
     NoHealthBrain,
     NoPredictorBrain,
     NoStallBrain,
@@ -70,6 +71,7 @@ def test_every_variant_is_listed_with_a_docstring() -> None:
         "node-max-prediction",
         "no-predictor",
         "no-stall",
+        "no-admit-wait",
         "class-rate",
         "fleet-rate",
         "no-sessions",
@@ -131,6 +133,16 @@ def test_no_stall_publishes_no_stall_and_changes_nothing_else() -> None:
     assert {n.node_id: n.stall_ms for s in full.slices for n in s.nodes} == {"lossy": 100.0, "sound": None}
     ablated = table(NoStallBrain(CONFIG), vectors)
     assert all(n.stall_ms is None for s in ablated.slices for n in s.nodes)
+    assert weights(ablated) == weights(full)
+
+
+def test_no_admit_wait_publishes_no_wait_and_changes_nothing_else() -> None:
+    full_cache = {"kv_cache_usage_ratio": 0.99, "requests_running": 90, "requests_waiting": 2, "requests_per_s": 1.5}
+    vectors = [vector("full", 1, 400.0, **full_cache), vector("roomy", 2, 400.0, kv_cache_usage_ratio=0.3)]
+    full = table(Brain(CONFIG), vectors)
+    assert {n.node_id: n.admit_ms for s in full.slices for n in s.nodes} == {"full": 2000.0, "roomy": None}
+    ablated = table(NoAdmitWaitBrain(CONFIG), vectors)
+    assert all(n.admit_ms is None for s in ablated.slices for n in s.nodes)
     assert weights(ablated) == weights(full)
 
 

@@ -85,6 +85,20 @@ def test_admission_waits_for_cache_room_and_batch_room() -> None:
         model.submit(job(tuple(range(70)), 70 * 16), 5.0)
 
 
+def test_kv_usage_counts_the_blocks_running_requests_hold_not_the_cached_rest() -> None:
+    model = EngineModel(TINY, 16)  # 64 blocks
+    first = job(tuple(range(30)), 30 * 16, output=20)  # 30 prompt blocks and 2 private ones while it runs
+    model.submit(first, 0.0)
+    model.advance(0.1)
+    assert model.kv_usage == pytest.approx(32 / 64)
+    drain(model)
+    # ended: its prompt blocks stay cached, evictable on demand, which vLLM's usage counts as free
+    assert model.kv_usage == 0.0 and model.used_blocks == 30
+    again = job(tuple(range(30)), 30 * 16, output=20, at=10.0)
+    model.submit(again, 10.0)
+    assert again.hit_blocks == 30 and model.kv_usage == pytest.approx(32 / 64)
+
+
 def test_batch_limit_holds_the_queue() -> None:
     model = EngineModel(TINY, 16)
     jobs = [job((i,), 16, output=50) for i in range(3)]

@@ -164,6 +164,10 @@ class TableNode(_Message, kw_only=True):
     stall_ms: Bounded | None = None
     """The network stall a request to the node can expect, from its kernel's retransmits (absent: none seen),
     which a router adds to the node's expected time to first token."""
+    admit_ms: Bounded | None = None
+    """The wait for room in the node's KV cache a new request can expect (absent: none), from its engine's cache
+    usage, running and waiting requests and pace; a router takes it instead of the node's queued prefill when it
+    is longer: a full cache admits nothing until a request ends, however short the prefill queue."""
     gpu: Count | None = None
     numa_node: Count | None = None
     overflow: bool = False
