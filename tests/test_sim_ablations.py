@@ -126,23 +126,29 @@ def test_no_health_weighs_every_node_as_healthy_and_keeps_the_real_quality() -> 
     assert brain.registry.nodes["sick"].quality < 1.0 and brain.registry.nodes["sick"].weights
 
 
-def test_no_stall_publishes_no_stall_and_changes_nothing_else() -> None:
-    lossy = {"tcp_retransmits_per_s": 5.0, "requests_per_s": 10.0}  # half a segment a request: 100 ms
-    vectors = [vector("lossy", 1, 400.0, **lossy), vector("sound", 2, 400.0, tcp_retransmits_per_s=0.0)]
+@pytest.mark.parametrize(
+    ("ablated_brain", "field", "affected", "published"),
+    [
+        # half a segment a request: 100 ms
+        (NoStallBrain, "stall_ms", {"tcp_retransmits_per_s": 5.0, "requests_per_s": 10.0}, 100.0),
+        # 90 running hold 0.99 of the cache, 2 wait: 3 ends at 1.5 a second
+        (
+            NoAdmitWaitBrain,
+            "admit_ms",
+            {"kv_cache_usage_ratio": 0.99, "requests_running": 90, "requests_waiting": 2, "requests_per_s": 1.5},
+            2000.0,
+        ),
+    ],
+)
+def test_a_field_switched_off_is_published_nowhere_and_nothing_else_changes(
+    ablated_brain: type[Brain], field: str, affected: dict[str, float], published: float
+) -> None:
+    calm = dict.fromkeys(affected, 0.0)
+    vectors = [vector("affected", 1, 400.0, **affected), vector("calm", 2, 400.0, **calm)]
     full = table(Brain(CONFIG), vectors)
-    assert {n.node_id: n.stall_ms for s in full.slices for n in s.nodes} == {"lossy": 100.0, "sound": None}
-    ablated = table(NoStallBrain(CONFIG), vectors)
-    assert all(n.stall_ms is None for s in ablated.slices for n in s.nodes)
-    assert weights(ablated) == weights(full)
-
-
-def test_no_admit_wait_publishes_no_wait_and_changes_nothing_else() -> None:
-    full_cache = {"kv_cache_usage_ratio": 0.99, "requests_running": 90, "requests_waiting": 2, "requests_per_s": 1.5}
-    vectors = [vector("full", 1, 400.0, **full_cache), vector("roomy", 2, 400.0, kv_cache_usage_ratio=0.3)]
-    full = table(Brain(CONFIG), vectors)
-    assert {n.node_id: n.admit_ms for s in full.slices for n in s.nodes} == {"full": 2000.0, "roomy": None}
-    ablated = table(NoAdmitWaitBrain(CONFIG), vectors)
-    assert all(n.admit_ms is None for s in ablated.slices for n in s.nodes)
+    assert {n.node_id: getattr(n, field) for s in full.slices for n in s.nodes} == {"affected": published, "calm": None}
+    ablated = table(ablated_brain(CONFIG), vectors)
+    assert all(getattr(n, field) is None for s in ablated.slices for n in s.nodes)
     assert weights(ablated) == weights(full)
 
 
