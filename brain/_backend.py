@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ._admin import AdminError
+from ._weights import published_admit
 
 if TYPE_CHECKING:
     from ._brain import Brain
@@ -49,6 +50,7 @@ class Backend:
                     "predicted_p99_ms": max(predicted, default=None),
                     "observed_p99_ms": max(observed, default=None),
                     "stall_ms": state.published_stall_ms,
+                    "admit_ms": published_admit(state.vector),
                     "age_s": now - state.last_seen,
                 }
             )

@@ -188,7 +188,7 @@ def render(status: dict[str, Any]) -> str:
         "",
         f"{'NODE':<24} {'ZONE':<8} {'HEALTH':>6} "
         + " ".join(f"{s.upper():>5}" for s in SLICES)
-        + f" {'P99 PRED':>9} {'P99 SEEN':>9} {'STALL':>6} {'AGE s':>6}  ALARMS",
+        + f" {'P99 PRED':>9} {'P99 SEEN':>9} {'STALL':>6} {'ADMIT':>6} {'AGE s':>6}  ALARMS",
     ]
     for node in status.get("nodes", []):
         weights = node.get("weights", {})
@@ -197,7 +197,8 @@ def render(status: dict[str, Any]) -> str:
             f"{name:<24} {node.get('zone', ''):<8} {_fmt(node.get('health')):>6} "
             + " ".join(f"{_fmt(weights.get(s)):>5}" for s in SLICES)
             + f" {_fmt(node.get('predicted_p99_ms'), '.0f'):>9} {_fmt(node.get('observed_p99_ms'), '.0f'):>9}"
-            + f" {_fmt(node.get('stall_ms'), '.0f'):>6} {_fmt(node.get('age_s'), '.1f'):>6}"
+            + f" {_fmt(node.get('stall_ms'), '.0f'):>6} {_fmt(node.get('admit_ms'), '.0f'):>6}"
+            + f" {_fmt(node.get('age_s'), '.1f'):>6}"
             + f"  {','.join(node.get('alarms', [])) or '-'}"
         )
     return "\n".join(lines)

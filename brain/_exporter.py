@@ -12,6 +12,7 @@ from prismlb.service import MS_TO_S, node_families
 
 from ._predictor import Predictor
 from ._registry import Registry
+from ._weights import published_admit
 
 
 class RegistryCollector(Collector):
@@ -34,15 +35,21 @@ class RegistryCollector(Collector):
             "Network stall a request can expect, from retransmits, as published to routers (0: none)",
             labels=["node"],
         )
+        admit = GaugeMetricFamily(
+            "prism_brain_node_admit_wait_seconds",
+            "Wait for room in the engine's KV cache a new request can expect, as published to routers (0: room)",
+            labels=["node"],
+        )
         nodes = list(self._registry.nodes.items())
         for node_id, state in nodes:
             health.add_metric([node_id], state.health.score)
             stall.add_metric([node_id], (state.published_stall_ms or 0.0) / 1000)
+            admit.add_metric([node_id], (published_admit(state.vector) or 0.0) / 1000)
             for (slice_, gpu), value in state.weights.items():
                 weight.add_metric([node_id, slice_.value, "" if gpu is None else str(gpu)], value)
             for name in state.health.alarms:
                 alarm.add_metric([node_id, name], 1.0)
-        yield from (health, weight, stall, alarm)
+        yield from (health, weight, stall, admit, alarm)
         yield from node_families(
             "prism_brain_node_", ["node"], (([node_id], state.vector.metrics) for node_id, state in nodes)
         )

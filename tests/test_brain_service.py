@@ -153,8 +153,10 @@ def test_admin_drain_experiments_and_cli(ctx: zmq.Context, tmp_path: Path, capsy
     assert json.loads((tmp_path / "experiments.json").read_text()), "experiments persist in the state dir"
 
 
-def test_top_shows_each_nodes_published_stall() -> None:
-    status = {"nodes": [{"node_id": "lossy", "health": 0.9, "stall_ms": 40.0}, {"node_id": "sound", "health": 1.0}]}
-    header, lossy, sound = render(status).splitlines()[2:]
-    column = header.index("STALL")
-    assert lossy[column : column + 5].strip() == "40" and sound[column : column + 5].strip() == "-"
+def test_top_shows_each_nodes_published_stall_and_wait_for_cache_room() -> None:
+    lossy = {"node_id": "lossy", "health": 0.9, "stall_ms": 40.0, "admit_ms": 2000.0}
+    status = {"nodes": [lossy, {"node_id": "sound", "health": 1.0}]}
+    header, lossy_line, sound_line = render(status).splitlines()[2:]
+    stall, admit = header.index("STALL"), header.index("ADMIT")
+    assert lossy_line[stall : stall + 5].strip() == "40" and sound_line[stall : stall + 5].strip() == "-"
+    assert lossy_line[admit : admit + 5].strip() == "2000" and sound_line[admit : admit + 5].strip() == "-"

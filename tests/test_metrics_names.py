@@ -152,6 +152,7 @@ def test_the_brains_metrics_follow_the_conventions(services: Services) -> None:
     assert names["prism_brain_table_entries_clamped"].type == "counter", "it only grows"
     assert {"prism_brain_guardian_state", "prism_brain_guardian_transitions"} <= set(names)
     assert value(families, "prism_brain_node_stall_seconds", node=NODE) == 0.0  # loopback loses nothing
+    assert value(families, "prism_brain_node_admit_wait_seconds", node=NODE) == 0.0  # an idle engine has room
 
 
 def test_the_brains_metrics_answer_beyond_loopback_by_default(services: Services) -> None:
