@@ -19,7 +19,7 @@ Every policy of `prism eval` (Prism with the library's defaults, every baseline)
   holds back until after the last arrival is served on an idle cluster; a lead that is the end of the run's doing
   shrinks when the run is four times as long.
 - reasoning-length replies (`--part decode`, not in `all`): the `reasoning` family (`sim._families.reasoning`, the
-  tenants' chat mix with replies ten times as long at the median) at seeds 1 and 2. Every preset's replies are chat
+  tenants' chat mix with replies ten times as long at the median) at seeds 1 to 4. Every preset's replies are chat
   length, so the engines' prefill is what runs out first; here their KV cache and decode batch do, which no
   router's prefill accounting sees. Beside the policies, the ablation `no-admit-wait` (Prism without the brain's
   wait for KV-cache room, `_registry.admit_ms`) shows what that signal earns where the cache is what runs out.
@@ -46,7 +46,7 @@ SHAPES = {
     "large: 24 A100": "a100:24",
 }
 SHAPE_WORKLOADS = ("mooncake", "azure-conv", "tenants:1", "sessions:1", "agentic:1", "bursty:1")
-DECODE_WORKLOADS = ("reasoning:1", "reasoning:2")
+DECODE_WORKLOADS = ("reasoning:1", "reasoning:2", "reasoning:3", "reasoning:4")
 DECODE_ABLATIONS = ("no-admit-wait",)
 
 
