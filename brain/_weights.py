@@ -182,6 +182,8 @@ def published_stall(state: NodeState) -> float | None:
 
 
 ADMIT_STEP_MS = 10.0
+"""The wait for cache room is published in steps of this (as the network stall is), so a table changes only when
+the wait does by a step."""
 
 
 def published_admit(vector: NodeVector) -> float | None:
