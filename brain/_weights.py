@@ -237,6 +237,7 @@ def compute_weights(
     held: dict[str, dict[EntryKey, float]] = {node_id: {} for node_id in states}
     rates = prefill_rates(states)
     stalls = {node_id: published_stall(state) for node_id, state in states.items()}
+    admits = {node_id: published_admit(state.vector) for node_id, state in states.items()}
     result: dict[Slice, list[TableNode]] = {}
     members = pools(s.vector for s in states.values())
     extra = overflow((s.vector for s in states.values()), members)
@@ -257,7 +258,7 @@ def compute_weights(
             predicted = _predicted(predictions, vector.node_id, slice_)
             rate = rates.get(vector.node_id)
             stall = stalls[vector.node_id]
-            admit = published_admit(vector)
+            admit = admits[vector.node_id]
             model_version = vector.labels.get("model_version", "")
             node_held = held[vector.node_id]
             for entry in gpu_entries(vector) if slice_ in topology_slices else (WHOLE_NODE,):
