@@ -177,6 +177,8 @@ class Router:
         self.index = PrefixIndex(self.settings.placed_ttl_s)
         """Which nodes cache which prompt blocks: fed by the cluster's KV events (the brain's stream, or the
         caller's own feed) and by this router's placements; read by the expected-TTFT choice."""
+        self._reporting: set[str] = set()
+        """Nodes whose engines' KV events reach this router (`apply_kv`): the index knows what they cache."""
         self._has_table = threading.Event()
         self._drop_refused: tuple[tuple[str, int, int], float] | None = None  # (table, first refused at)
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -340,7 +342,12 @@ class Router:
         (empty: unknown or gone); else `removed` leave it, then `stored` join it."""
         if reset:
             self.index.reset(node_id, stored)
+            if stored:
+                self._reporting.add(node_id)
+            else:
+                self._reporting.discard(node_id)
             return
+        self._reporting.add(node_id)
         if removed:
             self.index.removed(node_id, removed)
         if stored:
@@ -757,14 +764,16 @@ class Router:
     ) -> tuple[Group, int | None]:
         """Where the prompt's prefix is cached, or is worth computing. A keyed request being sent whose blocks no
         node is known to hold, and that has no session entry (`held`), goes where the prefix memory last sent its key
-        (it outlives the index's claims of this router's own placements); a request with blocks takes the
+        (it outlives the index's claims of this router's own placements), unless that node's engine reports its KV
+        events (`apply_kv`): the index then knows the prefix is no longer cached there, and the prompt is placed as
+        any uncached one, not onto a node whose cache others may be waiting for. A request with blocks takes the
         expected-TTFT choice (`_by_ttft`, its session's entry weighed as its prefix's holder), which goes to the
         slice's overflow entries while they are `Settings.overflow` times faster and no other slice whose pool holds
         the entry has requests waiting (`Settings.overflow_yields`). Else (`home`, None): the ring decides."""
         memory = self._memory if remember else None
         if memory is not None and key is not None and not depths and held is None:
             index = self._remembered(home, memory, key, request.cost, exclude, now)
-            if index is not None:
+            if index is not None and not (blocks and home.entries[index][4].node_id in self._reporting):
                 return home, index
         if not blocks:
             return home, None

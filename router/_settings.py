@@ -23,7 +23,9 @@ class Settings:
     """Affinity keys remembered with the entry this router last sent each to and its cost (0: off; used with
     `load="prefill"` only). A remembered key goes back to that entry while the entry's queued prefill work, less the
     tokens the request should find cached there (the smaller of its cost and the last one), is under the
-    bound: a conversation follows its cache, also after the bound once moved it off its ring owner."""
+    bound: a conversation follows its cache, also after the bound once moved it off its ring owner. A request with
+    block hashes consults it only when no node is known to hold its prefix and the remembered node's engine sends no
+    KV events: where they come, the index knows the prefix was evicted there (docs/router.md)."""
     prefix_index: bool = True
     """Place requests that carry block hashes (`Request.blocks`) by expected time to first token: each candidate's
     queued prefill work plus the request's tokens its cache lacks (from the cluster's prefix index), over its

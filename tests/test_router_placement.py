@@ -175,6 +175,26 @@ def test_an_eviction_event_withdraws_the_placement_claim() -> None:
     assert r.index.match(BLOCKS, clock.now) == {}
 
 
+@pytest.mark.parametrize("events", ["none", "evicted", "reset to nothing"])
+def test_the_prefix_memory_stands_in_only_for_nodes_whose_cache_the_index_cannot_see(events: str) -> None:
+    r, clock = router(node("a"), node("b"), load="prefill")
+    first = sent(r, request(key=9))
+    first.first_token()
+    first.end()
+    home, other = first.node_id, "b" if first.node_id == "a" else "a"
+    clock.now += r.settings.placed_ttl_s + 1  # the placement's claim has expired: no node is known to hold the prompt
+    if events != "none":  # the home engine's events say it evicted the prompt's first block
+        r.apply_kv(home, False, (), BLOCKS[:1])
+    if events == "reset to nothing":  # then a snapshot knows nothing of it (unknown or gone): unseen again
+        r.apply_kv(home, True, (), ())
+    busy = r.request(Request(key=1, cost=COST), exclude=[other])  # home has a prompt's worth queued, the other none
+    busy.begin()
+    assert busy.node_id == home
+    # Unseen, home may still cache the prompt (the memory's guess); seen evicted, it is an uncached prompt like any
+    # other, and goes where it starts soonest.
+    assert r.request(request(key=9)).node_id == (other if events == "evicted" else home)
+
+
 def test_excluded_and_open_holders_are_passed_over() -> None:
     r, _ = router(node("a"), node("b"))
     r.index.stored("a", BLOCKS)
