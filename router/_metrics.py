@@ -52,7 +52,8 @@ class RouterCollector:
         waiting.add_metric([], router.turns.waiting)
         turns = CounterMetricFamily(
             "prism_router_turns",
-            "Requests let go from the waiting room: granted (room), expired (hold_max_s), left (given up)",
+            "Requests let go from the waiting room: granted (room), expired (hold_max_s), left (given up), passed "
+            "(cached, no turn: hold_cached_tokens)",
             labels=["outcome"],
         )
         for outcome, count in router.turns.counts.items():

@@ -555,7 +555,8 @@ class Router:
 
     def turn(self, request: Request) -> Ticket:
         """Join the waiting room (`Settings.hold_tokens`): the request's ticket, granted at once while its slice has
-        room and nobody is waiting, else when its turn comes. Raises what placing it would: NoRouteError,
+        room and nobody is waiting, or when its prompt is cached but for a few tokens (`Settings.hold_cached_tokens`),
+        else when its turn comes. Raises what placing it would: NoRouteError,
         ShedError. Wait with `Ticket.wait`, then place with `request(..., turn=ticket)`, or `leave` it."""
         _, target = self._slice(request)
         now = self.clock()
@@ -575,10 +576,29 @@ class Router:
             budget = ttft_slo_s(slice_, alone_s)
         late_at = now + budget - self.settings.late_margin * request.cost / quickest
         ticket = Ticket(request, target.name, now, now + budget, late_at)
+        passes = self._cached_in(target, request, now)
         with self._lock:
-            self.turns.join(ticket)
-            self._grant(now)
+            if passes:
+                self.turns.passed(ticket)
+            else:
+                self.turns.join(ticket)
+                self._grant(now)
         return ticket
+
+    def _cached_in(self, target: SliceRoute, request: Request, now: float) -> bool:
+        """Whether the prefix index finds `request`'s prompt cached on a node of its slice (or the slice's overflow)
+        but for at most `Settings.hold_cached_tokens`: a request with almost no prefill work, which takes no turn."""
+        limit = self.settings.hold_cached_tokens
+        if not limit or not request.blocks or not self.settings.prefix_index:
+            return False
+        if request.cost - len(request.blocks) * request.block_size > limit:  # the tail past its blocks alone is more
+            return False
+        groups = [g for g in (target.group, target.overflow) if g is not None]
+        depth = max(
+            (d for node, d in self.index.match(request.blocks, now).items() if any(node in g.by_node for g in groups)),
+            default=0,
+        )
+        return depth > 0 and request.cost - self._cached(request, depth) <= limit
 
     def leave(self, ticket: Ticket, *, expired: bool = False) -> None:
         """Stop waiting for `ticket`'s turn (`expired`: it waited `hold_max_s` and goes anyway), or give back its

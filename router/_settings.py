@@ -71,6 +71,13 @@ class Settings:
     engine serves its queue in arrival order; kept short, the order is the router's, and a short prompt due soon no
     longer waits behind long ones. 2048 was chosen over 1 and 8192 across every workload of the replay at once
     (docs/eval.md): with 8192 the engines' queues are long enough to keep most of their order (0: never hold)."""
+    hold_cached_tokens: int = 1024
+    """A request whose prompt the prefix index finds cached on a node of its slice but for at most this many tokens
+    takes no turn (`hold_tokens`): it goes at once, counted as passed. The room orders prefill work, and such a
+    request brings almost none; held, it waits behind requests that need the turn, while its holder's queue and
+    cache move on. A short uncached prompt still waits: its order is what the room is for. 1,024 (half of
+    `hold_tokens`) was chosen over 512, 768, 1,536 and 2,048 across every workload of the replay at once, and over
+    passing uncached prompts as short too (docs/eval.md, "Cached prompts take no turn"; 0: every request waits)."""
     assumed_prefill_tokens_per_s: float = 10_000.0
     """The prefill speed a waiting request's deadline assumes while the brain has measured none in its slice (a
     cold start): an 8B model on an A100. Deadlines need seconds: without a speed every prompt would get τ0 alone,
@@ -176,6 +183,8 @@ class Settings:
             raise ValueError(f"late_margin must not be negative, got {self.late_margin}")
         if self.hold_tokens < 0:
             raise ValueError(f"hold_tokens must be 0 (off) or positive, got {self.hold_tokens}")
+        if self.hold_cached_tokens < 0:
+            raise ValueError(f"hold_cached_tokens must be 0 (off) or positive, got {self.hold_cached_tokens}")
         for name in (
             "fail_timeout_s",
             "slow_s",

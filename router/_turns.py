@@ -152,9 +152,10 @@ class Turns:
     def __init__(self) -> None:
         self.rooms: dict[str, Room] = {}
         self._order = itertools.count()
-        self.counts = {"granted": 0, "expired": 0, "left": 0}
+        self.counts = {"granted": 0, "expired": 0, "left": 0, "passed": 0}
         """Turns given for room (at once or after a wait); requests let go because they had waited `hold_max_s`;
-        and requests whose callers stopped waiting (cancelled) before either."""
+        requests whose callers stopped waiting (cancelled) before either; and requests that took no turn, their
+        prompt cached but for a few tokens (`Settings.hold_cached_tokens`)."""
 
     @property
     def waiting(self) -> int:
@@ -171,6 +172,11 @@ class Turns:
         heapq.heappush(room.by_deadline, (ticket.deadline, next(self._order), ticket))
         room.by_arrival.append(ticket)
         room.waiting += 1
+
+    def passed(self, ticket: Ticket) -> None:
+        """Let `ticket` go without joining its room: its request takes no turn."""
+        self.counts["passed"] += 1
+        ticket._grant()
 
     def grant(self, ticket: Ticket, now: float, *, expired: bool = False) -> None:
         """Let `ticket` go: as its slice's one granted ticket (until it is placed), or past its wait (`expired`)."""

@@ -308,8 +308,9 @@ def test_a_tokenize_gives_the_blocks_the_engines_kv_events_name_and_a_failing_on
 
 def test_a_streamed_request_waits_for_its_turn_and_one_read_whole_does_not(servers: dict[str, NamedServer]) -> None:
     """One node, room for no queued prompt (`hold_tokens=1`): while a streamed request waits 0.3 s for its first
-    chunk, a second streamed one waits at the router for it, and a request read whole goes at once."""
-    router = make_router({"gpu-a": servers["gpu-a"].address}, hold_tokens=1)
+    chunk, a second streamed one waits at the router for it, and a request read whole goes at once. The second is
+    the same prompt, cached on the node once the first is placed there: `hold_cached_tokens=0` has it wait anyway."""
+    router = make_router({"gpu-a": servers["gpu-a"].address}, hold_tokens=1, hold_cached_tokens=0)
 
     async def first_chunk_s(client: httpx.AsyncClient, started: float, delay: str = "0") -> float:
         body = {**chat(1, 1), "stream": True}
@@ -337,4 +338,4 @@ def test_a_streamed_request_waits_for_its_turn_and_one_read_whole_does_not(serve
 
     slow_s, held_s, whole_s = asyncio.run(main())
     assert whole_s < 0.3 <= slow_s <= held_s
-    assert router.turns.counts == {"granted": 2, "expired": 0, "left": 0} and idle(router)
+    assert router.turns.counts == {"granted": 2, "expired": 0, "left": 0, "passed": 0} and idle(router)

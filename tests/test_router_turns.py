@@ -65,7 +65,7 @@ def test_a_request_waits_while_every_entry_is_full_and_goes_at_the_first_token()
     first.first_token()  # its entry's queue falls to 0
     assert ticket.granted and registry.get_sample_value("prism_router_waiting_requests") == 0
     second.end()
-    assert r.turns.counts == {"granted": 3, "expired": 0, "left": 0}
+    assert r.turns.counts == {"granted": 3, "expired": 0, "left": 0, "passed": 0}
     assert registry.get_sample_value("prism_router_turns_total", {"outcome": "granted"}) == 3
 
 
@@ -86,6 +86,31 @@ def test_turns_go_by_deadline_one_at_a_time_each_seeing_the_queue_the_last_left(
     assert not custom.granted
 
 
+def test_a_prompt_cached_but_for_a_few_tokens_takes_no_turn() -> None:
+    r = router(2)  # hold_tokens 1,000; hold_cached_tokens 1,024 by default
+    blocks = tuple(range(1, 65))  # 64 blocks of 16 tokens: 1,024 tokens
+    placed(r, 2000), placed(r, 2000)  # both entries over 1,000 queued tokens: the room is shut
+    r.index.stored("n1", blocks[:40])
+    uncached_short = r.turn(Request(cost=100))
+    cached_rest_1000 = r.turn(Request(cost=1024 + 600, blocks=blocks, block_size=16))  # 40 blocks held: 1,000 to go
+    cached_rest_1100 = r.turn(Request(cost=1024 + 700, blocks=blocks, block_size=16))  # 1,100 to go: waits
+    assert not uncached_short.granted and not cached_rest_1100.granted
+    assert cached_rest_1000.granted and r.turns.counts["passed"] == 1 and r.turns.waiting == 2
+    # Its lease is placed on the holder, and frees no one else's turn.
+    assert r.request(cached_rest_1000.request, turn=cached_rest_1000).node_id == "n1"
+    assert r.turns.waiting == 2
+    # Off at 0, and without a holder in the index (a router that knows of none) the request waits.
+    off = router(2, hold_cached_tokens=0)
+    placed(off, 2000), placed(off, 2000)
+    off.index.stored("n1", blocks[:40])
+    assert not off.turn(Request(cost=1024 + 600, blocks=blocks, block_size=16)).granted
+    elsewhere = router(2)
+    placed(elsewhere, 2000), placed(elsewhere, 2000)
+    assert not elsewhere.turn(Request(cost=1024 + 600, blocks=blocks, block_size=16)).granted
+    with pytest.raises(ValueError, match="hold_cached_tokens"):
+        Settings(hold_cached_tokens=-1)
+
+
 def test_a_request_too_late_for_its_deadline_goes_after_those_still_in_time() -> None:
     clock = Clock()
     r = router(1, clock=clock)
@@ -99,7 +124,7 @@ def test_a_request_too_late_for_its_deadline_goes_after_those_still_in_time() ->
     assert in_time.granted and not doomed.granted
     r.request(in_time.request, turn=in_time).begin()  # 1,000 queued: room still, so the late one goes next
     assert doomed.granted
-    assert r.turns.counts == {"granted": 3, "expired": 0, "left": 0}
+    assert r.turns.counts == {"granted": 3, "expired": 0, "left": 0, "passed": 0}
 
 
 def test_lateness_counts_late_margin_times_the_prefill_on_the_quickest_entry() -> None:
@@ -131,7 +156,7 @@ def test_a_caller_may_stop_waiting_and_no_request_waits_longer_than_hold_max_s()
     clock.now += 5.0
     c = r.turn(Request(cost=30))  # any change of the room lets go what waited long enough
     assert b.granted and not c.granted
-    assert r.turns.counts == {"granted": 1, "expired": 1, "left": 1}
+    assert r.turns.counts == {"granted": 1, "expired": 1, "left": 1, "passed": 0}
     assert r.turns.waiting == r.turns.rooms["llm"].waiting == 1
     r.leave(c)
     assert r.turns.waiting == r.turns.rooms["llm"].waiting == 0
@@ -164,7 +189,7 @@ def test_call_waits_for_its_turn_and_a_timed_out_wait_still_sends() -> None:
     busy = r.request(Request(cost=5000))
     busy.begin()
     assert r.call(Request(cost=10), lambda lease: lease.node_id) == "n0"  # reports no first token: goes at once
-    assert r.turns.counts == {"granted": 0, "expired": 0, "left": 0}
+    assert r.turns.counts == {"granted": 0, "expired": 0, "left": 0, "passed": 0}
     started = time.monotonic()
     assert r.call(Request(cost=10), lambda lease: lease.node_id, first_tokens=True) == "n0"
     assert time.monotonic() - started >= 0.05  # it waited its hold_max_s, then went
@@ -196,7 +221,7 @@ def test_a_replay_holds_requests_and_every_one_completes() -> None:
     # The first goes at once; the short ones (due τ0 = 0.8 s after arriving) overtake the long ones waiting (due
     # 5 x 0.2 s and 5 x 0.25 s after arriving), which go in order of deadline among themselves: each still in time.
     assert order == [0, 3, 5, 1, 4, 2]
-    assert policy.routers[0].turns.counts == {"granted": len(requests), "expired": 0, "left": 0}
+    assert policy.routers[0].turns.counts == {"granted": len(requests), "expired": 0, "left": 0, "passed": 0}
 
 
 def test_tickets_gone_from_a_lasting_backlog_do_not_pile_up_and_a_closed_loop_is_no_error() -> None:
