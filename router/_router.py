@@ -637,18 +637,24 @@ class Router:
             if head is None:
                 continue
             target = snapshot.routes.get(key) if snapshot is not None else None
-            if target is None or any(  # a slice gone from the table: placing it will say so
-                self._room(group, now) for group in (target.group, target.overflow) if group is not None
+            if (
+                target is None  # a slice gone from the table: placing it will say so
+                or self._room(target.group, now)
+                or (target.overflow is not None and self._room(target.overflow, now, target))
             ):
                 self.turns.grant(head, now)
 
-    def _room(self, group: Group, now: float) -> bool:
+    def _room(self, group: Group, now: float, detour: SliceRoute | None = None) -> bool:
         """Whether some available entry of `group` has at most `hold_tokens` of prefill queued that will report a
-        first token (this router's and its peers')."""
+        first token (this router's and its peers'); in the overflow group of slice `detour`, only among the entries a
+        detour may take now (`_owner_waits`): a turn granted for room that placement then passes over would join the
+        pool's full queues."""
         limit = self.settings.hold_tokens
         peers, echo, fresh = self._peers(now)
-        for i, (state, _, _, _, _) in enumerate(group.entries):
+        for i, (state, _, _, _, endpoint) in enumerate(group.entries):
             if state.gated and not state.admits(now):
+                continue
+            if detour is not None and self._owner_waits(endpoint.node_id, detour):
                 continue
             if self._queued(group, i, peers, echo, fresh) - state.silent <= limit:
                 return True

@@ -65,8 +65,8 @@ class Settings:
     a lost stream) the router counts its own queue alone, as it would without peers."""
     hold_tokens: int = 2048
     """With `load="prefill"`, requests whose callers report first tokens (the httpx transports' streamed requests,
-    `Router.call(..., first_tokens=True)`) wait at the router while every entry of their slice (and its overflow)
-    has more than this many prompt tokens queued (sent, no first token yet, this router's and its peers'), and go in
+    `Router.call(..., first_tokens=True)`) wait at the router while every entry of their slice (and of its overflow
+    that a detour may take, `overflow_yields`) has more than this many prompt tokens queued (sent, no first token yet, this router's and its peers'), and go in
     order of deadline: arrival plus TTFT SLO (`Request.slo_s`, else `semantics.ttft_slo_s`; docs/router.md). An
     engine serves its queue in arrival order; kept short, the order is the router's, and a short prompt due soon no
     longer waits behind long ones. 2048 was chosen over 1 and 8192 across every workload of the replay at once

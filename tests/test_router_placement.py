@@ -280,6 +280,29 @@ def test_an_overflow_entry_is_passed_over_while_a_slice_it_serves_waits_in_the_r
     assert unyielding.route(av_request(3)).node_id == "h1"
 
 
+def test_the_room_counts_an_overflow_entry_only_while_a_detour_may_take_it() -> None:
+    def av_turn_while_text_waits(r: Router) -> tuple[Ticket, Ticket, Ticket]:
+        """Both pool nodes 1 s deep and the overflow node idle; one text turn granted and not yet placed, so the
+        next text turn waits: then an av request asks for its turn."""
+        text = sent(r, Request(blocks=tuple(block_hashes(list(range(12_000)), BLOCK)), cost=12_000, block_size=BLOCK))
+        assert {sent(r, av_request(n)).node_id for n in (1, 2)} == {"l1", "l2"}
+        text.end()
+        first, second = (r.turn(Request(cost=500, slice="llm")) for _ in range(2))
+        assert first.granted and not second.granted
+        return first, second, r.turn(av_request(3))
+
+    r, _ = av_router(hold_tokens=1000)
+    first, second, av = av_turn_while_text_waits(r)
+    # h1 has room, but a detour may not take it while text waits: granted for it, the request would join a pool
+    # queue 1 s deep
+    assert not av.granted
+    r.request(first.request, turn=first).begin()
+    assert second.granted and av.granted, "text no longer waits: h1's room is the av slice's too"
+    assert r.request(av.request, turn=av).node_id == "h1"
+    unyielding, _ = av_router(hold_tokens=1000, overflow_yields=False)
+    assert av_turn_while_text_waits(unyielding)[2].granted
+
+
 def test_overflow_off_keeps_a_slice_on_its_pool() -> None:
     r, _ = av_router(overflow=0.0)
     assert {r.route(av_request(n)).node_id for n in range(20)} <= {"l1", "l2"}
