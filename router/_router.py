@@ -640,15 +640,15 @@ class Router:
             if (
                 target is None  # a slice gone from the table: placing it will say so
                 or self._room(target.group, now)
-                or (target.overflow is not None and self._room(target.overflow, now, target))
+                or (target.overflow is not None and self.settings.overflow and self._room(target.overflow, now, target))
             ):
                 self.turns.grant(head, now)
 
     def _room(self, group: Group, now: float, detour: SliceRoute | None = None) -> bool:
         """Whether some available entry of `group` has at most `hold_tokens` of prefill queued that will report a
         first token (this router's and its peers'); in the overflow group of slice `detour`, only among the entries a
-        detour may take now (`_owner_waits`): a turn granted for room that placement then passes over would join the
-        pool's full queues."""
+        detour may take now (`_owner_waits`; the caller asks only while `Settings.overflow` is on): a turn granted for
+        room that placement then passes over would join the pool's full queues."""
         limit = self.settings.hold_tokens
         peers, echo, fresh = self._peers(now)
         for i, (state, _, _, _, endpoint) in enumerate(group.entries):

@@ -66,11 +66,12 @@ class Settings:
     hold_tokens: int = 2048
     """With `load="prefill"`, requests whose callers report first tokens (the httpx transports' streamed requests,
     `Router.call(..., first_tokens=True)`) wait at the router while every entry of their slice (and of its overflow
-    that a detour may take, `overflow_yields`) has more than this many prompt tokens queued (sent, no first token yet, this router's and its peers'), and go in
-    order of deadline: arrival plus TTFT SLO (`Request.slo_s`, else `semantics.ttft_slo_s`; docs/router.md). An
-    engine serves its queue in arrival order; kept short, the order is the router's, and a short prompt due soon no
-    longer waits behind long ones. 2048 was chosen over 1 and 8192 across every workload of the replay at once
-    (docs/eval.md): with 8192 the engines' queues are long enough to keep most of their order (0: never hold)."""
+    that a detour may take: `overflow`, `overflow_yields`) has more than this many prompt tokens queued (sent, no
+    first token yet, this router's and its peers'), and go in order of deadline: arrival plus TTFT SLO
+    (`Request.slo_s`, else `semantics.ttft_slo_s`; docs/router.md). An engine serves its queue in arrival order; kept
+    short, the order is the router's, and a short prompt due soon no longer waits behind long ones. 2048 was chosen
+    over 1 and 8192 across every workload of the replay at once (docs/eval.md): with 8192 the engines' queues are
+    long enough to keep most of their order (0: never hold)."""
     hold_cached_tokens: int = 1024
     """A request whose prompt the prefix index finds cached on a node of its slice but for at most this many tokens
     takes no turn (`hold_tokens`): it goes at once, counted as passed. The room orders prefill work, and such a

@@ -301,6 +301,11 @@ def test_the_room_counts_an_overflow_entry_only_while_a_detour_may_take_it() -> 
     assert r.request(av.request, turn=av).node_id == "h1"
     unyielding, _ = av_router(hold_tokens=1000, overflow_yields=False)
     assert av_turn_while_text_waits(unyielding)[2].granted
+    # Overflow off: placement never detours, so an idle overflow node is no room for the slice's turns
+    pinned, _ = av_router(hold_tokens=1000, overflow=0.0)
+    assert {sent(pinned, av_request(n)).node_id for n in (1, 2)} == {"l1", "l2"}
+    assert not pinned.turn(av_request(3)).granted
+    assert av_router(hold_tokens=1000)[0].turn(av_request(3)).granted, "with overflow, h1's room is the slice's"
 
 
 def test_overflow_off_keeps_a_slice_on_its_pool() -> None:
