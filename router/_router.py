@@ -646,17 +646,21 @@ class Router:
 
     def _room(self, group: Group, now: float, detour: SliceRoute | None = None) -> bool:
         """Whether some available entry of `group` has at most `hold_tokens` of prefill queued that will report a
-        first token (this router's and its peers'); in the overflow group of slice `detour`, only among the entries a
-        detour may take now (`_owner_waits`; the caller asks only while `Settings.overflow` is on): a turn granted for
-        room that placement then passes over would join the pool's full queues."""
+        first token (this router's and its peers'), counted in time once the group's speeds are measured: its tokens at
+        `assumed_prefill_tokens_per_s` take as long as the entry's queue at the entry's speed, so a fast node has room
+        while its queue drains as soon as a slow one's would. In the overflow group of slice `detour`, only among the
+        entries a detour may take now (`_owner_waits`; the caller asks only while `Settings.overflow` is on): a turn
+        granted for room that placement then passes over would join the pool's full queues."""
         limit = self.settings.hold_tokens
+        assumed = self.settings.assumed_prefill_tokens_per_s
         peers, echo, fresh = self._peers(now)
         for i, (state, _, _, _, endpoint) in enumerate(group.entries):
             if state.gated and not state.admits(now):
                 continue
             if detour is not None and self._owner_waits(endpoint.node_id, detour):
                 continue
-            if self._queued(group, i, peers, echo, fresh) - state.silent <= limit:
+            queued = self._queued(group, i, peers, echo, fresh) - state.silent
+            if (queued * assumed / group.rates[i] if group.timed else queued) <= limit:
                 return True
         return False
 

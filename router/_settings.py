@@ -67,7 +67,8 @@ class Settings:
     """With `load="prefill"`, requests whose callers report first tokens (the httpx transports' streamed requests,
     `Router.call(..., first_tokens=True)`) wait at the router while every entry of their slice (and of its overflow
     that a detour may take: `overflow`, `overflow_yields`) has more than this many prompt tokens queued (sent, no
-    first token yet, this router's and its peers'), and go in order of deadline: arrival plus TTFT SLO
+    first token yet, this router's and its peers'; once speeds are measured, counted in time: an entry twice
+    `assumed_prefill_tokens_per_s` has room up to twice as many), and go in order of deadline: arrival plus TTFT SLO
     (`Request.slo_s`, else `semantics.ttft_slo_s`; docs/router.md). An engine serves its queue in arrival order; kept
     short, the order is the router's, and a short prompt due soon no longer waits behind long ones. 2048 was chosen
     over 1 and 8192 across every workload of the replay at once (docs/eval.md): with 8192 the engines' queues are

@@ -259,19 +259,20 @@ def test_overflow_entries_are_off_the_ring_and_taken_only_when_twice_as_fast() -
 
 def test_an_overflow_entry_is_passed_over_while_a_slice_it_serves_waits_in_the_room() -> None:
     def waiting_for_h1(r: Router) -> Ticket:
-        """Both pool nodes 1 s deep, h1 2,000 text tokens deep (over the room's 1,000): a text turn waits."""
+        """Both pool nodes 1 s deep, h1 2,400 text tokens deep (at twice the assumed speed, over the room's 1,000): a
+        text turn waits."""
         text = sent(r, Request(blocks=tuple(block_hashes(list(range(12_000)), BLOCK)), cost=12_000, block_size=BLOCK))
         assert {sent(r, av_request(n)).node_id for n in (1, 2)} == {"l1", "l2"}
         text.end()
-        tokens = list(range(50_000, 52_000))
-        sent(r, Request(blocks=tuple(block_hashes(tokens, BLOCK)), cost=2_000, block_size=BLOCK))
+        tokens = list(range(50_000, 52_400))
+        sent(r, Request(blocks=tuple(block_hashes(tokens, BLOCK)), cost=2_400, block_size=BLOCK))
         ticket = r.turn(Request(cost=500, slice="llm"))
         assert not ticket.granted
         return ticket
 
     r, _ = av_router(hold_tokens=1000)
     ticket = waiting_for_h1(r)
-    # 0.4 s on h1 with this request, twice that still under the pool's 2 s: but text, whose pool h1 is, waits
+    # 0.42 s on h1 with this request, twice that still under the pool's 2 s: but text, whose pool h1 is, waits
     assert r.route(av_request(3)).node_id in {"l1", "l2"}
     r.leave(ticket)
     assert r.route(av_request(3)).node_id == "h1"
@@ -306,6 +307,28 @@ def test_the_room_counts_an_overflow_entry_only_while_a_detour_may_take_it() -> 
     assert {sent(pinned, av_request(n)).node_id for n in (1, 2)} == {"l1", "l2"}
     assert not pinned.turn(av_request(3)).granted
     assert av_router(hold_tokens=1000)[0].turn(av_request(3)).granted, "with overflow, h1's room is the slice's"
+
+
+def test_the_room_is_counted_in_time_at_each_nodes_measured_speed() -> None:
+    def turn_with(fast_tokens: int, slow_tokens: int) -> Ticket:
+        """A 20,000 tokens/s node and a 5,000 tokens/s one with these prompt tokens queued; then a request's turn."""
+        r, _ = router(node("fast", rate=20_000.0), node("slow", rate=5_000.0), hold_tokens=2048)
+        for name, tokens in (("fast", fast_tokens), ("slow", slow_tokens)):
+            blocks = tuple(block_hashes([t + 10 * tokens for t in range(tokens)], BLOCK))
+            other = "slow" if name == "fast" else "fast"
+            r.request(Request(blocks=blocks, cost=tokens, block_size=BLOCK), exclude=[other]).begin()
+        return r.turn(Request(cost=100))
+
+    # 1,500 tokens on the slow node take as long as 3,000 at the assumed 10,000 tokens/s: more than 2,048; 5,000 on
+    # the fast one as long as 2,500: no room on either, though the slow node's tokens are under the limit
+    assert not turn_with(5000, 1500).granted
+    # 3,000 tokens on the fast node drain in the time of 1,500: room, though neither queue is under 2,048 tokens
+    assert turn_with(3000, 2500).granted
+    # Before any speed is measured the room counts tokens
+    r, _ = router(node("a"), node("b"), hold_tokens=2048)
+    r.request(Request(blocks=BLOCKS, cost=3000, block_size=BLOCK), exclude=["b"]).begin()
+    r.request(Request(blocks=BLOCKS[:2], cost=1500, block_size=BLOCK), exclude=["a"]).begin()
+    assert r.turn(Request(cost=100)).granted
 
 
 def test_overflow_off_keeps_a_slice_on_its_pool() -> None:
