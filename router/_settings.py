@@ -82,8 +82,9 @@ class Settings:
     passing uncached prompts as short too (docs/eval.md, "Cached prompts take no turn"; 0: every request waits)."""
     assumed_prefill_tokens_per_s: float = 10_000.0
     """The prefill speed a waiting request's deadline assumes while the brain has measured none in its slice (a
-    cold start): an 8B model on an A100. Deadlines need seconds: without a speed every prompt would get τ0 alone,
-    and the first seconds' requests would go in arrival order, long prompts before short ones."""
+    cold start), and the one `hold_tokens` is counted at once speeds are measured: an 8B model on an A100.
+    Deadlines need seconds: without a speed every prompt would get τ0 alone, and the first seconds' requests would go
+    in arrival order, long prompts before short ones."""
     late_margin: float = 2.0
     """A waiting request is late once its deadline is nearer than this many times its prefill alone on the slice's
     fastest entry; late requests go after every request still in time (`hold_tokens`). A request granted its turn
