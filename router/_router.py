@@ -637,11 +637,11 @@ class Router:
             if head is None:
                 continue
             target = snapshot.routes.get(key) if snapshot is not None else None
-            if (
-                target is None  # a slice gone from the table: placing it will say so
-                or self._room(target.group, now)
-                or (target.overflow is not None and self.settings.overflow and self._room(target.overflow, now, target))
-            ):
+            if target is None:  # a slice gone from the table: placing it will say so
+                self.turns.grant(head, now)
+                continue
+            spill = self._spill(target, target.group)
+            if self._room(target.group, now) or (spill is not None and self._room(spill, now, target)):
                 self.turns.grant(head, now)
 
     def _room(self, group: Group, now: float, detour: SliceRoute | None = None) -> bool:
@@ -649,8 +649,8 @@ class Router:
         first token (this router's and its peers'), counted in time once the group's speeds are measured: its tokens at
         `assumed_prefill_tokens_per_s` take as long as the entry's queue at the entry's speed, so a fast node has room
         while its queue drains as soon as a slow one's would. In the overflow group of slice `detour`, only among the
-        entries a detour may take now (`_owner_waits`; the caller asks only while `Settings.overflow` is on): a turn
-        granted for room that placement then passes over would join the pool's full queues."""
+        entries a detour may take now (`_owner_waits`; the caller asks only of the group `_spill` gives placement): a
+        turn granted for room that placement then passes over would join the pool's full queues."""
         limit = self.settings.hold_tokens
         assumed = self.settings.assumed_prefill_tokens_per_s
         peers, echo, fresh = self._peers(now)
@@ -722,7 +722,7 @@ class Router:
         key = request.key if request.key is not None else request.session
         now = self.clock()
         home = self._arm(target, request.session or key)
-        spill = target.overflow if (home is target.group or target.zones) and self.settings.overflow else None
+        spill = self._spill(target, home)
         session = self._sessions.get(request.session, now) if request.session else None
         held = self._sticky(home, spill, session, exclude, now)
         blocks = request.blocks if self.settings.prefix_index else ()
@@ -738,6 +738,12 @@ class Router:
             group, index = self._on_ring(snapshot, target, home, pos, exclude, now)
         moved_from, context, units = self._record(request, key, group, index, session, blocks, depths, remember, now)
         return group, index, moved_from, context, units
+
+    def _spill(self, target: SliceRoute, home: Group) -> Group | None:
+        """The overflow entries a request of `target` placed from `home` may detour to: the slice's, while
+        `Settings.overflow` is on and `home` is the slice's group or one of its zones (an experiment's arm keeps its
+        own nodes). Placement and the waiting room both ask here, so the room counts only what placement can take."""
+        return target.overflow if (home is target.group or target.zones) and self.settings.overflow else None
 
     def _slice(self, request: Request) -> tuple[Snapshot, SliceRoute]:
         """The current table and the request's slice (named, or its modality's; an empty one's fallback). A class
