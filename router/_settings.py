@@ -63,23 +63,25 @@ class Settings:
     peer_load_ttl_s: float = 2.0
     """How long the peers' queued prefill work from the brain is used after it arrived: past it (a brain gone,
     a lost stream) the router counts its own queue alone, as it would without peers."""
-    hold_tokens: int = 2048
+    hold_tokens: int = 1024
     """With `load="prefill"`, requests whose callers report first tokens (the httpx transports' streamed requests,
     `Router.call(..., first_tokens=True)`) wait at the router while every entry of their slice (and of its overflow
     that a detour may take: `overflow`, `overflow_yields`) has more than this many prompt tokens queued (sent, no
     first token yet, this router's and its peers'; once speeds are measured, counted in time: an entry twice
     `assumed_prefill_tokens_per_s` has room up to twice as many), and go in order of deadline: arrival plus TTFT SLO
     (`Request.slo_s`, else `semantics.ttft_slo_s`; docs/router.md). An engine serves its queue in arrival order; kept
-    short, the order is the router's, and a short prompt due soon no longer waits behind long ones. 2048 was chosen
-    over 1 and 8192 across every workload of the replay at once (docs/eval.md): with 8192 the engines' queues are
-    long enough to keep most of their order (0: never hold)."""
+    short, the order is the router's, and a short prompt due soon no longer waits behind long ones. 1,024 (half an
+    engine step's prefill, 0.1 s on an A100: still far longer than a grant's way to the engine) was chosen over 512,
+    1,536 and 2,048 across every workload of the replay at once (docs/eval.md, "Half a step in the room"), as 2,048
+    was over 1 and 8,192 before: with 8,192 the engines' queues are long enough to keep most of their order (0: never
+    hold)."""
     hold_cached_tokens: int = 1024
     """A request whose prompt the prefix index finds cached on a node of its slice but for at most this many tokens
     takes no turn (`hold_tokens`): it goes at once, counted as passed. The room orders prefill work, and such a
     request brings almost none; held, it waits behind requests that need the turn, while its holder's queue and
-    cache move on. A short uncached prompt still waits: its order is what the room is for. 1,024 (half of
-    `hold_tokens`) was chosen over 512, 768, 1,536 and 2,048 across every workload of the replay at once, and over
-    passing uncached prompts as short too (docs/eval.md, "Cached prompts take no turn"; 0: every request waits)."""
+    cache move on. A short uncached prompt still waits: its order is what the room is for. 1,024 was chosen over 512,
+    768, 1,536 and 2,048 across every workload of the replay at once (with `hold_tokens` at 2,048), and over passing
+    uncached prompts as short too (docs/eval.md, "Cached prompts take no turn"; 0: every request waits)."""
     assumed_prefill_tokens_per_s: float = 10_000.0
     """The prefill speed a waiting request's deadline assumes while the brain has measured none in its slice (a
     cold start), and the one `hold_tokens` is counted at once speeds are measured: an 8B model on an A100.

@@ -1,8 +1,8 @@
 """The router's waiting room: requests held back while their slice has no room, let go earliest deadline first.
 
 An engine serves its queue in arrival order: a request sent to a queue waits behind everything sent there before it,
-however much sooner it must start. A router that sends only while some node of the slice has less than an engine
-step's worth of prefill queued (`Settings.hold_tokens`) keeps the engines' queues short and the order its own: the
+however much sooner it must start. A router that sends only while some node of the slice has less than half an
+engine step's prefill queued (`Settings.hold_tokens`) keeps the engines' queues short and the order its own: the
 requests it holds go in order of deadline, their arrival plus their TTFT SLO (`semantics.ttft_slo_s`), so a short
 prompt due in 800 ms is not stuck behind a long one that may take seconds. A request whose deadline is nearer
 than `Settings.late_margin` times its own prefill is late: it goes after every request still in time, in the order it
