@@ -75,6 +75,10 @@ class Group:
     group's estimates, else 1 for all (then expected times only compare, which is all they are used for)."""
     timed: bool
     """Whether any entry's prefill speed is known: whether `rates` are in tokens per second."""
+    slo_rate: float
+    """The prefill speed a request's TTFT deadline is counted at (`Router.turn`): the median of `rates`, the lower
+    of two middles. A typical node's, not the slowest's: one node slowed by a fault (a throttled GPU) would
+    otherwise stretch every request's deadline, and the waiting room's order would follow the sick node."""
     stretch: tuple[float, ...]
     """Each entry's highest weight in the group over its own: how much its expected time to first token is
     stretched for the health and tail latency the brain saw there."""
@@ -212,6 +216,7 @@ def _group(
     )
     known = [n.prefill_tokens_per_s for n in ring.entries if n.prefill_tokens_per_s]
     typical = statistics.median_high(known) if known else 1.0
+    rates = tuple(n.prefill_tokens_per_s or typical for n in ring.entries)
     top = max(ring.weights)
     by_node: dict[str, list[int]] = {}
     for i, node in enumerate(ring.entries):
@@ -229,8 +234,9 @@ def _group(
         inflight=inflight,
         balance=settings.balance,
         index={label: i for i, label in enumerate(ring.labels)},
-        rates=tuple(n.prefill_tokens_per_s or typical for n in ring.entries),
+        rates=rates,
         timed=bool(known),
+        slo_rate=statistics.median_low(rates),
         stretch=tuple(top / w for w in ring.weights),
         stall=tuple((n.stall_ms or 0.0) / 1000 if known else 0.0 for n in ring.entries),
         admit=tuple((n.admit_ms or 0.0) / 1000 if known else 0.0 for n in ring.entries),

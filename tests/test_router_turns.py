@@ -128,7 +128,7 @@ def test_a_request_too_late_for_its_deadline_goes_after_those_still_in_time() ->
 
 
 def test_lateness_counts_late_margin_times_the_prefill_on_the_quickest_entry() -> None:
-    """The deadline holds a request to the slice's slowest entry (its SLO's rule); lateness asks whether it could
+    """The deadline holds a request to the slice's median entry (of two, the slower); lateness asks whether it could
     still start in time where it would start soonest, so one slowed GPU does not make every request late."""
     entries = [
         TableNode(node_id="fast", endpoint="http://fast:8000", weight=1.0, prefill_tokens_per_s=20_000.0),
@@ -143,6 +143,19 @@ def test_lateness_counts_late_margin_times_the_prefill_on_the_quickest_entry() -
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="late_margin"):
             Settings(late_margin=bad)
+
+
+def test_one_slowed_entry_does_not_stretch_every_deadline() -> None:
+    """Seven entries at 10,000 tokens/s and one throttled to a third: a request's deadline is its SLO at a typical
+    entry's speed (5 x 1 s), not at the sick one's (5 x 3 s), so the room's order does not follow the sick node."""
+    speeds = [RATE] * 7 + [RATE / 3]
+    entries = [
+        TableNode(node_id=f"n{i}", endpoint=f"http://n{i}:8000", weight=1.0, prefill_tokens_per_s=speed)
+        for i, speed in enumerate(speeds)
+    ]
+    table = RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="llm", nodes=entries)])
+    r = Router.from_table(table, settings=Settings(hold_tokens=1000), clock=Clock())
+    assert r.turn(Request(cost=10_000)).deadline == pytest.approx(100.0 + 5.0)
 
 
 def test_a_caller_may_stop_waiting_and_no_request_waits_longer_than_hold_max_s() -> None:
