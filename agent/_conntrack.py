@@ -376,14 +376,19 @@ class ConnectionTracer:
                 callback(connection)
         return len(batch)
 
-    def live_entries(self, ports: Collection[int] | None = None) -> int:
-        """Connections the kernel tracks now (entries in the `conns` map). With `ports`, only those whose local or
-        remote port is one of them, or that are still connecting (a client's ports are known from ESTABLISHED on):
-        a leak check's view of its own connections on a host where other processes keep theirs open."""
-        if ports is None:
+    def live_entries(self, ports: Collection[int] | None = None, pid: int | None = None) -> int:
+        """Connections the kernel tracks now (entries in the `conns` map). With `ports` and `pid`, only those of
+        process `pid`, or not yet tied to any process (a server's before its first send or receive) whose local or
+        remote port is one of `ports`: a leak check's view of its own connections on a host where other processes
+        keep theirs open, connect where nothing answers (SYN_SENT for minutes) or reuse the check's freed ports."""
+        if ports is None or pid is None:
             return len(self._conns)
         wanted = set(ports)
-        return sum(1 for state in self._conns.values() if state.lport == 0 or {state.lport, state.rport} & wanted)
+        return sum(
+            1
+            for state in self._conns.values()
+            if state.pid == pid or (state.pid == 0 and {state.lport, state.rport} & wanted)
+        )
 
     def stats(self, sock_id: int, local_port: int, remote_port: int) -> tuple[int, int, int] | None:
         """(bytes sent, bytes received, retransmits) of a live connection now; None once it is closed, or when
