@@ -46,6 +46,10 @@ _QUANTILES = (0.50, 0.95, 0.99)
 _Labels = frozenset[tuple[str, str]]
 _Series = dict[_Labels, float]
 _RawQuantiles = tuple[float, float, float, float]  # requests, p50, p95, p99 in ms, before their bounds
+MIN_PREFILL_S = 1.0
+"""The prefill seconds a speed is measured over at the least (`_SpeedWindow`): a scrape's window with a few requests
+reads the ratio of two small numbers, and where a media encoder's time dominates a handful of uncached tokens (an
+audio clip after a cached prompt) it reads a speed thirty times below the engine's."""
 _RANK_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank")
 """Labels of the ranks inside one replica, which publish the same series (see the module's docstring)."""
 
@@ -120,8 +124,9 @@ class EngineSample:
     kv_cache_miss_ratio: float | None = None
     prefill_tokens_per_s: float | None = None
     """Prompt tokens computed (queried less found cached) over the seconds requests spent in prefill, both
-    gained since the previous scrape: the engine's prefill speed. Requests prefilled in the same steps share
-    those seconds, so a busy engine reads slower than it computes; all engines of a fleet read alike."""
+    gained since the scrape that ended the last measure, once those seconds reach `MIN_PREFILL_S` (None before):
+    the engine's prefill speed. Requests prefilled in the same steps share those seconds, so a busy engine reads
+    slower than it computes; all engines of a fleet read alike."""
     requests_running: int | None = None
     requests_waiting: int | None = None
     requests_per_s: float | None = None
@@ -176,6 +181,7 @@ class EngineCollector:
         self._clock = clock
         self._previous: dict[str, _Series] | None = None
         self._previous_at = 0.0
+        self._speed = _SpeedWindow()
 
     def sample(self) -> EngineSample:
         """Scrape now; a failed scrape is counted by kind and gives an all-absent sample."""
@@ -188,7 +194,7 @@ class EngineCollector:
         now = self._clock()
         previous, self._previous = self._previous, samples
         elapsed_s, self._previous_at = now - self._previous_at, now
-        sample = _read(names, samples, previous, self.invalid)
+        sample = _read(names, samples, previous, self.invalid, self._speed)
         if sample.e2e is None or elapsed_s <= 0:
             return sample
         rate = self.invalid.check("engine", "requests_per_s", sample.e2e.requests / elapsed_s, REQUESTS)
@@ -228,6 +234,7 @@ class EngineCollector:
             _log.info("engine at %s detected: %s", self.url, names.kind)
             self.kind = names.kind
             self._previous = None
+            self._speed = _SpeedWindow()
         return names
 
 
@@ -281,8 +288,42 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
     return start + (end - start) * (rank / count)
 
 
+class _SpeedWindow:
+    """The scrape the engine's prefill speed is measured from: each measure spans at least `MIN_PREFILL_S` of
+    prefill, over as many scrapes as that takes, and the scrape that ends one starts the next."""
+
+    def __init__(self) -> None:
+        self._base: dict[str, _Series] | None = None
+
+    def measure(self, names: _EngineNames, samples: dict[str, _Series], invalid: InvalidValues) -> float | None:
+        """The speed since the window's first scrape once it spans `MIN_PREFILL_S` of prefill, else None (also
+        without a prefill histogram, or when no prompt token was computed since). An engine whose prefill seconds
+        went down since restarted: its window starts again."""
+        if names.prefill_time is None:
+            return None
+        name = f"{names.prefill_time}_sum"
+        now, before = _sum(samples.get(name)), None if self._base is None else _sum(self._base.get(name))
+        if self._base is None or (now is not None and before is not None and now < before):
+            self._base = samples
+            return None
+        seconds = _gained(samples, self._base, name)
+        if seconds < MIN_PREFILL_S:
+            return None
+        queries_name, hits_name = next((c for c in names.cache_counters if c[0] in samples), names.cache_counters[0])
+        cache = _cache_deltas(samples, self._base, queries_name, hits_name)
+        self._base = samples
+        if cache is None:
+            return None
+        queried, hit = cache
+        return invalid.check("engine", "prefill_tokens_per_s", (queried - hit) / seconds, REQUESTS)
+
+
 def _read(
-    names: _EngineNames, samples: dict[str, _Series], previous: dict[str, _Series] | None, invalid: InvalidValues
+    names: _EngineNames,
+    samples: dict[str, _Series],
+    previous: dict[str, _Series] | None,
+    invalid: InvalidValues,
+    speed: _SpeedWindow,
 ) -> EngineSample:
     def fit(field: str, value: float | None, bound: Bound) -> float | None:
         return None if value is None else invalid.check("engine", field, value, bound)
@@ -299,7 +340,7 @@ def _read(
 
     running = fit("requests_running", _sum(samples.get(names.running)), REQUESTS)
     waiting = fit("requests_waiting", _sum(samples.get(names.waiting)), REQUESTS)
-    miss = speed = None
+    miss = None
     ttft = e2e = queue = None
     if previous is not None:
         queries_name, hits_name = next((c for c in names.cache_counters if c[0] in samples), names.cache_counters[0])
@@ -307,9 +348,6 @@ def _read(
         if cache is not None:
             queried, hit = cache
             miss = fit("kv_cache_miss_ratio", 1.0 - hit / queried, RATIO)
-            seconds = None if names.prefill_time is None else _gained(samples, previous, f"{names.prefill_time}_sum")
-            if seconds:
-                speed = fit("prefill_tokens_per_s", (queried - hit) / seconds, REQUESTS)
         ttft = latency("ttft_ms", _quantiles(samples, previous, names.ttft))
         e2e = latency("e2e_ms", _quantiles(samples, previous, names.e2e))
         queue = latency("queue_ms", _quantiles(samples, previous, names.queue))
@@ -317,7 +355,7 @@ def _read(
         kind=names.kind,
         kv_cache_usage_ratio=fit("kv_cache_usage_ratio", _mean(_first(samples, names.kv_usage)), RATIO),
         kv_cache_miss_ratio=miss,
-        prefill_tokens_per_s=speed,
+        prefill_tokens_per_s=speed.measure(names, samples, invalid),
         requests_running=None if running is None else round(running),
         requests_waiting=None if waiting is None else round(waiting),
         ttft=ttft,

@@ -94,12 +94,18 @@ class NodeState:
     stall_ms: float | None = None
     """`stall_ms` averaged over the node's vectors that measure it, with the same time constant."""
     published_stall_ms: float | None = None  # held by compute_weights (hysteresis)
+    measured_rate: float | None = None
+    """The node's latest measured prefill speed: `NodeMetrics.prefill_tokens_per_s` of the last vector that carried
+    one. An agent measures it only over enough prefill (`agent._engine.MIN_PREFILL_S`), so a node that prefills
+    little measures it seldom, and keeps it in between."""
 
     def __post_init__(self) -> None:
         if math.isnan(self.quality):
             self.quality = quality(self.health)
         if self.stall_ms is None:
             self.stall_ms = stall_ms(self.vector.metrics)
+        if self.measured_rate is None:
+            self.measured_rate = self.vector.metrics.prefill_tokens_per_s or None
 
     def smooth(self) -> None:
         """Move the averages towards the current vector's quality and stall over one of its periods."""
@@ -108,6 +114,7 @@ class NodeState:
         stall = stall_ms(self.vector.metrics)
         if stall is not None:
             self.stall_ms = stall if self.stall_ms is None else keep * self.stall_ms + (1 - keep) * stall
+        self.measured_rate = self.vector.metrics.prefill_tokens_per_s or self.measured_rate
 
 
 class Registry:

@@ -35,12 +35,14 @@ WEIGHT_THRESHOLD = 0.05
 WEIGHT_FLOOR = 0.05
 _log = logging.getLogger("prism.brain")
 
-_Identity = tuple[str, int | None, str, str, str, int | None, float | None, bool]
+_Identity = tuple[str, int | None, str, str, str, int | None, float | None, bool, float | None, float | None]
 
 
 def _identity(node: TableNode) -> _Identity:
     """What makes a new table when it changes; the prefill speed is in it, being held with its own hysteresis
-    (`_weights.prefill_rates`)."""
+    (`_weights.prefill_rates`), and so are the network stall and the wait for cache room, published in steps
+    (`_weights.published_stall`, `published_admit`): a router would otherwise keep a node's last published wait
+    until something else changed, and pass over a node whose cache has long had room."""
     return (
         node.node_id,
         node.gpu,
@@ -50,6 +52,8 @@ def _identity(node: TableNode) -> _Identity:
         node.numa_node,
         node.prefill_tokens_per_s,
         node.overflow,
+        node.stall_ms,
+        node.admit_ms,
     )
 
 

@@ -132,11 +132,11 @@ def gpu_label(vector: NodeVector) -> str:
 
 
 def median_speeds(states: Iterable[NodeState], group: Callable[[NodeVector], str] = gpu_label) -> dict[str, float]:
-    """The median measured prefill speed (`NodeMetrics.prefill_tokens_per_s`) of each group of nodes (by default
-    a GPU class); a group none of whose nodes has measured one is absent."""
+    """The median measured prefill speed (`NodeState.measured_rate`) of each group of nodes (by default a GPU class);
+    a group none of whose nodes has measured one is absent."""
     measured: dict[str, list[float]] = {}
     for state in states:
-        rate = state.vector.metrics.prefill_tokens_per_s
+        rate = state.measured_rate
         if rate:
             measured.setdefault(group(state.vector), []).append(rate)
     return {name: statistics.median(rates) for name, rates in measured.items()}
@@ -144,13 +144,17 @@ def median_speeds(states: Iterable[NodeState], group: Callable[[NodeVector], str
 
 def prefill_rates(states: Mapping[str, NodeState]) -> dict[str, float]:
     """Each node's prefill speed in prompt tokens per second to publish, held with hysteresis in its state: its
-    own measure (`NodeMetrics.prefill_tokens_per_s`), else the median of the measured nodes of its GPU class
-    (`median_speeds`), so that a node that has not prefilled yet is expected to run like its peers. Nodes with
-    neither are absent (routers then take the pool's median)."""
+    latest own measure (`NodeState.measured_rate`), else the median of the measured nodes of its GPU class
+    (`median_speeds`), so that a node that has not prefilled yet is expected to run like its peers, else the
+    median of every measured node: a class none of whose nodes has prefilled a second yet (an overflow pool that
+    takes a slice's requests only when they are expected to start sooner there) would otherwise have no speed, and
+    a router cannot set its queue in seconds against the measured nodes' until it has one. Absent while no node
+    has measured one (routers then compare queued tokens alone)."""
     typical = median_speeds(states.values())
+    fleet = median_speeds(states.values(), lambda vector: "").get("")
     out: dict[str, float] = {}
     for node_id, state in states.items():
-        rate = state.vector.metrics.prefill_tokens_per_s or typical.get(gpu_label(state.vector))
+        rate = state.measured_rate or typical.get(gpu_label(state.vector)) or fleet
         if not rate:
             state.prefill_rate = None
             continue

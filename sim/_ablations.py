@@ -147,10 +147,10 @@ class ClassRateBrain(Brain):
         typical = median_speeds(states.values(), self._group)
         copies = {}
         for node_id, state in states.items():
-            metrics = msgspec.structs.replace(
-                state.vector.metrics, prefill_tokens_per_s=typical.get(self._group(state.vector))
-            )
-            copies[node_id] = dataclasses.replace(state, vector=msgspec.structs.replace(state.vector, metrics=metrics))
+            rate = typical.get(self._group(state.vector))
+            metrics = msgspec.structs.replace(state.vector.metrics, prefill_tokens_per_s=rate)
+            vector = msgspec.structs.replace(state.vector, metrics=metrics)
+            copies[node_id] = dataclasses.replace(state, vector=vector, measured_rate=rate)
         try:
             return super()._weights(copies)
         finally:

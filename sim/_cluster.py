@@ -153,7 +153,7 @@ class _ModelScrape(EngineCollector):
     def sample(self) -> EngineSample:
         samples = self._exposition()
         previous, self._previous = self._previous, samples
-        return _read(_VLLM, samples, previous, self.invalid)
+        return _read(_VLLM, samples, previous, self.invalid, self._speed)
 
 
 def _agent_sources(

@@ -181,6 +181,24 @@ def test_table_version_moves_only_on_change() -> None:
     assert [n.node_id for n in second.slices[0].nodes] == ["a", "b"]
 
 
+def test_a_change_in_the_wait_for_cache_room_alone_publishes_a_table() -> None:
+    """Routers take the admit wait from the table: one kept until some weight moved would go on passing over a node
+    whose cache has had room since."""
+    reg = Registry()
+    builder = TableBuilder(epoch=1)
+    full = {"kv_cache_usage_ratio": 0.99, "requests_running": 90, "requests_waiting": 2, "requests_per_s": 1.5}
+    reg.update(vec("a", 1, **full), now=0.0)
+    reg.update(vec("b", 1), now=0.0)
+    first = builder.build(compute_weights(reg.nodes, {}))
+    assert first is not None and first.slices[0].nodes[0].admit_ms == 2000.0
+    reg.update(vec("a", 2, **full), now=1.0)
+    assert builder.build(compute_weights(reg.nodes, {})) is None  # the same wait: nothing to send
+    reg.update(vec("a", 3, **{**full, "kv_cache_usage_ratio": 0.5, "requests_running": 40}), now=2.0)
+    second = builder.build(compute_weights(reg.nodes, {}))
+    assert second is not None and second.version == first.version + 1
+    assert second.slices[0].nodes[0].admit_ms is None
+
+
 def test_epoch_is_persisted_and_monotonic(tmp_path: Path) -> None:
     first = next_epoch(tmp_path)
     second = next_epoch(tmp_path)

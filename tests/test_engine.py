@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from prismlb.agent._engine import EngineCollector, EngineSample, LatencyQuantiles, histogram_quantile
+from prismlb.agent._engine import MIN_PREFILL_S, EngineCollector, EngineSample, LatencyQuantiles, histogram_quantile
 
 from ._helpers_http import QuietHandler
 from .conftest import free_port
@@ -267,18 +267,26 @@ def vllm_text(queries: tuple[float, float], hits: tuple[float, float], prefill_s
     return ("\n".join(lines) + "\n").encode()
 
 
-def test_vllm_prefill_speed_is_computed_tokens_over_prefill_seconds(server: MetricsServer) -> None:
+def test_vllm_prefill_speed_is_computed_tokens_over_at_least_a_second_of_prefill(server: MetricsServer) -> None:
+    assert MIN_PREFILL_S == 1.0
     collector = scraping(
         server,
         vllm_text((1000, 500), (400, 100), (1.0, 0.5)),
         vllm_text((3000, 1500), (1900, 400), (1.2, 0.6)),
-        vllm_text((4000, 200), (2150, 50), (1.3, 0.1)),  # engine 1 restarted: its deltas are skipped
+        vllm_text((5000, 2500), (2900, 900), (1.8, 0.9)),
+        vllm_text((6000, 200), (3150, 50), (3.0, 0.1)),  # engine 1 restarted: its deltas are skipped
+        vllm_text((100, 100), (50, 50), (0.1, 0.1)),  # both restarted: the window starts again
+        vllm_text((2100, 1100), (550, 550), (1.1, 0.6)),
     )
-    assert collector.sample().prefill_tokens_per_s is None  # no previous scrape
-    # queries +3000, hits +1800: 1200 tokens computed in 0.2 + 0.1 s of prefill.
-    assert collector.sample().prefill_tokens_per_s == pytest.approx(1200 / 0.3)
-    # engine 0 alone: (1000 - 250) tokens in 0.1 s.
-    assert collector.sample().prefill_tokens_per_s == pytest.approx(750 / 0.1)
+    assert collector.sample().prefill_tokens_per_s is None  # the window starts
+    assert collector.sample().prefill_tokens_per_s is None  # 0.3 s of prefill: too little to tell
+    # since the first scrape: queries +6000, hits +3300: 2700 tokens computed in 0.8 + 0.4 s of prefill.
+    assert collector.sample().prefill_tokens_per_s == pytest.approx(2700 / 1.2)
+    # engine 0 alone since the third scrape: (1000 - 250) tokens in 1.2 s.
+    assert collector.sample().prefill_tokens_per_s == pytest.approx(750 / 1.2)
+    assert collector.sample().prefill_tokens_per_s is None
+    # since the restart: queries +3000, hits +1000 in 1.0 + 0.5 s.
+    assert collector.sample().prefill_tokens_per_s == pytest.approx(2000 / 1.5)
 
 
 def test_sglang_publishes_no_prefill_time_so_no_speed(server: MetricsServer) -> None:

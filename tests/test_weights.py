@@ -206,7 +206,7 @@ def rate_of(entries: dict[Slice, list[TableNode]], node_id: str) -> float | None
     return entry.prefill_tokens_per_s
 
 
-def test_prefill_speed_is_the_nodes_own_else_its_gpu_classs_median() -> None:
+def test_prefill_speed_is_the_nodes_own_else_its_gpu_classs_median_else_the_fleets() -> None:
     c = Cluster()
     c.report("h1", {"gpu": "h100"}, prefill_tokens_per_s=20_000.0)
     c.report("h2", {"gpu": "h100"}, prefill_tokens_per_s=18_000.0)
@@ -218,7 +218,29 @@ def test_prefill_speed_is_the_nodes_own_else_its_gpu_classs_median() -> None:
     assert own is not None and abs(own - 18_000.0) / 18_000.0 < 0.05  # within half a 2^(1/8) step
     newcomer = rate_of(entries, "h-new")
     assert newcomer is not None and abs(newcomer - 20_000.0) / 20_000.0 < 0.05
-    assert rate_of(entries, "l-new") is None  # no peer of its class measured: routers take the pool's median
+    fleet = rate_of(entries, "l-new")  # no peer of its class measured: the median of every measured node
+    assert fleet is not None and abs(fleet - 20_000.0) / 20_000.0 < 0.05
+    cold = Cluster()
+    cold.report("n1", {"gpu": "h100"})
+    assert rate_of(cold.weights(), "n1") is None  # no node has measured: routers compare queued tokens alone
+
+
+def test_a_node_keeps_its_measured_speed_through_vectors_that_measure_none() -> None:
+    """An agent measures a speed only over a second of prefill (`MIN_PREFILL_S`): a node that prefills little
+    (media requests, mostly cached prompts) goes many vectors without one, and is still the speed it measured, not
+    its class's median of the moment nor unknown."""
+    c = Cluster()
+    c.report("l1", {"gpu": "l40s"}, prefill_tokens_per_s=3_000.0)
+    c.report("l2", {"gpu": "l40s"}, prefill_tokens_per_s=6_000.0)
+    for _ in range(5):
+        c.report("l1", {"gpu": "l40s"})
+        c.report("l2", {"gpu": "l40s"}, prefill_tokens_per_s=6_000.0)
+    kept = rate_of(c.weights(), "l1")
+    assert kept is not None and abs(kept - 3_000.0) / 3_000.0 < 0.05
+    assert c.nodes["l1"].measured_rate == 3_000.0
+    c.report("l3", {"gpu": "l40s"})  # has measured nothing: its class's median of what its peers measured last
+    newcomer = rate_of(c.weights(), "l3")
+    assert newcomer is not None and abs(newcomer - 4_500.0) / 4_500.0 < 0.05
 
 
 def test_prefill_speed_moves_only_past_its_hysteresis() -> None:
