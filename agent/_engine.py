@@ -46,10 +46,12 @@ _QUANTILES = (0.50, 0.95, 0.99)
 _Labels = frozenset[tuple[str, str]]
 _Series = dict[_Labels, float]
 _RawQuantiles = tuple[float, float, float, float]  # requests, p50, p95, p99 in ms, before their bounds
-MIN_PREFILL_S = 1.0
-"""The prefill seconds a speed is measured over at the least (`_SpeedWindow`): a scrape's window with a few requests
-reads the ratio of two small numbers, and where a media encoder's time dominates a handful of uncached tokens (an
-audio clip after a cached prompt) it reads a speed thirty times below the engine's."""
+MIN_PREFILL_REQUESTS = 16
+"""The requests a speed is measured over at the least (`_SpeedWindow`, counted by their first tokens): a scrape's
+window with a few requests reads the ratio of two small numbers, and where a media encoder's time dominates a
+handful of uncached tokens (an audio clip after a cached prompt) it reads a speed thirty times below the engine's.
+Counted in requests, not seconds, so that an engine which prefills fast (or a time-compressed emulation of one)
+measures as often as its traffic allows."""
 _RANK_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank")
 """Labels of the ranks inside one replica, which publish the same series (see the module's docstring)."""
 
@@ -124,7 +126,8 @@ class EngineSample:
     kv_cache_miss_ratio: float | None = None
     prefill_tokens_per_s: float | None = None
     """Prompt tokens computed (queried less found cached) over the seconds requests spent in prefill, both
-    gained since the scrape that ended the last measure, once those seconds reach `MIN_PREFILL_S` (None before):
+    gained since the scrape that ended the last measure, once `MIN_PREFILL_REQUESTS` reached their first token (None
+    before):
     the engine's prefill speed. Requests prefilled in the same steps share those seconds, so a busy engine reads
     slower than it computes; all engines of a fleet read alike."""
     requests_running: int | None = None
@@ -289,14 +292,14 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
 
 
 class _SpeedWindow:
-    """The scrape the engine's prefill speed is measured from: each measure spans at least `MIN_PREFILL_S` of
-    prefill, over as many scrapes as that takes, and the scrape that ends one starts the next."""
+    """The scrape the engine's prefill speed is measured from: each measure spans at least `MIN_PREFILL_REQUESTS`
+    first tokens, over as many scrapes as that takes, and the scrape that ends one starts the next."""
 
     def __init__(self) -> None:
         self._base: dict[str, _Series] | None = None
 
     def measure(self, names: _EngineNames, samples: dict[str, _Series], invalid: InvalidValues) -> float | None:
-        """The speed since the window's first scrape once it spans `MIN_PREFILL_S` of prefill, else None (also
+        """The speed since the window's first scrape once it spans `MIN_PREFILL_REQUESTS` first tokens, else None (also
         without a prefill histogram, or when no prompt token was computed since). An engine whose prefill seconds
         went down since restarted: its window starts again."""
         if names.prefill_time is None:
@@ -306,8 +309,10 @@ class _SpeedWindow:
         if self._base is None or (now is not None and before is not None and now < before):
             self._base = samples
             return None
+        if _gained(samples, self._base, f"{names.ttft}_count") < MIN_PREFILL_REQUESTS:
+            return None
         seconds = _gained(samples, self._base, name)
-        if seconds < MIN_PREFILL_S:
+        if seconds <= 0:
             return None
         queries_name, hits_name = next((c for c in names.cache_counters if c[0] in samples), names.cache_counters[0])
         cache = _cache_deltas(samples, self._base, queries_name, hits_name)

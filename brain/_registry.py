@@ -96,7 +96,7 @@ class NodeState:
     published_stall_ms: float | None = None  # held by compute_weights (hysteresis)
     measured_rate: float | None = None
     """The node's latest measured prefill speed: `NodeMetrics.prefill_tokens_per_s` of the last vector that carried
-    one. An agent measures it only over enough prefill (`agent._engine.MIN_PREFILL_S`), so a node that prefills
+    one. An agent measures it only over enough requests (`agent._engine.MIN_PREFILL_REQUESTS`), so a node that prefills
     little measures it seldom, and keeps it in between."""
 
     def __post_init__(self) -> None:

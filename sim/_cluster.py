@@ -306,6 +306,7 @@ class _Node:
             hits: {_NO_LABELS: m.prefix_hits_tokens},
             f"{_VLLM.prefill_time}_sum": {_NO_LABELS: m.prefill_seconds},
             f"{_VLLM.ttft}_bucket": dict(zip(_TTFT_LE, itertools.accumulate(self.ttft_buckets), strict=True)),
+            f"{_VLLM.ttft}_count": {_NO_LABELS: sum(self.ttft_buckets)},
             f"{_VLLM.e2e}_bucket": dict(zip(_E2E_LE, itertools.accumulate(self.e2e_buckets), strict=True)),
         }
 

@@ -18,7 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from prismlb.agent._engine import MIN_PREFILL_S, EngineCollector, EngineSample, LatencyQuantiles, histogram_quantile
+from prismlb.agent._engine import (
+    MIN_PREFILL_REQUESTS,
+    EngineCollector,
+    EngineSample,
+    LatencyQuantiles,
+    histogram_quantile,
+)
 
 from ._helpers_http import QuietHandler
 from .conftest import free_port
@@ -253,10 +259,21 @@ def test_histogram_quantile_follows_prometheus() -> None:
     assert histogram_quantile(0.5, [(1.0, 4.0), (2.0, 3.0), (inf, 4.0)]) == 0.5
 
 
-def vllm_text(queries: tuple[float, float], hits: tuple[float, float], prefill_s: tuple[float, float]) -> bytes:
-    """Two engines' prefix-cache counters and prefill-time histogram sums, in vLLM's names."""
+def vllm_text(
+    queries: tuple[float, float],
+    hits: tuple[float, float],
+    prefill_s: tuple[float, float],
+    first_tokens: tuple[float, float] = (0.0, 0.0),
+) -> bytes:
+    """Two engines' prefix-cache counters, prefill-time histogram sums and first tokens (the TTFT histogram's
+    count), in vLLM's names."""
     lines = ["# TYPE vllm:prefix_cache_queries counter", "# TYPE vllm:prefix_cache_hits counter"]
-    lines += ["# TYPE vllm:request_prefill_time_seconds histogram"]
+    lines += ["# TYPE vllm:request_prefill_time_seconds histogram", "# TYPE vllm:time_to_first_token_seconds histogram"]
+    for engine in (0, 1):
+        labels = f'engine="{engine}",model_name="m"'
+        lines.append(f'vllm:time_to_first_token_seconds_bucket{{{labels},le="+Inf"}} {first_tokens[engine]}')
+        lines.append(f"vllm:time_to_first_token_seconds_count{{{labels}}} {first_tokens[engine]}")
+        lines.append(f"vllm:time_to_first_token_seconds_sum{{{labels}}} {first_tokens[engine]}")
     for engine in (0, 1):
         labels = f'engine="{engine}",model_name="m"'
         lines.append(f"vllm:prefix_cache_queries_total{{{labels}}} {queries[engine]}")
@@ -267,19 +284,19 @@ def vllm_text(queries: tuple[float, float], hits: tuple[float, float], prefill_s
     return ("\n".join(lines) + "\n").encode()
 
 
-def test_vllm_prefill_speed_is_computed_tokens_over_at_least_a_second_of_prefill(server: MetricsServer) -> None:
-    assert MIN_PREFILL_S == 1.0
+def test_vllm_prefill_speed_is_computed_tokens_over_prefill_seconds_of_enough_requests(server: MetricsServer) -> None:
+    assert MIN_PREFILL_REQUESTS == 16
     collector = scraping(
         server,
-        vllm_text((1000, 500), (400, 100), (1.0, 0.5)),
-        vllm_text((3000, 1500), (1900, 400), (1.2, 0.6)),
-        vllm_text((5000, 2500), (2900, 900), (1.8, 0.9)),
-        vllm_text((6000, 200), (3150, 50), (3.0, 0.1)),  # engine 1 restarted: its deltas are skipped
-        vllm_text((100, 100), (50, 50), (0.1, 0.1)),  # both restarted: the window starts again
-        vllm_text((2100, 1100), (550, 550), (1.1, 0.6)),
+        vllm_text((1000, 500), (400, 100), (1.0, 0.5), (10, 10)),
+        vllm_text((3000, 1500), (1900, 400), (1.2, 0.6), (14, 14)),
+        vllm_text((5000, 2500), (2900, 900), (1.8, 0.9), (18, 18)),
+        vllm_text((6000, 200), (3150, 50), (3.0, 0.1), (34, 1)),  # engine 1 restarted: its deltas are skipped
+        vllm_text((100, 100), (50, 50), (0.1, 0.1), (1, 1)),  # both restarted: the window starts again
+        vllm_text((2100, 1100), (550, 550), (1.1, 0.6), (11, 11)),
     )
     assert collector.sample().prefill_tokens_per_s is None  # the window starts
-    assert collector.sample().prefill_tokens_per_s is None  # 0.3 s of prefill: too little to tell
+    assert collector.sample().prefill_tokens_per_s is None  # 8 first tokens: too few to tell
     # since the first scrape: queries +6000, hits +3300: 2700 tokens computed in 0.8 + 0.4 s of prefill.
     assert collector.sample().prefill_tokens_per_s == pytest.approx(2700 / 1.2)
     # engine 0 alone since the third scrape: (1000 - 250) tokens in 1.2 s.

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import zmq
 
-from prismlb.agent._engine import EngineCollector
+from prismlb.agent._engine import MIN_PREFILL_REQUESTS, EngineCollector
 from prismlb.agent._kv_events import KvEventSubscriber
 from prismlb.semantics import bloom_contains
 from prismlb.sim import EmulatedEngine, block_hashes, prompt_tokens
@@ -270,10 +270,10 @@ def test_404_leaves_a_keep_alive_connection_usable(engine: EmulatedEngine) -> No
 def test_prefill_speed_the_agent_reads_is_the_gpu_classs(engine: EmulatedEngine) -> None:
     collector = EngineCollector(engine.url + "/metrics")
     collector.sample()
-    # One at a time, one output token: no decode batch shares the prefill steps; over a second of prefill in all
-    # (`MIN_PREFILL_S`), which a speed needs.
-    for i in range(3):
-        reply = httpx.post(engine.url + "/v1/chat/completions", json=body(f"prompt {i} " * 1500, 1), timeout=30)
+    # One at a time, one output token: no decode batch shares the prefill steps; as many requests as a speed needs
+    # (`MIN_PREFILL_REQUESTS`).
+    for i in range(MIN_PREFILL_REQUESTS):
+        reply = httpx.post(engine.url + "/v1/chat/completions", json=body(f"prompt {i} " * 300, 1), timeout=30)
         assert reply.status_code == 200
     speed = collector.sample().prefill_tokens_per_s
     assert speed == pytest.approx(PROFILES["a100"].prefill_tokens_per_s, rel=1e-6)

@@ -226,7 +226,7 @@ def test_prefill_speed_is_the_nodes_own_else_its_gpu_classs_median_else_the_flee
 
 
 def test_a_node_keeps_its_measured_speed_through_vectors_that_measure_none() -> None:
-    """An agent measures a speed only over a second of prefill (`MIN_PREFILL_S`): a node that prefills little
+    """An agent measures a speed only over enough requests (`MIN_PREFILL_REQUESTS`): a node that prefills little
     (media requests, mostly cached prompts) goes many vectors without one, and is still the speed it measured, not
     its class's median of the moment nor unknown."""
     c = Cluster()
