@@ -127,9 +127,8 @@ class EngineSample:
     prefill_tokens_per_s: float | None = None
     """Prompt tokens computed (queried less found cached) over the seconds requests spent in prefill, both
     gained since the scrape that ended the last measure, once `MIN_PREFILL_REQUESTS` reached their first token (None
-    before):
-    the engine's prefill speed. Requests prefilled in the same steps share those seconds, so a busy engine reads
-    slower than it computes; all engines of a fleet read alike."""
+    before): the engine's prefill speed. Requests prefilled in the same steps share those seconds, so a busy engine
+    reads slower than it computes; all engines of a fleet read alike."""
     requests_running: int | None = None
     requests_waiting: int | None = None
     requests_per_s: float | None = None
@@ -314,8 +313,7 @@ class _SpeedWindow:
         seconds = _gained(samples, self._base, name)
         if seconds <= 0:
             return None
-        queries_name, hits_name = next((c for c in names.cache_counters if c[0] in samples), names.cache_counters[0])
-        cache = _cache_deltas(samples, self._base, queries_name, hits_name)
+        cache = _cache_deltas(samples, self._base, *_cache_counters(names, samples))
         self._base = samples
         if cache is None:
             return None
@@ -348,8 +346,7 @@ def _read(
     miss = None
     ttft = e2e = queue = None
     if previous is not None:
-        queries_name, hits_name = next((c for c in names.cache_counters if c[0] in samples), names.cache_counters[0])
-        cache = _cache_deltas(samples, previous, queries_name, hits_name)
+        cache = _cache_deltas(samples, previous, *_cache_counters(names, samples))
         if cache is not None:
             queried, hit = cache
             miss = fit("kv_cache_miss_ratio", 1.0 - hit / queried, RATIO)
@@ -380,6 +377,11 @@ def _mean(series: _Series | None) -> float | None:
 
 def _sum(series: _Series | None) -> float | None:
     return sum(series.values()) if series else None
+
+
+def _cache_counters(names: _EngineNames, samples: dict[str, _Series]) -> tuple[str, str]:
+    """The (queries, hits) counter names of the prefix cache this engine publishes: the first pair present."""
+    return next((c for c in names.cache_counters if c[0] in samples), names.cache_counters[0])
 
 
 def _cache_deltas(

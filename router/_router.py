@@ -564,7 +564,7 @@ class Router:
         # Its prefill alone on a typical entry of the slice (`Group.slo_rate`, which its SLO is held to) and on its
         # fastest (where it would start soonest), at the speed assumed until the brain has measured one.
         assumed = self.settings.assumed_prefill_tokens_per_s
-        typical, quickest = (group.slo_rate, max(group.rates)) if group.timed else (assumed, assumed)
+        typical, quickest = (group.slo_rate, group.top_rate) if group.timed else (assumed, assumed)
         alone_s = request.cost / typical
         if request.slo_s is not None:
             budget = request.slo_s

@@ -79,6 +79,9 @@ class Group:
     """The prefill speed a request's TTFT deadline is counted at (`Router.turn`): the median of `rates`, the lower
     of two middles. A typical node's, not the slowest's: one node slowed by a fault (a throttled GPU) would
     otherwise stretch every request's deadline, and the waiting room's order would follow the sick node."""
+    top_rate: float
+    """The fastest entry's prefill speed (the highest of `rates`): where a waiting request would start soonest, which
+    its late margin is counted at (`Router.turn`)."""
     stretch: tuple[float, ...]
     """Each entry's highest weight in the group over its own: how much its expected time to first token is
     stretched for the health and tail latency the brain saw there."""
@@ -237,6 +240,7 @@ def _group(
         rates=rates,
         timed=bool(known),
         slo_rate=statistics.median_low(rates),
+        top_rate=max(rates),
         stretch=tuple(top / w for w in ring.weights),
         stall=tuple((n.stall_ms or 0.0) / 1000 if known else 0.0 for n in ring.entries),
         admit=tuple((n.admit_ms or 0.0) / 1000 if known else 0.0 for n in ring.entries),
