@@ -73,6 +73,9 @@ class _EngineNames:
     queue: str
     prefill_time: str | None
     """A histogram of each request's prefill seconds (None: the engine publishes none)."""
+    prefill_stages: frozenset[str] | None = None
+    """Where `prefill_time` times every stage of a request under a `stage` label: the stages that are its prefill,
+    whose seconds add up (None: every series is prefill)."""
 
 
 _VLLM = _EngineNames(
@@ -91,7 +94,9 @@ _VLLM = _EngineNames(
     prefill_time="vllm:request_prefill_time_seconds",
 )
 # SGLang's `sglang:cache_hit_rate` gauge holds the last prefill batch's rate and is set to 0 by every decode
-# log, so the miss ratio comes from its per-request token counters instead (cached / prompt tokens).
+# log, so the miss ratio comes from its per-request token counters instead (cached / prompt tokens). Its
+# per-stage histogram times each stage of a request from the end of the one before: a prompt's prefill is the
+# `prefill_forward` stage, with `chunked_prefill` before it where a long prompt took several chunks.
 _SGLANG = _EngineNames(
     kind="sglang",
     prefix="sglang:",
@@ -102,7 +107,8 @@ _SGLANG = _EngineNames(
     ttft="sglang:time_to_first_token_seconds",
     e2e="sglang:e2e_request_latency_seconds",
     queue="sglang:queue_time_seconds",
-    prefill_time=None,
+    prefill_time="sglang:per_stage_req_latency_seconds",
+    prefill_stages=frozenset({"prefill_forward", "chunked_prefill"}),
 )
 _ENGINES = (_VLLM, _SGLANG)
 
@@ -303,14 +309,16 @@ class _SpeedWindow:
         went down since restarted: its window starts again."""
         if names.prefill_time is None:
             return None
-        name = f"{names.prefill_time}_sum"
-        now, before = _sum(samples.get(name)), None if self._base is None else _sum(self._base.get(name))
-        if self._base is None or (now is not None and before is not None and now < before):
+        if self._base is None:
+            self._base = samples
+            return None
+        now, before = _prefill_seconds(names, samples), _prefill_seconds(names, self._base)
+        if sum(now.values()) < sum(before.values()):
             self._base = samples
             return None
         if _gained(samples, self._base, f"{names.ttft}_count") < MIN_PREFILL_REQUESTS:
             return None
-        seconds = _gained(samples, self._base, name)
+        seconds = _series_gained(now, before)
         if seconds <= 0:
             return None
         cache = _cache_deltas(samples, self._base, *_cache_counters(names, samples))
@@ -319,6 +327,14 @@ class _SpeedWindow:
             return None
         queried, hit = cache
         return invalid.check("engine", "prefill_tokens_per_s", (queried - hit) / seconds, REQUESTS)
+
+
+def _prefill_seconds(names: _EngineNames, samples: dict[str, _Series]) -> _Series:
+    """The prefill histogram's `_sum` series: those of its prefill stages where it times every stage."""
+    series = samples.get(f"{names.prefill_time}_sum", {})
+    if names.prefill_stages is None:
+        return series
+    return {labels: v for labels, v in series.items() if dict(labels).get("stage") in names.prefill_stages}
 
 
 def _read(
@@ -407,10 +423,12 @@ def _cache_deltas(
 def _gained(samples: dict[str, _Series], previous: dict[str, _Series], name: str) -> float:
     """What a counter (or a histogram's `_sum`) gained over the series present in both scrapes that did not
     restart."""
-    before = previous.get(name, {})
-    return sum(
-        v1 - v0 for labels, v1 in samples.get(name, {}).items() if (v0 := before.get(labels)) is not None and v1 >= v0
-    )
+    return _series_gained(samples.get(name, {}), previous.get(name, {}))
+
+
+def _series_gained(now: _Series, before: _Series) -> float:
+    """What the series present in both gained, those that went down (restarted) left out."""
+    return sum(v1 - v0 for labels, v1 in now.items() if (v0 := before.get(labels)) is not None and v1 >= v0)
 
 
 def _quantiles(samples: dict[str, _Series], previous: dict[str, _Series], name: str) -> _RawQuantiles | None:

@@ -306,8 +306,48 @@ def test_vllm_prefill_speed_is_computed_tokens_over_prefill_seconds_of_enough_re
     assert collector.sample().prefill_tokens_per_s == pytest.approx(2000 / 1.5)
 
 
-def test_sglang_publishes_no_prefill_time_so_no_speed(server: MetricsServer) -> None:
+def test_sglang_without_its_per_stage_histogram_gives_no_speed(server: MetricsServer) -> None:
     collector = scraping(server, fixture("sglang_metrics_1.txt"), fixture("sglang_metrics_2.txt"))
     collector.sample()
     second = collector.sample()
     assert second.kv_cache_miss_ratio is not None and second.prefill_tokens_per_s is None
+
+
+def sglang_text(prompt: float, cached: float, first_tokens: float, stages_s: dict[str, float]) -> bytes:
+    """One SGLang server's token counters and first tokens (the tokenizer's series) and its per-stage histogram's
+    sums, published by both TP ranks of its scheduler."""
+    model = 'model_name="m"'
+    lines = ["# TYPE sglang:prompt_tokens counter", "# TYPE sglang:cached_tokens counter"]
+    lines += ["# TYPE sglang:time_to_first_token_seconds histogram"]
+    lines += ["# TYPE sglang:per_stage_req_latency_seconds histogram"]
+    lines.append(f"sglang:prompt_tokens_total{{{model}}} {prompt}")
+    lines.append(f"sglang:cached_tokens_total{{{model}}} {cached}")
+    lines.append(f'sglang:time_to_first_token_seconds_bucket{{{model},le="+Inf"}} {first_tokens}')
+    lines.append(f"sglang:time_to_first_token_seconds_count{{{model}}} {first_tokens}")
+    lines.append(f"sglang:time_to_first_token_seconds_sum{{{model}}} {first_tokens}")
+    for stage, seconds in stages_s.items():
+        for rank in (0, 1):
+            labels = f'{model},stage="{stage}",tp_rank="{rank}"'
+            lines.append(f'sglang:per_stage_req_latency_seconds_bucket{{{labels},le="+Inf"}} 1.0')
+            lines.append(f"sglang:per_stage_req_latency_seconds_count{{{labels}}} 1.0")
+            lines.append(f"sglang:per_stage_req_latency_seconds_sum{{{labels}}} {seconds}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def test_sglang_prefill_speed_is_computed_tokens_over_its_prefill_stages(server: MetricsServer) -> None:
+    def stages(forward: float, chunked: float, decode: float) -> dict[str, float]:
+        return {"prefill_waiting": 9, "prefill_forward": forward, "chunked_prefill": chunked, "decode_forward": decode}
+
+    collector = scraping(
+        server,
+        sglang_text(1000, 200, 4, stages(0.5, 0.1, 30.0)),
+        sglang_text(9000, 3200, 24, stages(1.5, 0.6, 90.0)),
+        sglang_text(9500, 3300, 30, stages(0.2, 0.0, 1.0)),  # restarted: the window starts again
+        sglang_text(11500, 3800, 50, stages(0.6, 0.1, 9.0)),
+    )
+    assert collector.sample().prefill_tokens_per_s is None  # the window starts
+    # 20 first tokens: 8000 prompt tokens, 3000 cached, over 1.0 + 0.5 s of prefill (the waiting and decode
+    # stages are not prefill; both TP ranks publish the same series, read once).
+    assert collector.sample().prefill_tokens_per_s == pytest.approx(5000 / 1.5)
+    assert collector.sample().prefill_tokens_per_s is None
+    assert collector.sample().prefill_tokens_per_s == pytest.approx((2000 - 500) / 0.5)
