@@ -306,14 +306,16 @@ class _SpeedWindow:
     def measure(self, names: _EngineNames, samples: dict[str, _Series], invalid: InvalidValues) -> float | None:
         """The speed since the window's first scrape once it spans `MIN_PREFILL_REQUESTS` first tokens, else None (also
         without a prefill histogram, or when no prompt token was computed since). An engine whose prefill seconds
-        went down since restarted: its window starts again."""
+        went down since restarted: its window starts again, as it does when a prefill series appears (an engine
+        publishes a labelled series from its first observation, SGLang each stage's), which a window can only
+        measure from a scrape that has it."""
         if names.prefill_time is None:
             return None
         if self._base is None:
             self._base = samples
             return None
         now, before = _prefill_seconds(names, samples), _prefill_seconds(names, self._base)
-        if sum(now.values()) < sum(before.values()):
+        if sum(now.values()) < sum(before.values()) or not now.keys() <= before.keys():
             self._base = samples
             return None
         if _gained(samples, self._base, f"{names.ttft}_count") < MIN_PREFILL_REQUESTS:
