@@ -136,8 +136,9 @@ class ClassRateBrain(Brain):
     (`NodeMetrics.prefill_tokens_per_s`), which is how a node running slower than its class (throttled, shared
     with work no router placed) shows in its expected time to first token.
 
-    The weights are computed on copies of the states whose vectors carry their class's median; the held weights
-    and speeds (hysteresis) go back to the real states."""
+    The weights are computed on copies of the states whose measured speed (`NodeState.measured_rate`, all that the
+    published speed is read from) is their class's median; the held weights and speeds (hysteresis) go back to the
+    real states."""
 
     def _group(self, vector: NodeVector) -> str:
         """The nodes whose measured speeds are pooled into one published speed: a GPU class (`gpu_label`)."""
@@ -147,10 +148,7 @@ class ClassRateBrain(Brain):
         typical = median_speeds(states.values(), self._group)
         copies = {}
         for node_id, state in states.items():
-            rate = typical.get(self._group(state.vector))
-            metrics = msgspec.structs.replace(state.vector.metrics, prefill_tokens_per_s=rate)
-            vector = msgspec.structs.replace(state.vector, metrics=metrics)
-            copies[node_id] = dataclasses.replace(state, vector=vector, measured_rate=rate)
+            copies[node_id] = dataclasses.replace(state, measured_rate=typical.get(self._group(state.vector)))
         try:
             return super()._weights(copies)
         finally:
