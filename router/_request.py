@@ -43,8 +43,8 @@ class Request:
     """Tokens per block of `blocks`: the engines' KV block size."""
     slo_s: float | None = None
     """The caller's TTFT target in seconds, which orders the requests the router holds back (`Settings.hold_tokens`);
-    None: the project's rule (`semantics.ttft_slo_s`) over the slice's τ0 and the prompt's prefill on the slice's
-    slowest node."""
+    None: the project's rule (`semantics.ttft_slo_s`) over the slice's τ0 and the prompt's prefill on a typical node
+    of the slice (`Group.slo_rate`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cost, int) or self.cost < 1:
