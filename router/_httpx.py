@@ -4,9 +4,10 @@ through Prism unchanged: `httpx.Client(transport=PrismTransport(router))` as its
 The affinity key is the `X-Prism-Affinity-Key` header, else `prefix_key` of the JSON body's conversation (chat
 `messages` in order, or a completion `prompt`); the modality is the `X-Modality-Signature` header, else the kinds of
 the messages' content parts; the cost (what `load="prefill"` balances) is the prompt's tokens, or the conversation's
-estimated tokens (`prompt_cost`); the block hashes (`Request.blocks`, which the router matches against its prefix
-index) are `block_hashes` of a prompt given as token ids, or of the ids the transport's `tokenize` gives for the
-body (the model's tokenizer and chat template, as the engine applies them), which match the engines' KV events; else
+estimated tokens; the block hashes (`Request.blocks`, which the router matches against its prefix index; all three
+from `Request.with_prompt`) are `block_hashes` of a prompt given as token ids, or of the ids the transport's
+`tokenize` gives for the body (the model's tokenizer and chat template, as the engine applies them), which match the
+engines' KV events; else
 `text_block_hashes` of the conversation, which match this router's own placements (media parts stand in as digests
 of themselves, so they hash by content). A `tokenize` that raises or gives no token ids leaves that request on the
 text fallback, counted (`tokenize` in the router's rejects); media parts' blocks carry the engine's extra keys,
@@ -37,7 +38,7 @@ from prismlb.wire import RejectCounter
 
 from ._attempts import Attempts
 from ._health import Outcome
-from ._keys import BLOCK_SIZE, PREFIX_TOKENS, TEXT_BYTES_PER_TOKEN, block_hashes, prefix_key, text_block_hashes
+from ._keys import BLOCK_SIZE, PREFIX_TOKENS
 from ._lease import Lease
 from ._request import Request
 from ._router import Router
@@ -122,18 +123,11 @@ def describe(
     tokens = _prompt_tokens(body)
     if tokens is None and tokenize is not None and text is not None:
         tokens = _tokenized(tokenize, body, rejects)
-    key = described.key
+    described = replace(described, modality=modality, block_size=block_size)
     if tokens is not None:  # the prompt as token ids: its blocks are the ones the engine's events name
-        if key is None:
-            key = prefix_key(tokens, block_size=block_size, prefix_tokens=prefix_tokens)
-        blocks = block_hashes(tokens, block_size)
-        cost = max(1, len(tokens))
-    else:
-        if key is None and text is not None:
-            key = prefix_key(text=text, block_size=block_size, prefix_tokens=prefix_tokens)
-        blocks = text_block_hashes(text, block_size) if text else []
-        cost = prompt_cost(text)
-    described = replace(described, key=key, modality=modality, cost=cost, blocks=tuple(blocks), block_size=block_size)
+        described = described.with_prompt(tokens, prefix_tokens=prefix_tokens)
+    elif text is not None:
+        described = described.with_prompt(text=text, prefix_tokens=prefix_tokens)
     return described, streamed
 
 
@@ -157,15 +151,6 @@ def _prompt_tokens(body: Any) -> list[int] | None:
     if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
         return prompt
     return None
-
-
-def prompt_cost(text: str | None) -> int:
-    """`Request.cost` of a prompt given as text: its estimated tokens (UTF-8 bytes over TEXT_BYTES_PER_TOKEN,
-    the estimate `prefix_key` cuts text blocks by), at least 1. With the default `load="prefill"` this is what
-    bounded load balances, so a caller routing through the transports needs no tokenizer of its own."""
-    if not text:
-        return 1
-    return max(1, -(-len(text.encode()) // TEXT_BYTES_PER_TOKEN))
 
 
 def outcome_of(exc: BaseException) -> Outcome:

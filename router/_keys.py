@@ -168,6 +168,14 @@ def _encode_key(key: ExtraKey, out: bytearray, depth: int) -> None:
         raise ValueError(f"an extra key must be str, bytes, int, None or a list of them, not {type(key).__name__}")
 
 
+def prompt_cost(text: str | None) -> int:
+    """`Request.cost` of a prompt given as text: its estimated tokens (UTF-8 bytes over TEXT_BYTES_PER_TOKEN, the
+    estimate text blocks are cut by), at least 1, so that a caller without the model's tokenizer needs none."""
+    if not text:
+        return 1
+    return max(1, -(-len(text.encode()) // TEXT_BYTES_PER_TOKEN))
+
+
 def prefix_key(
     tokens: Sequence[int] | None = None,
     *,

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from prismlb.semantics import MODALITY_HEADER, Slice, parse_signature
 
-from ._keys import BLOCK_SIZE
+from ._keys import BLOCK_SIZE, PREFIX_TOKENS, block_hashes, prefix_key, prompt_cost, text_block_hashes
 
 SESSION_HEADER = "X-Session-Token"
 CONTEXT_HEADER = "X-Context-Signature"
@@ -69,6 +69,29 @@ class Request:
             context_signature=lower.get(CONTEXT_HEADER.lower()) or None,
             request_class=lower.get(CLASS_HEADER.lower()) or CORE_CLASS,
         )
+
+    def with_prompt(
+        self, tokens: Sequence[int] | None = None, *, text: str | None = None, prefix_tokens: int = PREFIX_TOKENS
+    ) -> Request:
+        """This request with what placement reads of its prompt, given as token ids or as text (exactly one): `cost`,
+        the prompt's tokens; `blocks`, its chained block hashes of `block_size` tokens; and `key`, where it has
+        none, the prompt's `prefix_key`. Without blocks the router can only follow the key (where it last sent it,
+        else the ring); with them it places by expected time to first token over the cluster's prefix index.
+
+        Token ids, the engine's (its tokenizer and chat template), name the blocks the engines' KV events name,
+        so the index finds them on every node that holds them. Text is for callers without the model's tokenizer:
+        its tokens are estimated from its UTF-8 bytes and its blocks are `text_block_hashes`, which match this
+        router's own placements only."""
+        if (tokens is None) == (text is None):
+            raise ValueError("give either the prompt's tokens or its text")
+        size = self.block_size
+        if tokens is not None:
+            key = prefix_key(tokens, block_size=size, prefix_tokens=prefix_tokens) if self.key is None else self.key
+            return replace(self, key=key, cost=max(1, len(tokens)), blocks=tuple(block_hashes(tokens, size)))
+        assert text is not None
+        key = prefix_key(text=text, block_size=size, prefix_tokens=prefix_tokens) if self.key is None else self.key
+        blocks = tuple(text_block_hashes(text, size)) if text else ()
+        return replace(self, key=key, cost=prompt_cost(text), blocks=blocks)
 
 
 @lru_cache(maxsize=512)

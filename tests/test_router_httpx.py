@@ -28,7 +28,8 @@ from prismlb.router import (
     prefix_key,
     text_block_hashes,
 )
-from prismlb.router._httpx import describe, prompt_cost
+from prismlb.router._httpx import describe
+from prismlb.router._keys import prompt_cost
 from prismlb.semantics import MODALITY_HEADER
 from prismlb.sim import request_tokens
 from prismlb.wire import RoutingTable, SliceTable, TableNode

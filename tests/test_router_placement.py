@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from prismlb.router import Lease, Request, Router, Settings, Ticket, block_hashes
+from prismlb.router import Lease, Request, Router, Settings, Ticket, block_hashes, prefix_key, text_block_hashes
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
 from .conftest import Clock
@@ -67,6 +67,32 @@ def test_a_request_goes_to_the_node_caching_its_prefix_whatever_its_key() -> Non
         r.index.reset(holder, BLOCKS[:40])
         assert r.route(request(key=key)).node_id == holder
         r.index.drop(holder)
+
+
+def test_with_prompt_fills_in_what_placement_reads_from_tokens_or_text() -> None:
+    base = Request(session="s-1", modality="image+text", block_size=BLOCK)
+    by_ids = base.with_prompt(PROMPT, prefix_tokens=64)
+    assert (by_ids.cost, by_ids.blocks) == (COST, BLOCKS)
+    assert by_ids.key == prefix_key(PROMPT, block_size=BLOCK, prefix_tokens=64)
+    assert (by_ids.session, by_ids.modality, by_ids.block_size) == ("s-1", "image+text", BLOCK)
+    assert Request(key="mine", block_size=BLOCK).with_prompt(PROMPT).key == "mine", "a key given is kept"
+    text = "système: réponds brièvement.\n" * 20
+    by_text = base.with_prompt(text=text)
+    assert by_text.cost == -(-len(text.encode()) // 4) and by_text.blocks == tuple(text_block_hashes(text, BLOCK))
+    assert base.with_prompt(text="").cost == 1 and base.with_prompt(text="").blocks == ()
+    for wrong in ({}, {"tokens": PROMPT, "text": text}):
+        with pytest.raises(ValueError, match="either"):
+            base.with_prompt(**wrong)  # type: ignore[arg-type]
+
+
+def test_a_request_with_its_prompt_goes_where_the_index_finds_it_and_a_bare_key_does_not() -> None:
+    r, _ = router(node("a"), node("b"), node("c"))
+    bare = Request(block_size=BLOCK).with_prompt(PROMPT)
+    owner = owner_of(r, bare.key)  # type: ignore[arg-type]
+    holder = next(n for n in "abc" if n != owner)
+    r.index.stored(holder, BLOCKS)
+    assert r.route(bare).node_id == holder
+    assert r.route(Request(key=bare.key, block_size=BLOCK)).node_id == owner
 
 
 def test_the_lease_counts_only_the_tokens_the_chosen_node_must_compute() -> None:
