@@ -8,7 +8,7 @@ from functools import lru_cache
 
 from prismlb.semantics import MODALITY_HEADER, Slice, parse_signature
 
-from ._keys import BLOCK_SIZE, PREFIX_TOKENS, block_hashes, prefix_key, prompt_cost, text_block_hashes
+from ._keys import BLOCK_SIZE, PREFIX_TOKENS, ExtraKey, block_hashes, prefix_key, prompt_cost, text_block_hashes
 
 SESSION_HEADER = "X-Session-Token"
 CONTEXT_HEADER = "X-Context-Signature"
@@ -71,7 +71,12 @@ class Request:
         )
 
     def with_prompt(
-        self, tokens: Sequence[int] | None = None, *, text: str | None = None, prefix_tokens: int = PREFIX_TOKENS
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        extra: Sequence[Sequence[ExtraKey] | None] | None = None,
+        prefix_tokens: int = PREFIX_TOKENS,
     ) -> Request:
         """This request with what placement reads of its prompt, given as token ids or as text (exactly one): `cost`,
         the prompt's tokens; `blocks`, its chained block hashes of `block_size` tokens; and `key`, where it has
@@ -79,15 +84,19 @@ class Request:
         else the ring); with them it places by expected time to first token over the cluster's prefix index.
 
         Token ids, the engine's (its tokenizer and chat template), name the blocks the engines' KV events name,
-        so the index finds them on every node that holds them. Text is for callers without the model's tokenizer:
-        its tokens are estimated from its UTF-8 bytes and its blocks are `text_block_hashes`, which match this
-        router's own placements only."""
+        so the index finds them on every node that holds them; `extra` gives each block's extra keys as the engine
+        has them (`block_hashes`: a media part's content id), without which a prompt's blocks match only up to its
+        first media part. Text is for callers without the model's tokenizer: its tokens are estimated from its
+        UTF-8 bytes and its blocks are `text_block_hashes`, which match this router's own placements only."""
         if (tokens is None) == (text is None):
             raise ValueError("give either the prompt's tokens or its text")
+        if extra is not None and tokens is None:
+            raise ValueError("extra keys name token blocks: give the prompt's tokens with them")
         size = self.block_size
         if tokens is not None:
             key = prefix_key(tokens, block_size=size, prefix_tokens=prefix_tokens) if self.key is None else self.key
-            return replace(self, key=key, cost=max(1, len(tokens)), blocks=tuple(block_hashes(tokens, size)))
+            blocks = tuple(block_hashes(tokens, size, extra=extra))
+            return replace(self, key=key, cost=max(1, len(tokens)), blocks=blocks)
         assert text is not None
         key = prefix_key(text=text, block_size=size, prefix_tokens=prefix_tokens) if self.key is None else self.key
         blocks = tuple(text_block_hashes(text, size)) if text else ()

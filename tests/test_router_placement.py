@@ -83,6 +83,12 @@ def test_with_prompt_fills_in_what_placement_reads_from_tokens_or_text() -> None
     for wrong in ({}, {"tokens": PROMPT, "text": text}):
         with pytest.raises(ValueError, match="either"):
             base.with_prompt(**wrong)  # type: ignore[arg-type]
+    image = [None, None, ["img-sha256-1"]]  # the third block holds an image's placeholder tokens
+    with_media = base.with_prompt(PROMPT, extra=image)
+    assert with_media.blocks == tuple(block_hashes(PROMPT, BLOCK, extra=image))
+    assert with_media.blocks[:2] == BLOCKS[:2] and with_media.blocks[2] != BLOCKS[2]
+    with pytest.raises(ValueError, match="tokens"):
+        base.with_prompt(text=text, extra=image)
 
 
 def test_a_request_with_its_prompt_goes_where_the_index_finds_it_and_a_bare_key_does_not() -> None:
