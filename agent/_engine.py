@@ -74,8 +74,8 @@ class _EngineNames:
     prefill_time: str | None
     """A histogram of each request's prefill seconds (None: the engine publishes none)."""
     prefill_stages: frozenset[str] | None = None
-    """Where `prefill_time` times every stage of a request under a `stage` label: the stages that are its prefill,
-    whose seconds add up (None: every series is prefill)."""
+    """Where `prefill_time` times several stages of a request under a `stage` label: the stages whose seconds add up
+    to its prefill (None: every series is prefill)."""
 
 
 _VLLM = _EngineNames(
@@ -95,8 +95,11 @@ _VLLM = _EngineNames(
 )
 # SGLang's `sglang:cache_hit_rate` gauge holds the last prefill batch's rate and is set to 0 by every decode
 # log, so the miss ratio comes from its per-request token counters instead (cached / prompt tokens). Its
-# per-stage histogram times each stage of a request from the end of the one before: a prompt's prefill is the
-# `prefill_forward` stage, with `chunked_prefill` before it where a long prompt took several chunks.
+# per-stage histogram's `prefill_forward` stage runs from a request's first forward pass to its first token,
+# every chunk of a long prompt included; `chunked_prefill` times those chunks again, inside it, so it is not
+# added. (SGLang releases before its request time stats were rewritten timed each stage from the end of the one
+# before, and `prefill_forward` held only a chunked prompt's last chunk: there the speed of prompts longer than
+# `--chunked-prefill-size` reads high.)
 _SGLANG = _EngineNames(
     kind="sglang",
     prefix="sglang:",
@@ -108,7 +111,7 @@ _SGLANG = _EngineNames(
     e2e="sglang:e2e_request_latency_seconds",
     queue="sglang:queue_time_seconds",
     prefill_time="sglang:per_stage_req_latency_seconds",
-    prefill_stages=frozenset({"prefill_forward", "chunked_prefill"}),
+    prefill_stages=frozenset({"prefill_forward"}),
 )
 _ENGINES = (_VLLM, _SGLANG)
 

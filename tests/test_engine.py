@@ -334,23 +334,25 @@ def sglang_text(prompt: float, cached: float, first_tokens: float, stages_s: dic
     return ("\n".join(lines) + "\n").encode()
 
 
-def test_sglang_prefill_speed_is_computed_tokens_over_its_prefill_stages(server: MetricsServer) -> None:
-    def stages(forward: float, decode: float, chunked: float | None = None) -> dict[str, float]:
-        chunks = {} if chunked is None else {"chunked_prefill": chunked}
-        return {"prefill_waiting": 9, "prefill_forward": forward, **chunks, "decode_forward": decode}
+def test_sglang_prefill_speed_is_computed_tokens_over_its_prefill_forward_stage(server: MetricsServer) -> None:
+    def stages(forward: float | None, decode: float, chunked: float = 0.0) -> dict[str, float]:
+        first = {} if forward is None else {"prefill_forward": forward}
+        waiting = {"request_process": 0.01, "prefill_waiting": 9}
+        return {**waiting, **first, "chunked_prefill": chunked, "decode_forward": decode}
 
     collector = scraping(
         server,
-        sglang_text(1000, 200, 4, stages(0.5, 30.0)),
-        sglang_text(5000, 1200, 10, stages(1.0, 60.0, chunked=0.2)),  # a prompt was chunked: a new series
-        sglang_text(9000, 3200, 26, stages(1.5, 90.0, chunked=0.6)),
-        sglang_text(500, 100, 2, stages(0.2, 1.0, chunked=0.0)),  # restarted: the window starts again
+        sglang_text(0, 0, 0, stages(None, 0.0)),  # just started: no prompt has reached its first token yet
+        sglang_text(1000, 200, 4, stages(0.5, 30.0, chunked=0.3)),  # the prefill stage's series appears
+        sglang_text(9000, 3200, 26, stages(1.5, 90.0, chunked=0.9)),
+        sglang_text(500, 100, 2, stages(0.2, 1.0)),  # restarted: the window starts again
         sglang_text(2500, 600, 22, stages(0.6, 9.0, chunked=0.1)),
     )
     assert collector.sample().prefill_tokens_per_s is None  # the window starts
-    assert collector.sample().prefill_tokens_per_s is None  # and starts again with the chunked stage's series
-    # 16 first tokens since: 4000 prompt tokens, 2000 cached, over 0.5 + 0.4 s of prefill (the waiting and decode
-    # stages are not prefill; both TP ranks publish the same series, read once).
-    assert collector.sample().prefill_tokens_per_s == pytest.approx(2000 / 0.9)
+    assert collector.sample().prefill_tokens_per_s is None  # and starts again with the prefill stage's series
+    # 22 first tokens since: 8000 prompt tokens, 3000 cached, over 1.0 s of `prefill_forward`, which spans a long
+    # prompt's chunks (`chunked_prefill` times them again, inside it; the waiting and decode stages are not
+    # prefill; both TP ranks publish the same series, read once).
+    assert collector.sample().prefill_tokens_per_s == pytest.approx(5000 / 1.0)
     assert collector.sample().prefill_tokens_per_s is None
-    assert collector.sample().prefill_tokens_per_s == pytest.approx((2000 - 500) / 0.5)
+    assert collector.sample().prefill_tokens_per_s == pytest.approx((2000 - 500) / 0.4)
