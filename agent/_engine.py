@@ -408,21 +408,14 @@ def _cache_counters(names: _EngineNames, samples: dict[str, _Series]) -> tuple[s
 def _cache_deltas(
     samples: dict[str, _Series], previous: dict[str, _Series], queries_name: str, hits_name: str
 ) -> tuple[float, float] | None:
-    """(Δqueries, Δhits) in prompt tokens over the series present in both scrapes that did not restart; None if no
-    queries. Not clamped: more hits than queries, or a NaN counter, gives a miss ratio the ratio's bound drops
-    and counts."""
-    queries, hits = samples.get(queries_name, {}), samples.get(hits_name, {})
-    queries_before, hits_before = previous.get(queries_name, {}), previous.get(hits_name, {})
-    queried = hit = 0.0
-    for labels, q1 in queries.items():
-        q0, h0, h1 = queries_before.get(labels), hits_before.get(labels), hits.get(labels)
-        if q0 is None or h0 is None or h1 is None or q1 < q0 or h1 < h0:
-            continue
-        queried += q1 - q0
-        hit += h1 - h0
-    if queried <= 0:
+    """(Δqueries, Δhits) in prompt tokens, each over its series present in both scrapes that did not restart; None if
+    no queries. Each counter is summed over its own series: their labels need not match (SGLang's cached tokens carry
+    a `cache_source`, device, host or storage, which its prompt tokens do not). Not clamped: more hits than
+    queries, or a NaN counter, gives a miss ratio the ratio's bound drops and counts."""
+    queried = _gained(samples, previous, queries_name)
+    if not queried > 0:
         return None
-    return queried, hit
+    return queried, _gained(samples, previous, hits_name)
 
 
 def _gained(samples: dict[str, _Series], previous: dict[str, _Series], name: str) -> float:

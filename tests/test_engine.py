@@ -313,15 +313,20 @@ def test_sglang_without_its_per_stage_histogram_gives_no_speed(server: MetricsSe
     assert second.kv_cache_miss_ratio is not None and second.prefill_tokens_per_s is None
 
 
-def sglang_text(prompt: float, cached: float, first_tokens: float, stages_s: dict[str, float]) -> bytes:
+def sglang_text(
+    prompt: float, cached: float | dict[str, float], first_tokens: float, stages_s: dict[str, float]
+) -> bytes:
     """One SGLang server's token counters and first tokens (the tokenizer's series) and its per-stage histogram's
-    sums, published by both TP ranks of its scheduler."""
+    sums, published by both TP ranks of its scheduler. `cached` by `cache_source`, as SGLang publishes it since its
+    hierarchical cache, or as one series."""
     model = 'model_name="m"'
     lines = ["# TYPE sglang:prompt_tokens counter", "# TYPE sglang:cached_tokens counter"]
     lines += ["# TYPE sglang:time_to_first_token_seconds histogram"]
     lines += ["# TYPE sglang:per_stage_req_latency_seconds histogram"]
-    lines.append(f"sglang:prompt_tokens_total{{{model}}} {prompt}")
-    lines.append(f"sglang:cached_tokens_total{{{model}}} {cached}")
+    lines.append(f'sglang:prompt_tokens_total{{{model},engine_type="unified"}} {prompt}')
+    for source, tokens in cached.items() if isinstance(cached, dict) else [(None, cached)]:
+        labels = model if source is None else f'{model},cache_source="{source}"'
+        lines.append(f"sglang:cached_tokens_total{{{labels}}} {tokens}")
     lines.append(f'sglang:time_to_first_token_seconds_bucket{{{model},le="+Inf"}} {first_tokens}')
     lines.append(f"sglang:time_to_first_token_seconds_count{{{model}}} {first_tokens}")
     lines.append(f"sglang:time_to_first_token_seconds_sum{{{model}}} {first_tokens}")
@@ -332,6 +337,25 @@ def sglang_text(prompt: float, cached: float, first_tokens: float, stages_s: dic
             lines.append(f"sglang:per_stage_req_latency_seconds_count{{{labels}}} 1.0")
             lines.append(f"sglang:per_stage_req_latency_seconds_sum{{{labels}}} {seconds}")
     return ("\n".join(lines) + "\n").encode()
+
+
+def test_sglang_cached_tokens_by_source_add_up_whatever_their_labels(server: MetricsServer) -> None:
+    stages = {"prefill_forward": 0.0}
+    collector = scraping(
+        server,
+        sglang_text(1000, {"device": 100}, 0, stages),
+        sglang_text(5000, {"device": 1100, "host": 400}, 20, {"prefill_forward": 0.5}),
+        sglang_text(9000, {"device": 2100, "host": 900}, 40, {"prefill_forward": 1.5}),
+    )
+    collector.sample()
+    # +4000 prompt tokens, +1000 cached on the GPU (the host's series is new: its tokens start the next window)
+    second = collector.sample()
+    assert second.kv_cache_miss_ratio == pytest.approx(3000 / 4000)
+    assert second.prefill_tokens_per_s == pytest.approx(3000 / 0.5)
+    # +4000 prompt tokens, +1000 cached on the GPU and +500 in host memory: 2500 computed in 1 s
+    third = collector.sample()
+    assert third.kv_cache_miss_ratio == pytest.approx(2500 / 4000)
+    assert third.prefill_tokens_per_s == pytest.approx(2500 / 1.0)
 
 
 def test_sglang_prefill_speed_is_computed_tokens_over_its_prefill_forward_stage(server: MetricsServer) -> None:
