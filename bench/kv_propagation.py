@@ -118,8 +118,10 @@ class _StampedRouter(Router):
 
     seen: dict[int, int]
 
-    def apply_kv(self, node_id: str, reset: bool, stored: Sequence[int], removed: Sequence[int]) -> None:
-        super().apply_kv(node_id, reset, stored, removed)
+    def apply_kv(
+        self, node_id: str, reset: bool, stored: Sequence[int], removed: Sequence[int], block_size: int | None = None
+    ) -> None:
+        super().apply_kv(node_id, reset, stored, removed, block_size)
         now = time.monotonic_ns()
         for block in stored:
             if block >= FIRST_HASH and block not in self.seen:

@@ -58,7 +58,15 @@ class RouterCollector:
         )
         for outcome, count in router.turns.counts.items():
             turns.add_metric([outcome], count)
-        return [*families, inflight, available, circuit, outcomes, sessions, waiting, turns]
+        mismatches = CounterMetricFamily(
+            "prism_router_kv_block_size_mismatches",
+            "Requests placed on a node whose KV events name blocks of another size than the request's hashes: the "
+            "prefix index cannot match that node's cache",
+            labels=["node"],
+        )
+        for node, count in sorted(router.kv_block_size_mismatches.items()):
+            mismatches.add_metric([node], count)
+        return [*families, inflight, available, circuit, outcomes, sessions, waiting, turns, mismatches]
 
     @staticmethod
     def _table_families(

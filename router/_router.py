@@ -179,6 +179,11 @@ class Router:
         caller's own feed) and by this router's placements; read by the expected-TTFT choice."""
         self._reporting: set[str] = set()
         """Nodes whose engines' KV events reach this router (`apply_kv`): the index knows what they cache."""
+        self._kv_block_sizes: dict[str, int] = {}
+        """The block size, in tokens, of each node's KV events (`apply_kv`)."""
+        self.kv_block_size_mismatches: dict[str, int] = {}
+        """Requests placed on a node whose KV events name blocks of another size than the request's hashes, by node:
+        the prefix index can never match them (an engine's block or page size unlike the callers')."""
         self._has_table = threading.Event()
         self._drop_refused: tuple[tuple[str, int, int], float] | None = None  # (table, first refused at)
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -337,9 +342,14 @@ class Router:
         self._drop_refused = (key, since)
         return False
 
-    def apply_kv(self, node_id: str, reset: bool, stored: Sequence[int], removed: Sequence[int]) -> None:
+    def apply_kv(
+        self, node_id: str, reset: bool, stored: Sequence[int], removed: Sequence[int], block_size: int | None = None
+    ) -> None:
         """One node's prefix-cache change from the cluster's KV stream: with `reset`, its whole set is `stored`
-        (empty: unknown or gone); else `removed` leave it, then `stored` join it."""
+        (empty: unknown or gone); else `removed` leave it, then `stored` join it. `block_size`: the tokens per block
+        of the node's KV events, which requests placed there are checked against (`kv_block_size_mismatches`)."""
+        if block_size is not None:
+            self._kv_block_sizes[node_id] = block_size
         if reset:
             self.index.reset(node_id, stored)
             if stored:
@@ -739,6 +749,21 @@ class Router:
         moved_from, context, units = self._record(request, key, group, index, session, blocks, depths, remember, now)
         return group, index, moved_from, context, units
 
+    def _block_size_mismatch(self, node_id: str, size: int) -> None:
+        """Count a request whose blocks are `size` tokens placed on a node whose KV events name blocks of another
+        size, and say so once per node: its cache is invisible to the prefix index, and nothing else tells."""
+        count = self.kv_block_size_mismatches.get(node_id, 0)
+        self.kv_block_size_mismatches[node_id] = count + 1
+        if count == 0:
+            _log.warning(
+                "node %s's KV events name blocks of %d tokens and requests hash blocks of %d (Request.block_size): "
+                "the prefix index cannot match its cache; give the engine the callers' block size (vLLM "
+                "--block-size, SGLang --page-size) or the callers the engine's",
+                node_id,
+                self._kv_block_sizes[node_id],
+                size,
+            )
+
     def _spill(self, target: SliceRoute, home: Group) -> Group | None:
         """The overflow entries a request of `target` placed from `home` may detour to: the slice's, while
         `Settings.overflow` is on and `home` is the slice's group or one of its zones (an experiment's arm keeps its
@@ -906,6 +931,8 @@ class Router:
             memory.put(key, label, request.cost)
         depth = depths.get(endpoint.node_id, 0)
         units = request.cost - self._cached(request, depth)
+        if blocks and self._kv_block_sizes.get(endpoint.node_id, request.block_size) != request.block_size:
+            self._block_size_mismatch(endpoint.node_id, request.block_size)
         if remember and blocks:
             if self._echo:
                 fresh = self._fresh

@@ -135,13 +135,17 @@ def test_relay_snapshot_is_every_node_in_parts_then_the_end() -> None:
 # --- the follower (router side) --------------------------------------------------------------------------------
 
 
-def delta(seq: int, node: str = "n1", stored: Sequence[int] = (), reset: bool = False, epoch: int = 1) -> KvDelta:
-    return KvDelta(brain_id="b", epoch=epoch, seq=seq, node_id=node, reset=reset, stored=list(stored))
+def delta(
+    seq: int, node: str = "n1", stored: Sequence[int] = (), reset: bool = False, epoch: int = 1, size: int = 16
+) -> KvDelta:
+    return KvDelta(
+        brain_id="b", epoch=epoch, seq=seq, node_id=node, reset=reset, stored=list(stored), block_size_tokens=size
+    )
 
 
 def test_follower_buffers_while_it_waits_for_a_snapshot_and_clears_nodes_left_out() -> None:
     applied: list[tuple[str, bool, tuple[int, ...]]] = []
-    follower = KvFollower(lambda node, reset, stored, removed: applied.append((node, reset, tuple(stored))))
+    follower = KvFollower(lambda node, reset, stored, removed, size: applied.append((node, reset, tuple(stored))))
     follower.follow("b")
     assert follower.wants_snapshot
     follower.delta(delta(5, stored=[50]))  # before the snapshot: in it already
@@ -157,9 +161,19 @@ def test_follower_buffers_while_it_waits_for_a_snapshot_and_clears_nodes_left_ou
     assert applied[-1] == ("n1", False, (90,)) and follower.next_seq == 10
 
 
+def test_follower_hands_on_each_deltas_block_size() -> None:
+    sizes: list[int | None] = []
+    follower = KvFollower(lambda node, reset, stored, removed, size: sizes.append(size))
+    follower.follow("b")
+    follower.snapshot_part(delta(1, stored=[1], reset=True, size=64))
+    follower.snapshot_end(KvSnapshotEnd(brain_id="b", epoch=1, seq=1, nodes=[]))  # leaves n1 out: emptied, no size
+    follower.delta(delta(2, node="n2", stored=[2], size=1))
+    assert sizes == [64, None, 1]
+
+
 def test_follower_ignores_other_brains_and_stale_snapshots() -> None:
     applied: list[str] = []
-    follower = KvFollower(lambda node, reset, stored, removed: applied.append(node))
+    follower = KvFollower(lambda node, reset, stored, removed, size: applied.append(node))
     follower.follow("b")
     follower.snapshot_end(KvSnapshotEnd(brain_id="other", epoch=1, seq=0, nodes=[]))
     assert follower.wants_snapshot

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from prismlb.router import Lease, Request, Router, Settings, Ticket, block_hashes, prefix_key, text_block_hashes
 from prismlb.wire import RoutingTable, SliceTable, TableNode
@@ -99,6 +101,25 @@ def test_a_request_with_its_prompt_goes_where_the_index_finds_it_and_a_bare_key_
     r.index.stored(holder, BLOCKS)
     assert r.route(bare).node_id == holder
     assert r.route(Request(key=bare.key, block_size=BLOCK)).node_id == owner
+
+
+def test_a_request_hashed_in_other_blocks_than_its_nodes_events_is_counted_and_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = CollectorRegistry()
+    r = Router(registry=registry, clock=Clock())
+    r.apply(table(node("a"), node("b")))
+    r.apply_kv("a", False, (7,), (), block_size=1)  # an SGLang engine left at page size 1
+    r.apply_kv("b", False, (9,), (), block_size=BLOCK)
+    with caplog.at_level(logging.WARNING, logger="prism.router"):
+        for _ in range(3):
+            r.request(request(), exclude=("b",)).begin()
+        r.request(request(), exclude=("a",)).begin()
+        r.request(Request(key=1), exclude=("b",)).begin()  # no blocks: nothing to match
+    assert r.kv_block_size_mismatches == {"a": 3}
+    warned = [m for m in caplog.messages if "blocks of 1 tokens" in m]
+    assert len(warned) == 1 and "--page-size" in warned[0]
+    assert registry.get_sample_value("prism_router_kv_block_size_mismatches_total", {"node": "a"}) == 3
 
 
 def test_the_lease_counts_only_the_tokens_the_chosen_node_must_compute() -> None:

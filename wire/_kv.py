@@ -50,8 +50,9 @@ def split_kv_changes(
     ]
 
 
-KvApply = Callable[[str, bool, Sequence[int], Sequence[int]], None]
-"""(node_id, reset, stored, removed): what a router does with one node's change (reset: `stored` is the set)."""
+KvApply = Callable[[str, bool, Sequence[int], Sequence[int], int | None], None]
+"""(node_id, reset, stored, removed, block_size): what a router does with one node's change (reset: `stored` is the
+set; block_size: the tokens per block of the node's KV events, None when unknown)."""
 
 
 @dataclass
@@ -120,7 +121,7 @@ class KvFollower:
         self._take(delta)
 
     def _take(self, delta: KvDelta) -> None:
-        self._apply(delta.node_id, delta.reset, delta.stored, delta.removed)
+        self._apply(delta.node_id, delta.reset, delta.stored, delta.removed, delta.block_size_tokens)
         self.nodes.add(delta.node_id)
         self.next_seq = delta.seq + 1
         self.stats.deltas += 1
@@ -128,7 +129,7 @@ class KvFollower:
     def snapshot_part(self, delta: KvDelta) -> None:
         """One node's reset (or a later part of it) from the snapshot socket; ignored unless one is awaited."""
         if self.wants_snapshot and delta.brain_id == self.brain_id:
-            self._apply(delta.node_id, delta.reset, delta.stored, ())
+            self._apply(delta.node_id, delta.reset, delta.stored, (), delta.block_size_tokens)
             self.nodes.add(delta.node_id)
 
     def snapshot_end(self, end: KvSnapshotEnd) -> None:
@@ -137,7 +138,7 @@ class KvFollower:
             return
         listed = set(end.nodes)
         for node in self.nodes - listed:
-            self._apply(node, True, (), ())
+            self._apply(node, True, (), (), None)
         self.nodes = listed
         self.epoch, self.next_seq = end.epoch, end.seq + 1
         self.wants_snapshot = False
