@@ -76,6 +76,9 @@ class _EngineNames:
     prefill_stages: frozenset[str] | None = None
     """Where `prefill_time` times several stages of a request under a `stage` label: the stages whose seconds add up
     to its prefill (None: every series is prefill)."""
+    computed_tokens: str | None = None
+    """A histogram of each request's prompt tokens computed in prefill (cached ones left out), observed with
+    `prefill_time` for the same requests; None: the engine publishes none, and the prefix-cache counters stand in."""
 
 
 _VLLM = _EngineNames(
@@ -92,7 +95,12 @@ _VLLM = _EngineNames(
     e2e="vllm:e2e_request_latency_seconds",
     queue="vllm:request_queue_time_seconds",
     prefill_time="vllm:request_prefill_time_seconds",
+    computed_tokens="vllm:request_prefill_kv_computed_tokens",
 )
+# vLLM observes a request's prefill time and its computed tokens together, when the request finishes; its
+# prefix-cache counters count the tokens when it is scheduled. A window that pairs the counters with the prefill
+# time pairs different requests (by a reply's length apart), so the histogram of computed tokens is read where an
+# engine publishes it, and the counters (first tokens counting towards the window) only where it does not.
 # SGLang's `sglang:cache_hit_rate` gauge holds the last prefill batch's rate and is set to 0 by every decode
 # log, so the miss ratio comes from its per-request token counters instead (cached / prompt tokens). Its
 # per-stage histogram's `prefill_forward` stage runs from a request's first forward pass to its first token,
@@ -301,7 +309,8 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
 
 class _SpeedWindow:
     """The scrape the engine's prefill speed is measured from: each measure spans at least `MIN_PREFILL_REQUESTS`
-    first tokens, over as many scrapes as that takes, and the scrape that ends one starts the next."""
+    requests (those whose prefill times it adds up, or first tokens where the prefix-cache counters stand in for
+    the computed tokens), over as many scrapes as that takes, and the scrape that ends one starts the next."""
 
     def __init__(self) -> None:
         self._base: dict[str, _Series] | None = None
@@ -321,17 +330,23 @@ class _SpeedWindow:
         if sum(now.values()) < sum(before.values()) or not now.keys() <= before.keys():
             self._base = samples
             return None
-        if _gained(samples, self._base, f"{names.ttft}_count") < MIN_PREFILL_REQUESTS:
+        computed = f"{names.computed_tokens}_sum"
+        paired = names.computed_tokens is not None and computed in samples and computed in self._base
+        counted = f"{names.prefill_time}_count" if paired else f"{names.ttft}_count"
+        if _gained(samples, self._base, counted) < MIN_PREFILL_REQUESTS:
             return None
         seconds = _series_gained(now, before)
         if seconds <= 0:
             return None
-        cache = _cache_deltas(samples, self._base, *_cache_counters(names, samples))
+        if paired:
+            tokens = _gained(samples, self._base, computed)
+        else:
+            cache = _cache_deltas(samples, self._base, *_cache_counters(names, samples))
+            tokens = None if cache is None else cache[0] - cache[1]
         self._base = samples
-        if cache is None:
+        if tokens is None:
             return None
-        queried, hit = cache
-        return invalid.check("engine", "prefill_tokens_per_s", (queried - hit) / seconds, REQUESTS)
+        return invalid.check("engine", "prefill_tokens_per_s", tokens / seconds, REQUESTS)
 
 
 def _prefill_seconds(names: _EngineNames, samples: dict[str, _Series]) -> _Series:

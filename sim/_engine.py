@@ -73,6 +73,8 @@ _PART_MODALITY: dict[str, Modality] = {
 }
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+_COMPUTED_BUCKETS = tuple(b for e in range(7) for b in (10**e, 2 * 10**e, 5 * 10**e) if b <= MAX_MODEL_LEN)
+"""vLLM's 1-2-5 buckets up to the context length, for the computed-tokens histogram."""
 _SNAPSHOT_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.012, 0.016, 0.025, 0.05, 0.1, 0.25)
 """Snapshot write and context load seconds; 8 ms and 12 ms are bounds, so the share under each target is exact."""
 CONTEXT_OUTCOMES = ("loaded", "cached", "own", "missing", "stale", "no_room")
@@ -166,9 +168,16 @@ class _Metrics:
         )
         self.prefill = Histogram(
             "vllm:request_prefill_time_seconds",
-            "Seconds from admission to first token.",
+            "Seconds from admission to first token, observed when the request finishes (as vLLM does).",
             labels,
             buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.computed = Histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens computed in prefill (cached ones left out), observed when the request finishes.",
+            labels,
+            buckets=_COMPUTED_BUCKETS,
             registry=self.registry,
         )
         self.values = (MODEL_NAME, "0")
@@ -181,6 +190,7 @@ class _Metrics:
             self.ttft,
             self.e2e,
             self.prefill,
+            self.computed,
         )
         for metric in metrics:
             metric.labels(*self.values)  # published from the start, at zero
@@ -552,8 +562,6 @@ class EmulatedEngine:
                     self.window.observe(t - job.arrival_s, t)
             elif kind == "first_token":
                 metrics.ttft.labels(*values).observe(t - job.arrival_s)
-                assert job.admitted_s is not None
-                metrics.prefill.labels(*values).observe(t - job.admitted_s)
                 stream.out.put(job)
                 batch = stream.batch
                 assert batch is not None
@@ -562,6 +570,9 @@ class EmulatedEngine:
                     self.window.record_batch(t - batch.handed_s, t)
             else:
                 metrics.e2e.labels(*values).observe(t - job.arrival_s)
+                assert job.admitted_s is not None and job.first_token_s is not None
+                metrics.prefill.labels(*values).observe(job.first_token_s - job.admitted_s)
+                metrics.computed.labels(*values).observe(job.prompt_tokens - job.cached_tokens)
                 stream.out.put(job)
         self._gauges()
         if events:

@@ -264,9 +264,13 @@ def vllm_text(
     hits: tuple[float, float],
     prefill_s: tuple[float, float],
     first_tokens: tuple[float, float] = (0.0, 0.0),
+    *,
+    finished: tuple[float, float] = (1.0, 1.0),
+    computed: tuple[float, float] | None = None,
 ) -> bytes:
-    """Two engines' prefix-cache counters, prefill-time histogram sums and first tokens (the TTFT histogram's
-    count), in vLLM's names."""
+    """Two engines' prefix-cache counters, prefill-time histograms (`finished` requests observed) and first tokens
+    (the TTFT histogram's count), in vLLM's names; with `computed`, the computed-tokens histogram's sums as well,
+    observed with the prefill times."""
     lines = ["# TYPE vllm:prefix_cache_queries counter", "# TYPE vllm:prefix_cache_hits counter"]
     lines += ["# TYPE vllm:request_prefill_time_seconds histogram", "# TYPE vllm:time_to_first_token_seconds histogram"]
     for engine in (0, 1):
@@ -278,10 +282,32 @@ def vllm_text(
         labels = f'engine="{engine}",model_name="m"'
         lines.append(f"vllm:prefix_cache_queries_total{{{labels}}} {queries[engine]}")
         lines.append(f"vllm:prefix_cache_hits_total{{{labels}}} {hits[engine]}")
-        lines.append(f'vllm:request_prefill_time_seconds_bucket{{{labels},le="+Inf"}} 1.0')
-        lines.append(f"vllm:request_prefill_time_seconds_count{{{labels}}} 1.0")
+        lines.append(f'vllm:request_prefill_time_seconds_bucket{{{labels},le="+Inf"}} {finished[engine]}')
+        lines.append(f"vllm:request_prefill_time_seconds_count{{{labels}}} {finished[engine]}")
         lines.append(f"vllm:request_prefill_time_seconds_sum{{{labels}}} {prefill_s[engine]}")
+        if computed is not None:
+            name = "vllm:request_prefill_kv_computed_tokens"
+            lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {finished[engine]}')
+            lines.append(f"{name}_count{{{labels}}} {finished[engine]}")
+            lines.append(f"{name}_sum{{{labels}}} {computed[engine]}")
     return ("\n".join(lines) + "\n").encode()
+
+
+def test_vllm_prefill_speed_pairs_the_computed_tokens_and_prefill_times_of_the_same_finished_requests(
+    server: MetricsServer,
+) -> None:
+    collector = scraping(
+        server,
+        vllm_text((1000, 0), (0, 0), (1.0, 0.0), (10, 0), finished=(5, 0), computed=(900, 0)),
+        # 30 first tokens, 7000 prompt tokens scheduled uncached, but only 7 requests finished: too few to tell
+        vllm_text((9000, 0), (1000, 0), (2.0, 0.0), (40, 0), finished=(12, 0), computed=(2900, 0)),
+        vllm_text((9000, 0), (1000, 0), (3.0, 0.0), (40, 0), finished=(25, 0), computed=(4900, 0)),
+    )
+    assert collector.sample().prefill_tokens_per_s is None  # the window starts
+    assert collector.sample().prefill_tokens_per_s is None
+    # 20 requests finished since the first scrape: 4000 tokens computed in their 2 s of prefill (the counters'
+    # 7000 tokens, counted when scheduled, belong partly to requests still decoding).
+    assert collector.sample().prefill_tokens_per_s == pytest.approx(4000 / 2.0)
 
 
 def test_vllm_prefill_speed_is_computed_tokens_over_prefill_seconds_of_enough_requests(server: MetricsServer) -> None:
