@@ -142,9 +142,9 @@ Exposition = dict[str, dict[frozenset[tuple[str, str]], float]]
 
 class _ModelScrape(EngineCollector):
     """The agent's collector of an engine, its scrape of `/metrics` at `address` replaced by `exposition`: the
-    engine model's counters and histograms under vLLM's names, as `EmulatedEngine` publishes them and the
-    collector parses them: the agent's own deltas between scrapes (prefix-cache miss ratio, prefill speed, the
-    engine's latency quantiles) without the HTTP round trip and the text format in between."""
+    engine model's counters and histograms under vLLM's names, as the collector parses them: the agent's own deltas
+    between scrapes (prefix-cache miss ratio, prefill speed, the engine's latency quantiles) without the HTTP round
+    trip and the text format in between."""
 
     def __init__(self, address: str, exposition: Callable[[], Exposition]) -> None:
         super().__init__(f"{address}/metrics")
@@ -295,7 +295,10 @@ class _Node:
 
     def exposition(self) -> Exposition:
         """The engine's `/metrics` now, as the agent's collector parses a vLLM page: sample name → value by label
-        set (one engine, no labels but the buckets' `le`)."""
+        set (one engine, no labels but the buckets' `le`). The prefill seconds and the prefix-cache counters are both
+        counted at admission, so they pair the same requests without the computed-tokens histogram a vLLM engine
+        (and `EmulatedEngine`) observes at a request's end with its prefill time: the replay's agent measures its
+        speed from the counters, a reply's length sooner than a live one."""
         m = self.model
         queries, hits = _VLLM.cache_counters[0]
         return {

@@ -124,8 +124,9 @@ class EngineModel:
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
         self.prefill_seconds = 0.0
-        """Prefill time of the admitted requests, summed (vLLM's `request_prefill_time_seconds` histogram sum):
-        prompt tokens less cache hits over it is the engine's prefill speed as an agent measures it."""
+        """Prefill time of the admitted requests, summed when they are admitted (vLLM's
+        `request_prefill_time_seconds` histogram sum, which vLLM observes when a request ends): prompt tokens less
+        cache hits over it is the engine's prefill speed as the replay's agent measures it."""
 
     # --- what a scrape would read -------------------------------------------------------------------------
 
