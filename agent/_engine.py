@@ -47,7 +47,8 @@ _Labels = frozenset[tuple[str, str]]
 _Series = dict[_Labels, float]
 _RawQuantiles = tuple[float, float, float, float]  # requests, p50, p95, p99 in ms, before their bounds
 MIN_PREFILL_REQUESTS = 16
-"""The requests a speed is measured over at the least (`_SpeedWindow`, counted by their first tokens): a scrape's
+"""The requests a speed is measured over at the least (`_SpeedWindow`, counted by the prefill times observed, or
+by their first tokens where the prefix-cache counters stand in for the computed tokens): a scrape's
 window with a few requests reads the ratio of two small numbers, and where a media encoder's time dominates a
 handful of uncached tokens (an audio clip after a cached prompt) it reads a speed thirty times below the engine's.
 Counted in requests, not seconds, so that an engine which prefills fast (or a time-compressed emulation of one)
@@ -142,10 +143,10 @@ class EngineSample:
     kv_cache_usage_ratio: float | None = None
     kv_cache_miss_ratio: float | None = None
     prefill_tokens_per_s: float | None = None
-    """Prompt tokens computed (queried less found cached) over the seconds requests spent in prefill, both
-    gained since the scrape that ended the last measure, once `MIN_PREFILL_REQUESTS` reached their first token (None
-    before): the engine's prefill speed. Requests prefilled in the same steps share those seconds, so a busy engine
-    reads slower than it computes; all engines of a fleet read alike."""
+    """Prompt tokens computed (the computed-tokens histogram, else queried less found cached) over the seconds
+    requests spent in prefill, both gained since the scrape that ended the last measure, once `MIN_PREFILL_REQUESTS`
+    were counted (None before): the engine's prefill speed. Requests prefilled in the same steps share those seconds,
+    so a busy engine reads slower than it computes; all engines of a fleet read alike."""
     requests_running: int | None = None
     requests_waiting: int | None = None
     requests_per_s: float | None = None
