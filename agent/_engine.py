@@ -317,7 +317,7 @@ class _SpeedWindow:
         self._base: dict[str, _Series] | None = None
 
     def measure(self, names: _EngineNames, samples: dict[str, _Series], invalid: InvalidValues) -> float | None:
-        """The speed since the window's first scrape once it spans `MIN_PREFILL_REQUESTS` first tokens, else None (also
+        """The speed since the window's first scrape once it spans `MIN_PREFILL_REQUESTS` requests, else None (also
         without a prefill histogram, or when no prompt token was computed since). An engine whose prefill seconds
         went down since restarted: its window starts again, as it does when a prefill series appears (an engine
         publishes a labelled series from its first observation, SGLang each stage's), which a window can only

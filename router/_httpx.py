@@ -7,11 +7,11 @@ the messages' content parts; the cost (what `load="prefill"` balances) is the pr
 estimated tokens; the block hashes (`Request.blocks`, which the router matches against its prefix index; all three
 from `Request.with_prompt`) are `block_hashes` of a prompt given as token ids, or of the ids the transport's
 `tokenize` gives for the body (the model's tokenizer and chat template, as the engine applies them), which match the
-engines' KV events; else
-`text_block_hashes` of the conversation, which match this router's own placements (media parts stand in as digests
-of themselves, so they hash by content). A `tokenize` that raises or gives no token ids leaves that request on the
-text fallback, counted (`tokenize` in the router's rejects); media parts' blocks carry the engine's extra keys,
-which token ids alone do not, so with media the ids match up to the first media part only. Session, context
+engines' KV events; else `text_block_hashes` of the conversation, which match this router's own placements (media
+parts stand in as digests of themselves, so they hash by content). A `tokenize` that raises or gives no token ids
+leaves that request on the text fallback, counted (`tokenize` in the router's rejects); media parts' blocks carry the
+engine's extra keys, which token ids alone do not, so with media the ids match up to the first media part only.
+Session, context
 signature and request class come from their headers. The request goes to the endpoint's scheme, host and port (its
 path prefix, if any, before the request's path).
 

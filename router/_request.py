@@ -93,12 +93,16 @@ class Request:
         if extra is not None and tokens is None:
             raise ValueError("extra keys name token blocks: give the prompt's tokens with them")
         size = self.block_size
+        key = (
+            self.key
+            if self.key is not None
+            else prefix_key(tokens, text=text, block_size=size, prefix_tokens=prefix_tokens)
+        )
         if tokens is not None:
-            key = prefix_key(tokens, block_size=size, prefix_tokens=prefix_tokens) if self.key is None else self.key
-            blocks = tuple(block_hashes(tokens, size, extra=extra))
-            return replace(self, key=key, cost=max(1, len(tokens)), blocks=blocks)
+            return replace(
+                self, key=key, cost=max(1, len(tokens)), blocks=tuple(block_hashes(tokens, size, extra=extra))
+            )
         assert text is not None
-        key = prefix_key(text=text, block_size=size, prefix_tokens=prefix_tokens) if self.key is None else self.key
         blocks = tuple(text_block_hashes(text, size)) if text else ()
         return replace(self, key=key, cost=prompt_cost(text), blocks=blocks)
 
