@@ -28,20 +28,15 @@ Clients retry these answers with backoff. Open connections and bytes held are on
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import logging
 import math
-import socket
-import socketserver
 import threading
-import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
@@ -65,7 +60,7 @@ from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from prismlb.service import reply_bytes
+from prismlb.service import POLL_S, BoundedHandler, BoundedHttpServer, reply_bytes
 from prismlb.wire import ConfigError, RejectCounter, WireError
 
 _log = logging.getLogger("prism.agent.otlp")
@@ -81,10 +76,8 @@ DEFAULT_MAX_GRPC_RPCS = 8
 EPHEMERAL_PORT = -1
 """Port argument: bind a free port chosen by the kernel (tests); read it back from `grpc_port`/`http_port`."""
 
-_POLL_S = 0.1  # how soon the HTTP server notices shutdown and a request past its read deadline
 _REFUSAL_THREADS = 2  # gRPC threads beyond the admitted exports, so a refusal never waits for an export to end
 _GRPC_BACKLOG = 4  # gRPC itself refuses, uncounted, beyond this many calls a thread: refusals piling up in a flood
-_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 1\r\nContent-Length: 0\r\n\r\n"
 _DRAIN_LIMIT = 1 << 20  # a refused HTTP body up to this size (over the limit) is read and discarded, not reset
 _BAD_IDS = "spans rejected: a trace id must be 16 bytes and a span id 8 bytes"
 _BAD_LOG_IDS = "log records rejected: a trace id must be empty or 16 bytes, a span id empty or 8 bytes"
@@ -318,136 +311,28 @@ class _Budget:
             return self._held
 
 
-@dataclass
-class _Slot:
-    """One admitted HTTP connection: when the request being read must be complete (None while none is being
-    read), and whether it was closed for missing that deadline."""
-
-    deadline: float | None
-    timed_out: bool = False
-
-
-class _HttpServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer with at most `max_connections` connections (threads) and a read deadline per request,
-    enforced by the accepting thread between its polls."""
-
-    request_queue_size = 128  # a burst of connects waits in the kernel for the accepting thread, not in SYN retries
+class _HttpServer(BoundedHttpServer):
+    """The receiver's HTTP server: its bounds are the receiver's, its refusals counted in its `http` rejects."""
 
     def __init__(self, host: str, port: int, receiver: OtlpReceiver) -> None:
-        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.receiver = receiver
-        self.connections: dict[socket.socket, _Slot] = {}
-        self.connections_lock = threading.Lock()
-        super().__init__((host, port), _HttpHandler)
-
-    def server_bind(self) -> None:
-        socketserver.TCPServer.server_bind(self)  # HTTPServer's would look the host's name up in DNS
-        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        """Serve the connection on its own thread if a slot is free; else answer 503 and close it now."""
-        receiver = self.receiver
-        with self.connections_lock:
-            admitted = len(self.connections) < receiver.max_connections
-            if admitted:
-                self.connections[request] = _Slot(None)
-        if not admitted:
-            receiver.rejects["http"].count(
-                "too_many_connections",
-                f"connection from {client_address[0]} refused: {receiver.max_connections} already open",
-            )
-            _refuse(request)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:  # no thread to serve it: the caller closes it, the slot is freed here
-            self._release(request)
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._release(request)
-
-    def _release(self, request: socket.socket) -> None:
-        with self.connections_lock:
-            self.connections.pop(request, None)
-
-    def arm(self, request: socket.socket, armed: bool) -> None:
-        """Start (True) the read deadline of a request that began to arrive, or stop it (False) once read."""
-        deadline = time.monotonic() + self.receiver.read_timeout_s if armed else None
-        with self.connections_lock:
-            slot = self.connections.get(request)
-            if slot is not None:
-                slot.deadline = deadline
-
-    def timed_out(self, request: socket.socket) -> bool:
-        with self.connections_lock:
-            slot = self.connections.get(request)
-            return slot is not None and slot.timed_out
-
-    def service_actions(self) -> None:
-        """Close the connections whose request is past its read deadline (called between polls)."""
-        now = time.monotonic()
-        with self.connections_lock:
-            expired = [
-                conn
-                for conn, slot in self.connections.items()
-                if slot.deadline is not None and slot.deadline <= now and not slot.timed_out
-            ]
-            for conn in expired:
-                self.connections[conn].timed_out = True
-        for conn in expired:
-            self.receiver.rejects["http"].count(
-                "read_timeout", f"a request was not complete within {self.receiver.read_timeout_s:g} s"
-            )
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-
-    def close_connections(self) -> None:
-        """End every open keep-alive connection, so no request arrives after shutdown."""
-        with self.connections_lock:
-            for conn in self.connections:
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
+        super().__init__(
+            host,
+            port,
+            _HttpHandler,
+            max_connections=receiver.max_connections,
+            read_timeout_s=receiver.read_timeout_s,
+            rejects=receiver.rejects["http"],
+        )
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         _log.debug("OTLP/HTTP connection from %s failed", client_address, exc_info=True)
 
 
-def _refuse(conn: socket.socket) -> None:
-    """Answer 503 on a connection that is not served, without ever blocking the accepting thread."""
-    conn.setblocking(False)
-    with contextlib.suppress(OSError):
-        conn.recv(1 << 16)  # what has arrived: closing with it unread would reset the connection before the 503
-    with contextlib.suppress(OSError):
-        conn.send(_BUSY)
-
-
-class _HttpHandler(BaseHTTPRequestHandler):
+class _HttpHandler(BoundedHandler):
     """One connection's requests."""
 
-    protocol_version = "HTTP/1.1"
     server: _HttpServer
-
-    def handle_one_request(self) -> None:
-        """Wait up to the read timeout for the next request to start (an idle keep-alive connection is then
-        closed, as any client expects, and not counted), then give the whole request as long to arrive. No
-        socket timeout while it does: the server's deadline bounds every read, and answers are small enough
-        for the socket's buffer."""
-        self.connection.settimeout(self.server.receiver.read_timeout_s)
-        try:
-            started = self.rfile.peek(1)
-        except OSError:  # idle for the whole timeout (TimeoutError), or reset
-            started = b""
-        if not started:
-            self.close_connection = True
-            return
-        self.connection.settimeout(None)
-        self.server.arm(self.connection, True)
-        super().handle_one_request()
 
     def do_POST(self) -> None:
         receiver = self.server.receiver
@@ -468,7 +353,7 @@ class _HttpHandler(BaseHTTPRequestHandler):
             held = self._reserve(receiver.max_message_bytes)
             body = self._body(held)
             body_read = True
-            self.server.arm(self.connection, False)
+            self.request_read()
             encoding = self.headers.get("Content-Encoding", "").strip().lower()
             data = _decompress(body, encoding, receiver.max_message_bytes)
             if len(data) > len(body):
@@ -479,7 +364,7 @@ class _HttpHandler(BaseHTTPRequestHandler):
             request = _parse(data, is_json, signal.request_type)
             response = receiver._accept(signal, request, "http")
         except _Rejected as exc:
-            if self.server.timed_out(self.connection):  # counted, and the connection shut, by the deadline
+            if self.timed_out():  # counted, and the connection shut, by the deadline
                 self.close_connection = True
                 return
             receiver.rejects["http"].record(exc)
@@ -697,10 +582,7 @@ class OtlpReceiver:
 
     def _http_connections(self) -> int:
         http = self._http
-        if http is None:
-            return 0
-        with http.connections_lock:
-            return len(http.connections)
+        return 0 if http is None else http.open_connections
 
     def _bind_grpc(self, port: int) -> tuple[grpc.Server, int]:
         server = grpc.server(
@@ -814,7 +696,7 @@ class OtlpReceiver:
             self._grpc.start()
         if self._http is not None and self._http_thread is None:
             self._http_thread = threading.Thread(
-                target=self._http.serve_forever, args=(_POLL_S,), name="prism-otlp-http", daemon=True
+                target=self._http.serve_forever, args=(POLL_S,), name="prism-otlp-http", daemon=True
             )
             self._http_thread.start()
         served = ", ".join(
