@@ -16,12 +16,13 @@ import msgspec
 
 from prismlb.service import (
     BRAIN_INGEST,
+    BRAIN_PUBLIC,
     CURVE_SECRET,
     ResolvedSettings,
     Setting,
     SettingParser,
     SettingTable,
-    parse_key_file,
+    client_curve,
     parse_listen_address,
     parse_number,
     parse_port,
@@ -309,16 +310,7 @@ SETTINGS = SettingTable(
             action="store_false",
         ),
         replace(CURVE_SECRET, help="the agent's CURVE secret key file; needs --brain-public", key="curve_secret"),
-        Setting(
-            "brain_public",
-            "the brain's CURVE public key file; needs --curve-secret",
-            parse_key_file,
-            flag="--brain-public",
-            variable="PRISM_BRAIN_PUBLIC",
-            key="brain_public",
-            metavar="FILE",
-            shown="off",
-        ),
+        replace(BRAIN_PUBLIC, key="brain_public"),
         Setting(
             "metrics_port",
             "port of the agent's Prometheus /metrics, 0 = off",
@@ -482,7 +474,7 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Agen
     defaults; ConfigError if one is invalid or two contradict."""
     s = SETTINGS.resolve(args, environ)
     _check_engine(s)
-    return s.build(AgentConfig, _SETTING_OF, curve=_curve(s))
+    return s.build(AgentConfig, _SETTING_OF, curve=client_curve(s))
 
 
 _SETTING_OF = {
@@ -493,20 +485,6 @@ _SETTING_OF = {
     "kv_full_every_s": "kv_full_every",
 }
 """The `AgentConfig` fields whose setting goes by another name (the flag's, without its unit or plural)."""
-
-
-def _curve(s: ResolvedSettings) -> ClientCurve | None:
-    """CURVE with both key files, none without either; one alone is a mistake, not plaintext."""
-    secret, public = s["curve_secret"], s["brain_public"]
-    if secret is None and public is None:
-        return None
-    if secret is None or public is None:
-        given = s.source("curve_secret" if secret is not None else "brain_public")
-        raise ConfigError(
-            f"{given} given alone: CURVE needs both {SETTINGS['curve_secret'].label} and "
-            f"{SETTINGS['brain_public'].label}"
-        )
-    return ClientCurve(secret_file=secret, server_public_file=public)
 
 
 def _check_engine(s: ResolvedSettings) -> None:

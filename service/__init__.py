@@ -9,6 +9,7 @@ from ._http import POLL_S, BoundedHandler, BoundedHttpServer, reply_bytes, reply
 from ._service import MetricsServer, sd_notify, serve_metrics, setup_logging, stop_on_signals, watchdog_interval_s
 from ._settings import (
     BRAIN_INGEST,
+    BRAIN_PUBLIC,
     BRAIN_SNAPSHOT,
     BRAIN_UPDATES,
     CURVE_SECRET,
@@ -16,6 +17,7 @@ from ._settings import (
     Setting,
     SettingParser,
     SettingTable,
+    client_curve,
     parse_key_file,
     parse_listen_address,
     parse_number,
@@ -29,6 +31,7 @@ from ._worker import BoundedWorker, QueueEntry
 __all__ = [
     "POLL_S",
     "BRAIN_INGEST",
+    "BRAIN_PUBLIC",
     "BRAIN_SNAPSHOT",
     "BRAIN_UPDATES",
     "CURVE_SECRET",
@@ -44,6 +47,7 @@ __all__ = [
     "Setting",
     "SettingParser",
     "SettingTable",
+    "client_curve",
     "kind_counter",
     "node_families",
     "parse_key_file",

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from prismlb.wire import ConfigError
+from prismlb.wire import ClientCurve, ConfigError
 
 SettingParser = Callable[[Any], Any]
 """A raw value (text from a flag or variable, or what the TOML file holds) to the setting's value; ValueError
@@ -320,3 +320,28 @@ CURVE_SECRET = Setting(
     shown="off",
 )
 """A service's own CURVE secret key, the agent's or the brain's."""
+BRAIN_PUBLIC = Setting(
+    "brain_public",
+    "the brain's CURVE public key file; needs --curve-secret",
+    parse_key_file,
+    flag="--brain-public",
+    variable="PRISM_BRAIN_PUBLIC",
+    metavar="FILE",
+    shown="off",
+)
+"""The brain's CURVE public key, for the services that connect to it (the agent, the gateway)."""
+
+
+def client_curve(settings: ResolvedSettings) -> ClientCurve | None:
+    """CURVE to the brain from `CURVE_SECRET` and `BRAIN_PUBLIC`: both key files, or none; one alone is a mistake,
+    not plaintext (ConfigError naming where it was given)."""
+    secret, public = settings["curve_secret"], settings["brain_public"]
+    if secret is None and public is None:
+        return None
+    if secret is None or public is None:
+        table = settings.table
+        given = settings.source("curve_secret" if secret is not None else "brain_public")
+        raise ConfigError(
+            f"{given} given alone: CURVE needs both {table['curve_secret'].label} and {table['brain_public'].label}"
+        )
+    return ClientCurve(secret_file=secret, server_public_file=public)
