@@ -26,6 +26,7 @@ from prismlb.service import (
     parse_listen_address,
     parse_number,
     parse_port,
+    parse_positive,
     parse_text,
 )
 from prismlb.wire import ClientCurve, ConfigError, NodeVector
@@ -160,18 +161,6 @@ def _ids(what: str, high: int) -> SettingParser:
                 raise ValueError(f"{what} {item!r} is not an integer in 1..{high}")
             values.add(int(item))
         return frozenset(values)
-
-    return parse
-
-
-def _positive(kind: type[int] | type[float]) -> SettingParser:
-    """A positive number of `kind`."""
-
-    def parse(raw: object) -> int | float:
-        value = parse_number(raw, kind, f"{raw!r} is not {'an integer' if kind is int else 'a number'}")
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"must be positive, got {raw!r}")
-        return value
 
     return parse
 
@@ -358,21 +347,21 @@ SETTINGS = SettingTable(
         Setting(
             "otlp_max_connections",
             "open OTLP/HTTP connections, one thread each; the next is answered 503 and closed",
-            _positive(int),
+            parse_positive(int),
             AgentConfig.otlp_max_connections,
             variable="PRISM_OTLP_MAX_CONNECTIONS",
         ),
         Setting(
             "otlp_read_timeout_s",
             "seconds each OTLP/HTTP request may take to arrive, and a connection may idle between requests",
-            _positive(float),
+            parse_positive(float),
             AgentConfig.otlp_read_timeout_s,
             variable="PRISM_OTLP_READ_TIMEOUT_S",
         ),
         Setting(
             "otlp_max_grpc_rpcs",
             "OTLP/gRPC exports at once; more are answered RESOURCE_EXHAUSTED",
-            _positive(int),
+            parse_positive(int),
             AgentConfig.otlp_max_grpc_rpcs,
             variable="PRISM_OTLP_MAX_GRPC_RPCS",
         ),
@@ -380,7 +369,7 @@ SETTINGS = SettingTable(
             "otlp_max_inflight_bytes",
             "bytes of OTLP request bodies held at once, both protocols together (at least 16 MiB, the largest "
             "message); one that does not fit is answered 503 or RESOURCE_EXHAUSTED",
-            _positive(int),
+            parse_positive(int),
             AgentConfig.otlp_max_inflight_bytes,
             variable="PRISM_OTLP_MAX_INFLIGHT_BYTES",
             shown="67108864 (64 MiB)",

@@ -16,6 +16,8 @@ Prism's `X-Modality-Signature` header). Contenders:
 - Prism: brain, one agent per engine (eBPF off) and the router in-process, as the demo runs them, with the
   library's default settings as every peer runs with its own (not the demo's 0.3 s slow first token, which
   opens a busy node's circuit under a burst of long prompts).
+- Prism as a gateway (`prism gateway`, its own process, the same brain and agents): the load generator sends to
+  it as to a peer, so Prism pays the proxy hop every peer pays.
 - SGLang Model Gateway (`sglang-router`), policies `cache_aware` and `power_of_two`.
 - vLLM router (`vllm-router`), `kv_aware` fed by the engines' KV events (`--kv-event-source`,
   `--kv-event-model`), and `cache_aware`.
@@ -89,6 +91,8 @@ class Contender:
     package: str | None
     """The peer's wheel; None for Prism."""
     module: str = ""
+    """The peer's module to run; for Prism, "gateway" runs `prism gateway` between the callers and the engines
+    (a hop, as every peer is), "" the router inside the load generator."""
     policy: str = ""
     replay: str | None = None
     """The `prism eval` policy that models this contender, if any."""
@@ -96,6 +100,7 @@ class Contender:
 
 CONTENDERS = (
     Contender("prism", None, policy="expected TTFT, prefix index", replay="prism"),
+    Contender("prism-gateway", None, "gateway", "expected TTFT, prefix index, as a proxy"),
     Contender("sglang", "sglang-router", "sglang_router.launch_router", "cache_aware", "sglang"),
     Contender("sglang", "sglang-router", "sglang_router.launch_router", "power_of_two"),
     Contender("vllm", "vllm-router", "vllm_router.launch_router", "kv_aware", "vllm-kv-aware"),
@@ -182,6 +187,16 @@ def peer_args(contender: Contender, cluster: Cluster, port: int, debug: bool = F
     return args
 
 
+def gateway_ready(port: int, proc: subprocess.Popen[bytes], nodes: int, deadline: float) -> bool:
+    """Whether `prism gateway` on `port` has a table with all `nodes` before `deadline` (`time.monotonic()`)."""
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).json().get("endpoints") == nodes:
+                return True
+        time.sleep(0.1)
+    return False
+
+
 def log_tail(path: Path, lines: int = 6) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
@@ -216,14 +231,26 @@ def run_one(
     procs: list[subprocess.Popen[bytes]] = []
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: stop([*procs, *cluster.procs()]))
-        cluster.start(prism=contender.package is None)
+        cluster.start(prism=contender.package is None)  # Prism's brain and agents, whichever way it routes
         for node in cluster.nodes:
             if not wait_healthy(f"{node.url}/health", node.engine, time.monotonic() + STARTUP_LIMIT_S):
                 outcome.problem = f"engine {node.node_id} did not start: {cluster.log_tail(4)}"
                 return outcome
         router: Router | None = None
         client: httpx.AsyncClient | None = None
-        if contender.package is None:
+        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
+        timeout = httpx.Timeout(60.0, connect=2.0)
+        if contender.module == "gateway":
+            port = free_port()
+            log = logs / "router.log"
+            args = ["-m", "prismlb.cli", "gateway", "--port", str(port), "--updates", cluster.address.updates]
+            proc = spawn([*args, "--snapshot", cluster.address.snapshot], log)
+            procs.append(proc)
+            if not gateway_ready(port, proc, len(cluster.nodes), time.monotonic() + STARTUP_LIMIT_S):
+                outcome.problem = f"no routing table with every node: {log_tail(log)}"
+                return outcome
+            client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=timeout, limits=limits)
+        elif contender.package is None:
             router = stack.enter_context(Router.connect(cluster.address, settings=Settings()))
             wanted = {n.node_id for n in cluster.nodes}
             ready_by = time.monotonic() + STARTUP_LIMIT_S
@@ -240,8 +267,6 @@ def run_one(
             if not wait_healthy(f"http://127.0.0.1:{port}/health", peer, time.monotonic() + STARTUP_LIMIT_S):
                 outcome.problem = f"did not start within {STARTUP_LIMIT_S:.0f} s: {log_tail(log)}"
                 return outcome
-            limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
-            timeout = httpx.Timeout(60.0, connect=2.0)
             client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=timeout, limits=limits)
         with (logs / "replay.log").open("w") as out:
             # engines slowed past the demo's range decode slower too: their last requests get as much longer
@@ -430,7 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the peers' virtualenv")
     parser.add_argument(
-        "--only", default="", help="comma-separated contenders to run (prism, sglang, vllm); all by default"
+        "--only",
+        default="",
+        help="comma-separated contenders to run (prism, prism-gateway, sglang, vllm); all by default",
     )
     parser.add_argument(
         "--peer-debug", action="store_true", help="the peers log every routing decision (in their router.log)"

@@ -5,19 +5,20 @@
 arm, its session's endpoint, else bounded-load consistent hashing on the weighted `Ring`.
 `with router.request(...) as lease:` also counts the request in flight and reports its outcome to passive
 health and the circuit breaker. `prefix_key` computes affinity keys from token ids or text. `PrismTransport`
-and `AsyncPrismTransport` (which need httpx) route an httpx client; `render_nginx` writes a table as nginx
-upstreams; `add_parser` registers the `prism route` subcommand.
+and `AsyncPrismTransport` route an httpx client; `Gateway` (`prism gateway`) relays HTTP requests through a router
+for callers that cannot embed one; `render_nginx` writes a table as nginx upstreams; `add_parser` registers the
+`prism route` and `prism gateway` subcommands.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
 
 from prismlb.wire import NoRouteError
 
 from ._cli import add_parser
 from ._errors import ShedError
+from ._gateway import Gateway, GatewayConfig
 from ._health import Circuit, EndpointStatus, Outcome
+from ._httpx import AsyncPrismTransport, PrismTransport
 from ._keys import (
     BLOCK_SIZE,
     PREFIX_TOKENS,
@@ -46,19 +47,6 @@ from ._settings import Settings
 from ._snapshot import Endpoint
 from ._turns import Ticket
 
-if TYPE_CHECKING:
-    from ._httpx import AsyncPrismTransport, PrismTransport
-
-
-def __getattr__(name: str) -> Any:
-    """The httpx transports, imported on first use so that the router does not need httpx otherwise."""
-    if name in ("AsyncPrismTransport", "PrismTransport"):
-        from . import _httpx
-
-        return getattr(_httpx, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "AFFINITY_HEADER",
     "BLOCK_SIZE",
@@ -72,6 +60,8 @@ __all__ = [
     "Endpoint",
     "EndpointStatus",
     "ExtraKey",
+    "Gateway",
+    "GatewayConfig",
     "Lease",
     "NoRouteError",
     "Outcome",

@@ -1,24 +1,121 @@
 """`prism route`: print where keys go on the brain's current table, or render it as nginx upstreams and print
-where nginx sends keys there."""
+where nginx sends keys there. `prism gateway`: run the router as an HTTP reverse proxy (`Gateway`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import threading
+from dataclasses import replace
 from pathlib import Path
 
-from prismlb.service import BRAIN_SNAPSHOT, BRAIN_UPDATES, SettingTable
+from prometheus_client import CollectorRegistry
+
+from prismlb.service import (
+    BRAIN_PUBLIC,
+    BRAIN_SNAPSHOT,
+    BRAIN_UPDATES,
+    CURVE_SECRET,
+    ResolvedSettings,
+    Setting,
+    SettingTable,
+    client_curve,
+    parse_listen_address,
+    parse_port,
+    parse_positive,
+    sd_notify,
+    setup_logging,
+    stop_on_signals,
+    watchdog_interval_s,
+)
 from prismlb.wire import BrainAddress, ClientCurve, ConfigError, NoRouteError, RoutingTable
 
+from ._gateway import Gateway, GatewayConfig
 from ._nginx import DEFAULT_HASH, check_nginx_settings, nginx_choices, render_nginx
 from ._router import Router
 
 _SETTINGS = SettingTable("route", [BRAIN_UPDATES, BRAIN_SNAPSHOT])
 """The brain's endpoints, under the brain's own flags and variables."""
 
+GATEWAY_SETTINGS = SettingTable(
+    "gateway",
+    [
+        Setting(
+            "host",
+            "address to listen on",
+            parse_listen_address,
+            GatewayConfig.host,
+            flag="--host",
+            metavar="ADDRESS",
+            variable="PRISM_GATEWAY_HOST",
+        ),
+        Setting(
+            "port",
+            "port to listen on (0: a free one, logged)",
+            parse_port("port"),
+            GatewayConfig.port,
+            flag="--port",
+            metavar="PORT",
+            variable="PRISM_GATEWAY_PORT",
+        ),
+        BRAIN_UPDATES,
+        BRAIN_SNAPSHOT,
+        replace(CURVE_SECRET, help="the gateway's CURVE secret key file; needs --brain-public"),
+        BRAIN_PUBLIC,
+        Setting(
+            "max_connections",
+            "callers' connections open at once (a thread each); more are answered 503",
+            parse_positive(int),
+            GatewayConfig.max_connections,
+            flag="--max-connections",
+            metavar="N",
+            variable="PRISM_GATEWAY_MAX_CONNECTIONS",
+        ),
+        Setting(
+            "max_body_bytes",
+            "largest request body taken (413 beyond)",
+            parse_positive(int),
+            GatewayConfig.max_body_bytes,
+            flag="--max-body-bytes",
+            metavar="BYTES",
+            variable="PRISM_GATEWAY_MAX_BODY_BYTES",
+        ),
+        Setting(
+            "read_timeout_s",
+            "seconds a request may take to arrive, and an idle connection stays open",
+            parse_positive(float),
+            GatewayConfig.read_timeout_s,
+            flag="--read-timeout",
+            metavar="SECONDS",
+            variable="PRISM_GATEWAY_READ_TIMEOUT_S",
+        ),
+        Setting(
+            "connect_timeout_s",
+            "seconds to connect to an engine before the next is tried",
+            parse_positive(float),
+            GatewayConfig.connect_timeout_s,
+            flag="--connect-timeout",
+            metavar="SECONDS",
+            variable="PRISM_GATEWAY_CONNECT_TIMEOUT_S",
+        ),
+        Setting(
+            "upstream_timeout_s",
+            "seconds to wait for an engine's next bytes (a long prompt's prefill comes first)",
+            parse_positive(float),
+            GatewayConfig.upstream_timeout_s,
+            flag="--upstream-timeout",
+            metavar="SECONDS",
+            variable="PRISM_GATEWAY_UPSTREAM_TIMEOUT_S",
+        ),
+    ],
+)
+"""`prism gateway`'s settings: where it listens, the brain it follows, and `GatewayConfig`'s bounds."""
+
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `prism route` and `prism gateway`."""
+    _add_gateway_parser(subparsers)
     parser = subparsers.add_parser(
         "route",
         help="print where keys go on the brain's current table, or render it for nginx",
@@ -60,10 +157,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.set_defaults(func=_run)
 
 
-def _fail(message: str, status: int) -> int:
+def _fail_as(command: str, message: str, status: int) -> int:
     """`status` after one line on stderr: 2 for a usage error, 1 for a failure."""
-    print(f"prism route: {message}", file=sys.stderr)
+    print(f"prism {command}: {message}", file=sys.stderr)
     return status
+
+
+def _fail(message: str, status: int) -> int:
+    return _fail_as("route", message, status)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -142,4 +243,52 @@ def _print_nginx_choices(table: RoutingTable, slice_name: str, keys: list[str], 
             print(f"{key!r} -> round robin (nginx hashes no empty key)")
         else:
             print(f"{key} -> {','.join(choice.node_ids)} {choice.server}")
+    return 0
+
+
+def _add_gateway_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "gateway",
+        help="run the router as an HTTP reverse proxy in front of the engines",
+        description="Follow the brain's routing tables and KV stream as an embedded router does, and relay every "
+        "HTTP request to the engine the router places it on, streamed answers as they arrive: for callers that "
+        "cannot embed the router. GET /health and /metrics are the gateway's own. A flag beats its environment "
+        "variable, which beats the default.",
+    )
+    GATEWAY_SETTINGS.add_arguments(parser)
+    parser.add_argument("--log-level", default="INFO")
+    parser.set_defaults(func=_run_gateway)
+
+
+def gateway_config(settings: ResolvedSettings) -> GatewayConfig:
+    """The `GatewayConfig` of resolved `GATEWAY_SETTINGS`."""
+    return settings.build(GatewayConfig)
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    try:
+        settings = GATEWAY_SETTINGS.resolve(args, os.environ)
+        config = gateway_config(settings)
+        curve = client_curve(settings)
+    except ConfigError as exc:
+        return _fail_as("gateway", str(exc), 2)
+    setup_logging(args.log_level)
+    stop = threading.Event()
+    stop_on_signals(stop)
+    registry = CollectorRegistry()
+    try:
+        router = Router.connect(BrainAddress(settings["updates"], settings["snapshot"]), curve=curve, registry=registry)
+    except ConfigError as exc:
+        return _fail_as("gateway", str(exc), 2)
+    with router:
+        try:
+            gateway = Gateway(router, config, registry=registry)
+        except ConfigError as exc:
+            return _fail_as("gateway", str(exc), 1)
+        with gateway:
+            sd_notify("READY=1")
+            ping_s = watchdog_interval_s()
+            while not stop.wait(ping_s):
+                sd_notify("WATCHDOG=1")  # only with a watchdog: without one the wait ends with the stop alone
+            sd_notify("STOPPING=1")
     return 0

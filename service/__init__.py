@@ -22,6 +22,7 @@ from ._settings import (
     parse_listen_address,
     parse_number,
     parse_port,
+    parse_positive,
     parse_text,
     parse_zmq_endpoint,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "parse_listen_address",
     "parse_number",
     "parse_port",
+    "parse_positive",
     "parse_text",
     "parse_zmq_endpoint",
     "reply_bytes",

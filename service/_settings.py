@@ -16,6 +16,7 @@ and its key). Components then take the resolved plain values: none reads the env
 from __future__ import annotations
 
 import argparse
+import math
 import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -49,6 +50,18 @@ def parse_number(raw: object, kind: type[int] | type[float], error: str) -> int 
         return kind(str(raw))
     except ValueError:
         raise ValueError(error) from None
+
+
+def parse_positive(kind: type[int] | type[float]) -> SettingParser:
+    """A positive, finite number of `kind`."""
+
+    def parse(raw: object) -> int | float:
+        value = parse_number(raw, kind, f"{raw!r} is not {'an integer' if kind is int else 'a number'}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"must be positive, got {raw!r}")
+        return value
+
+    return parse
 
 
 def parse_listen_address(raw: object) -> str:

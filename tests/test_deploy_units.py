@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .conftest import free_port, require_ebpf, wait_for
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-UNITS = ("prism-agent.service", "prism-brain.service")
+UNITS = ("prism-agent.service", "prism-brain.service", "prism-gateway.service")
 HARDENING = {
     "NoNewPrivileges": "yes",
     "ProtectSystem": "strict",
