@@ -19,6 +19,7 @@ from prismlb.agent._config import SETTINGS as AGENT_SETTINGS
 from prismlb.brain import BrainConfig
 from prismlb.brain import resolve_config as brain_config
 from prismlb.brain._config import SETTINGS as BRAIN_SETTINGS
+from prismlb.router._cli import GATEWAY_SETTINGS
 from prismlb.service import BRAIN_UPDATES, Setting, SettingTable, parse_port, parse_zmq_endpoint
 from prismlb.wire import ConfigError
 
@@ -121,7 +122,9 @@ def test_the_flags_come_from_the_table() -> None:
 
 
 @pytest.mark.parametrize(
-    ("table", "doc"), [(AGENT_SETTINGS, "agent.md"), (BRAIN_SETTINGS, "operations.md")], ids=["agent", "brain"]
+    ("table", "doc"),
+    [(AGENT_SETTINGS, "agent.md"), (BRAIN_SETTINGS, "operations.md"), (GATEWAY_SETTINGS, "router.md")],
+    ids=["agent", "brain", "gateway"],
 )
 def test_the_docs_list_every_setting_as_declared(table: SettingTable, doc: str) -> None:
     text = (DOCS / doc).read_text()
@@ -182,8 +185,9 @@ def prism(argv: list[str], environ: dict[str, str]) -> subprocess.CompletedProce
         ),
         (["brain"], {"PRISM_BRAIN_PRIORITY": "1.5"}, "prism brain: PRISM_BRAIN_PRIORITY: priority must be a whole"),
         (["route", "k"], {"PRISM_BRAIN_UPDATES": "bogus"}, "prism route: PRISM_BRAIN_UPDATES: must be a ZeroMQ"),
+        (["gateway"], {"PRISM_GATEWAY_PORT": "http"}, "prism gateway: PRISM_GATEWAY_PORT: port 'http' is not an"),
     ],
-    ids=["agent", "brain", "route"],
+    ids=["agent", "brain", "route", "gateway"],
 )
 def test_a_bad_variable_is_a_usage_error_in_every_service(argv: list[str], environ: dict[str, str], line: str) -> None:
     run = prism(argv, environ)
@@ -199,7 +203,7 @@ def test_every_prism_variable_is_named_once_in_the_code() -> None:
 
     root = Path(__file__).resolve().parent.parent
     named: Counter[str] = Counter()
-    for package in ("agent", "brain", "router", "otel", "wire", "cli", "demo", "sim"):
+    for package in ("agent", "brain", "router", "otel", "wire", "cli", "demo", "sim", "service"):
         for path in (root / package).rglob("*.py"):
             named.update(re.findall(r"[\"'](PRISM_[A-Z0-9_]+)[\"']", path.read_text(encoding="utf-8")))
     assert len(named) > 20, "the search found the settings"
