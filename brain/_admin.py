@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
-from prismlb.service import reply_json
+from prismlb.service import NoDelayHandler, reply_json
 from prismlb.wire import ConfigError, RejectCounter
 
 _log = logging.getLogger("prism.brain.admin")
@@ -391,7 +391,7 @@ class _Server(ThreadingHTTPServer):
         _log.debug("admin connection from %s failed", client_address[0], exc_info=True)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(NoDelayHandler):
     admin: AdminServer
 
     def _serve(self, method: str) -> None:

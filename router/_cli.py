@@ -4,6 +4,7 @@ where nginx sends keys there. `prism gateway`: run the router as an HTTP reverse
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import threading
@@ -273,6 +274,7 @@ def _run_gateway(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail_as("gateway", str(exc), 2)
     setup_logging(args.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request: /metrics counts them
     stop = threading.Event()
     stop_on_signals(stop)
     registry = CollectorRegistry()

@@ -5,7 +5,7 @@ notification, logging, signals, the bounded queue worker and waiting on a condit
 from ._arguments import whole_number_at_least
 from ._counters import kind_counter
 from ._exposition import MS_TO_S, NODE_FAMILIES, NodeFamily, node_families
-from ._http import POLL_S, BoundedHandler, BoundedHttpServer, reply_bytes, reply_json
+from ._http import POLL_S, BoundedHandler, BoundedHttpServer, NoDelayHandler, reply_bytes, reply_json
 from ._service import MetricsServer, sd_notify, serve_metrics, setup_logging, stop_on_signals, watchdog_interval_s
 from ._settings import (
     BRAIN_INGEST,
@@ -42,6 +42,7 @@ __all__ = [
     "BoundedHttpServer",
     "BoundedWorker",
     "MetricsServer",
+    "NoDelayHandler",
     "NodeFamily",
     "QueueEntry",
     "ResolvedSettings",

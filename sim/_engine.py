@@ -53,7 +53,7 @@ from prismlb.otel import (
 )
 from prismlb.router import CONTEXT_HEADER, SESSION_HEADER
 from prismlb.semantics import parse_signature
-from prismlb.service import kind_counter, reply_bytes, reply_json
+from prismlb.service import NoDelayHandler, kind_counter, reply_bytes, reply_json
 
 from ._model import KV_BLOCK_TOKENS, PROFILES, EngineModel, Event, GpuClass, Job, Modality
 from ._spans import EngineSpans
@@ -686,7 +686,7 @@ def _usage(stream: _Stream) -> dict[str, Any]:
 
 
 def _handler(engine: EmulatedEngine) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(NoDelayHandler):
         protocol_version = "HTTP/1.1"
         server_version = "PrismEmulatedEngine/1"
 
