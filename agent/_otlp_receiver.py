@@ -422,13 +422,9 @@ class _HttpHandler(BoundedHandler):
 
     def _body(self, length: int) -> bytes:
         """The request body, `length` bytes as its Content-Length says."""
-        try:
-            body = self.rfile.read(length)
-        except OSError:
-            body = b""
-        if len(body) != length:
-            self.close_connection = True
-            raise _Rejected("truncated", HTTPStatus.BAD_REQUEST, f"body ended after {len(body)} of {length} bytes")
+        body = self.read_exactly(length)
+        if body is None:
+            raise _Rejected("truncated", HTTPStatus.BAD_REQUEST, f"the body ended before its {length} bytes")
         return body
 
     def _discard(self, length: int) -> None:

@@ -24,13 +24,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 
-from prismlb.demo import free_port, percentile, wait_healthy
+from prismlb.demo import free_port, percentile, spawn, stop, wait_healthy
 
 CHUNKS = 8
 BODY = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "What does the report say? " * 40}]}
@@ -103,21 +103,6 @@ http {{
 """
 
 
-@contextlib.contextmanager
-def process(args: Sequence[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(list(args), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 async def load(url: str, requests: int, concurrency: int) -> tuple[list[float], list[float], float]:
     """`requests` streamed completions to `url`, `concurrency` at a time: seconds to each one's first chunk and to
     its end, and the wall time of them all."""
@@ -167,27 +152,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="prism-bench-gateway-"))
     engine_port, nginx_port, gateway_port = free_port(), free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
-    me = [sys.executable, __file__]
     routes: dict[str, str] = {"direct": engine_url}
     rows: list[str] = []
+    procs: list[subprocess.Popen[bytes]] = []
     with contextlib.ExitStack() as stack:
-        engine = stack.enter_context(process([*me, "--serve-engine", str(engine_port)], logs / "engine.log"))
+        stack.callback(lambda: stop(procs))
+        engine = spawn([__file__, "--serve-engine", str(engine_port)], logs / "engine.log")
+        procs.append(engine)
         if not wait_healthy(f"{engine_url}/health", engine, time.monotonic() + 20):
             print("the stand-in engine did not start", file=sys.stderr)
             return 1
         if nginx is not None:
             conf = logs / "nginx.conf"
             conf.write_text(NGINX_CONF.format(prefix=logs, engine=engine_port, port=nginx_port))
-            proc = stack.enter_context(process([nginx, "-p", str(logs), "-c", str(conf)], logs / "nginx.log"))
-            if wait_healthy(f"http://127.0.0.1:{nginx_port}/health", proc, time.monotonic() + 20):
+            proxy = spawn(["-p", str(logs), "-c", str(conf)], logs / "nginx.log", executable=nginx)
+            procs.append(proxy)
+            if wait_healthy(f"http://127.0.0.1:{nginx_port}/health", proxy, time.monotonic() + 20):
                 routes["nginx"] = f"http://127.0.0.1:{nginx_port}"
             else:
                 rows.append(f"nginx did not start: {(logs / 'error.log').read_text()[-300:]}")
         else:
             rows.append("nginx is not installed (Debian: apt-get install -y nginx): its row is left out")
-        gateway = stack.enter_context(
-            process([*me, "--serve-gateway", str(gateway_port), engine_url], logs / "gateway.log")
-        )
+        gateway = spawn([__file__, "--serve-gateway", str(gateway_port), engine_url], logs / "gateway.log")
+        procs.append(gateway)
         if not wait_healthy(f"http://127.0.0.1:{gateway_port}/health", gateway, time.monotonic() + 30):
             print(f"the gateway did not start: {(logs / 'gateway.log').read_text()[-500:]}", file=sys.stderr)
             return 1

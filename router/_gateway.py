@@ -347,14 +347,10 @@ class _GatewayHandler(BoundedHandler):
         return b"".join(parts)
 
     def _exactly(self, length: int) -> bytes:
-        try:
-            data = self.rfile.read(length)
-        except OSError:
-            data = b""
-        if len(data) != length:
-            self.close_connection = True
+        data = self.read_exactly(length)
+        if data is None:
             raise _Refused(
-                HTTPStatus.BAD_REQUEST, "truncated", f"body ended after {len(data)} of {length} bytes", caller=True
+                HTTPStatus.BAD_REQUEST, "truncated", f"the body ended before its {length} bytes", caller=True
             )
         return data
 

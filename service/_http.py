@@ -215,6 +215,18 @@ class BoundedHandler(NoDelayHandler):
         self.server.arm(self.connection, True)
         super().handle_one_request()
 
+    def read_exactly(self, length: int) -> bytes | None:
+        """The next `length` bytes of the request (its body, as its length says); None, the connection then to be
+        closed, when the client sent fewer before closing or missing its deadline."""
+        try:
+            data = self.rfile.read(length)
+        except OSError:
+            data = b""
+        if len(data) != length:
+            self.close_connection = True
+            return None
+        return data
+
     def request_read(self) -> None:
         """The request is in: its read deadline no longer applies."""
         self.server.arm(self.connection, False)

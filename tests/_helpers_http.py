@@ -3,9 +3,15 @@ the test's output free of request logs."""
 
 from __future__ import annotations
 
-from http.server import BaseHTTPRequestHandler
+import contextlib
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TypeVar
 
 from prismlb.service import reply_bytes
+
+_Server = TypeVar("_Server", bound=ThreadingHTTPServer)
 
 
 class QuietHandler(BaseHTTPRequestHandler):
@@ -17,3 +23,17 @@ class QuietHandler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:
         """Quiet: a test's output is its failures."""
+
+
+@contextlib.contextmanager
+def serving_http(*servers: _Server, poll_s: float = 0.05) -> Iterator[tuple[_Server, ...]]:
+    """`servers` each served on a daemon thread (polling for shutdown every `poll_s`), shut down and closed on the
+    way out."""
+    for server in servers:
+        threading.Thread(target=server.serve_forever, args=(poll_s,), daemon=True).start()
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from prismlb.agent import Agent, AgentConfig
     from prismlb.brain import Brain
 
+    from ._helpers_engines import Engine
+
 
 class Clock:
     """A clock the test moves: called like `time.monotonic` or `time.time`, it reads `now`, which changes only
@@ -172,3 +174,18 @@ def require_ebpf() -> None:
         pytest.skip(f"bcc is not importable ({exc}); apt-get install python3-bpfcc")
     if not os.path.exists("/sys/kernel/tracing/events/syscalls/sys_enter_connect"):
         pytest.skip("tracefs is not mounted (make test's set-up mounts it as root)")
+
+
+@pytest.fixture
+def engines() -> Iterator[tuple[Engine, Engine]]:
+    """Two OpenAI-compatible engines on loopback (`tests/_helpers_engines.py`), gpu-a and gpu-b."""
+    from ._helpers_engines import Engine
+    from ._helpers_http import serving_http
+
+    pair = (Engine("gpu-a"), Engine("gpu-b"))
+    with serving_http(*pair):
+        try:
+            yield pair
+        finally:
+            for engine in pair:
+                engine.gate.set()  # a request held at the gate ends, so its thread does not outlive the test

@@ -16,7 +16,7 @@ import pytest
 
 from prismlb.demo import Cluster, log_tails, wait_healthy
 
-from ._helpers_http import QuietHandler
+from ._helpers_http import QuietHandler, serving_http
 from .conftest import free_port
 
 
@@ -40,11 +40,8 @@ class _Server(ThreadingHTTPServer):
 
 @pytest.fixture
 def server() -> Iterator[_Server]:
-    s = _Server()
-    threading.Thread(target=s.serve_forever, args=(0.02,), daemon=True).start()
-    yield s
-    s.shutdown()
-    s.server_close()
+    with serving_http(_Server(), poll_s=0.02) as (s,):
+        yield s
 
 
 def test_a_child_that_answers_200_is_healthy(server: _Server) -> None:

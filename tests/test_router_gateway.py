@@ -23,21 +23,10 @@ from prismlb.router import Gateway, GatewayConfig, Router, Settings
 from prismlb.router._cli import GATEWAY_SETTINGS, gateway_config
 from prismlb.wire import ConfigError, NodeMetrics, NodeVector, RoutingTable, SliceTable, TableNode, VectorSender
 
-from ._helpers_http import QuietHandler
+from ._helpers_engines import Engine
+from ._helpers_http import QuietHandler, serving_http
 from .conftest import free_port, prism, running_brain, wait_for
-from .test_router_openai import Engine, conversation, make_router
-
-
-@pytest.fixture
-def engines() -> Iterator[tuple[Engine, Engine]]:
-    pair = (Engine("gpu-a"), Engine("gpu-b"))
-    for engine in pair:
-        threading.Thread(target=engine.serve_forever, args=(0.05,), daemon=True).start()
-    yield pair
-    for engine in pair:
-        engine.gate.set()
-        engine.shutdown()
-        engine.server_close()
+from .test_router_openai import conversation, make_router
 
 
 def table_of(*addresses: tuple[str, str]) -> RoutingTable:
@@ -117,12 +106,11 @@ class _TrickleEngine(ThreadingHTTPServer):
 
 @pytest.fixture
 def trickle() -> Iterator[_TrickleEngine]:
-    engine = _TrickleEngine()
-    threading.Thread(target=engine.serve_forever, args=(0.05,), daemon=True).start()
-    yield engine
-    engine.gate.set()
-    engine.shutdown()
-    engine.server_close()
+    with serving_http(_TrickleEngine()) as (engine,):
+        try:
+            yield engine
+        finally:
+            engine.gate.set()
 
 
 def test_a_streamed_chunk_reaches_the_caller_before_the_engine_sends_the_next(trickle: _TrickleEngine) -> None:

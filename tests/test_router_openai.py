@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -30,81 +27,8 @@ from prismlb.router import (
 from prismlb.router._httpx import describe
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
-from ._helpers_http import QuietHandler
+from ._helpers_engines import Engine
 from .conftest import Clock, wait_for
-
-
-class Handler(QuietHandler):
-    """POST /v1/chat/completions as an engine answers it: `status` other than 200 with an OpenAI error body;
-    else, once `gate` is set, a completion naming the server, or, streamed, the head at once and the chunks once
-    `gate` is set."""
-
-    server: Engine
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        engine = self.server
-        with engine.lock:
-            engine.requests += 1
-        if engine.status != 200:
-            error = {"error": {"message": f"{engine.name} answers {engine.status}", "type": "engine", "code": None}}
-            self.reply(engine.status, json.dumps(error).encode(), "application/json")
-            return
-        if body.get("stream"):
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            self.wfile.flush()
-            engine.gate.wait(10)  # the prefill: the head is out, no token yet
-            for piece in ("Hello", " from ", engine.name):
-                chunk = {
-                    "id": "chatcmpl-1",
-                    "object": "chat.completion.chunk",
-                    "created": 0,
-                    "model": body["model"],
-                    "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}],
-                }
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                self.wfile.flush()
-            self.wfile.write(b"data: [DONE]\n\n")
-            return
-        engine.gate.wait(10)  # the whole answer is held, head and all
-        completion = {
-            "id": "chatcmpl-1",
-            "object": "chat.completion",
-            "created": 0,
-            "model": body["model"],
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": engine.name}, "finish_reason": "stop"}
-            ],
-        }
-        self.reply(200, json.dumps(completion).encode(), "application/json")
-
-
-class Engine(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, name: str, status: int = 200) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.name = name
-        self.status = status
-        self.requests = 0
-        self.lock = threading.Lock()
-        self.gate = threading.Event()
-        self.gate.set()
-        self.address = f"http://127.0.0.1:{self.server_address[1]}"
-
-
-@pytest.fixture
-def engines() -> Iterator[tuple[Engine, Engine]]:
-    pair = (Engine("gpu-a"), Engine("gpu-b"))
-    for engine in pair:
-        threading.Thread(target=engine.serve_forever, args=(0.05,), daemon=True).start()
-    yield pair
-    for engine in pair:
-        engine.gate.set()
-        engine.shutdown()
-        engine.server_close()
 
 
 def make_router(engines: tuple[Engine, ...], clock: Clock | None = None, **settings: Any) -> Router:
