@@ -17,7 +17,9 @@ Prism's `X-Modality-Signature` header). Contenders:
   library's default settings as every peer runs with its own (not the demo's 0.3 s slow first token, which
   opens a busy node's circuit under a burst of long prompts).
 - Prism as a gateway (`prism gateway`, its own process, the same brain and agents): the load generator sends to
-  it as to a peer, so Prism pays the proxy hop every peer pays.
+  it as to a peer, so Prism pays the proxy hop every peer pays; and the gateway given the engines' URLs alone
+  (`--worker-url`), with no brain and no agents, as the peers are given them: what Prism's router does on its own
+  placements and load without the cluster's telemetry.
 - SGLang Model Gateway (`sglang-router`), policies `cache_aware` and `power_of_two`.
 - vLLM router (`vllm-router`), `kv_aware` fed by the engines' KV events (`--kv-event-source`,
   `--kv-event-model`), and `cache_aware`.
@@ -92,7 +94,8 @@ class Contender:
     """The peer's wheel; None for Prism."""
     module: str = ""
     """The peer's module to run; for Prism, "gateway" runs `prism gateway` between the callers and the engines
-    (a hop, as every peer is), "" the router inside the load generator."""
+    (a hop, as every peer is), "gateway --worker-url" the same on the engines' URLs alone (no brain, no agents),
+    "" the router inside the load generator."""
     policy: str = ""
     replay: str | None = None
     """The `prism eval` policy that models this contender, if any."""
@@ -101,6 +104,7 @@ class Contender:
 CONTENDERS = (
     Contender("prism", None, policy="expected TTFT, prefix index", replay="prism"),
     Contender("prism-gateway", None, "gateway", "expected TTFT, prefix index, as a proxy"),
+    Contender("prism-gateway", None, "gateway --worker-url", "the same without brain or agents"),
     Contender("sglang", "sglang-router", "sglang_router.launch_router", "cache_aware", "sglang"),
     Contender("sglang", "sglang-router", "sglang_router.launch_router", "power_of_two"),
     Contender("vllm", "vllm-router", "vllm_router.launch_router", "kv_aware", "vllm-kv-aware"),
@@ -231,7 +235,7 @@ def run_one(
     procs: list[subprocess.Popen[bytes]] = []
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: stop([*procs, *cluster.procs()]))
-        cluster.start(prism=contender.package is None)  # Prism's brain and agents, whichever way it routes
+        cluster.start(prism=contender.package is None and contender.module != "gateway --worker-url")
         for node in cluster.nodes:
             if not wait_healthy(f"{node.url}/health", node.engine, time.monotonic() + STARTUP_LIMIT_S):
                 outcome.problem = f"engine {node.node_id} did not start: {cluster.log_tail(4)}"
@@ -240,11 +244,15 @@ def run_one(
         client: httpx.AsyncClient | None = None
         limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
         timeout = httpx.Timeout(60.0, connect=2.0)
-        if contender.module == "gateway":
+        if contender.module.startswith("gateway"):
             port = free_port()
             log = logs / "router.log"
-            args = ["-m", "prismlb.cli", "gateway", "--port", str(port), "--updates", cluster.address.updates]
-            proc = spawn([*args, "--snapshot", cluster.address.snapshot], log)
+            args = ["-m", "prismlb.cli", "gateway", "--port", str(port)]
+            if contender.module == "gateway":
+                args += ["--updates", cluster.address.updates, "--snapshot", cluster.address.snapshot]
+            else:
+                args += [f"--worker-url={node.url}" for node in cluster.nodes]
+            proc = spawn(args, log)
             procs.append(proc)
             if not gateway_ready(port, proc, len(cluster.nodes), time.monotonic() + STARTUP_LIMIT_S):
                 outcome.problem = f"no routing table with every node: {log_tail(log)}"

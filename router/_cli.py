@@ -25,6 +25,7 @@ from prismlb.service import (
     parse_listen_address,
     parse_port,
     parse_positive,
+    parse_text,
     sd_notify,
     setup_logging,
     stop_on_signals,
@@ -32,12 +33,21 @@ from prismlb.service import (
 )
 from prismlb.wire import BrainAddress, ClientCurve, ConfigError, NoRouteError, RoutingTable
 
-from ._gateway import Gateway, GatewayConfig
+from ._gateway import Gateway, GatewayConfig, static_table
 from ._nginx import DEFAULT_HASH, check_nginx_settings, nginx_choices, render_nginx
 from ._router import Router
 
 _SETTINGS = SettingTable("route", [BRAIN_UPDATES, BRAIN_SNAPSHOT])
 """The brain's endpoints, under the brain's own flags and variables."""
+
+
+def _worker_urls(raw: object) -> tuple[str, ...]:
+    """Worker URLs from repeated flags, a comma-separated variable or a list; checked as `static_table` takes them."""
+    items = raw if isinstance(raw, list) else [raw]
+    urls = tuple(url.strip() for item in items for url in parse_text(item).split(",") if url.strip())
+    static_table(urls)
+    return urls
+
 
 GATEWAY_SETTINGS = SettingTable(
     "gateway",
@@ -59,6 +69,16 @@ GATEWAY_SETTINGS = SettingTable(
             flag="--port",
             metavar="PORT",
             variable="PRISM_GATEWAY_PORT",
+        ),
+        Setting(
+            "worker_urls",
+            "an engine to relay to without a brain (repeatable, or comma-separated): a fixed table of equal "
+            "weights, placement from the gateway's own placements and load alone",
+            _worker_urls,
+            flag="--worker-url",
+            variable="PRISM_GATEWAY_WORKER_URLS",
+            action="append",
+            metavar="URL",
         ),
         BRAIN_UPDATES,
         BRAIN_SNAPSHOT,
@@ -278,8 +298,15 @@ def _run_gateway(args: argparse.Namespace) -> int:
     stop = threading.Event()
     stop_on_signals(stop)
     registry = CollectorRegistry()
+    workers = settings["worker_urls"]
     try:
-        router = Router.connect(BrainAddress(settings["updates"], settings["snapshot"]), curve=curve, registry=registry)
+        if workers and (settings.given("updates") or settings.given("snapshot") or curve is not None):
+            raise ConfigError("--worker-url runs without a brain: give it, or the brain's endpoints and keys, not both")
+        if workers:
+            router = Router.from_table(static_table(workers), registry=registry)
+        else:
+            address = BrainAddress(settings["updates"], settings["snapshot"])
+            router = Router.connect(address, curve=curve, registry=registry)
     except ConfigError as exc:
         return _fail_as("gateway", str(exc), 2)
     with router:

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -35,7 +36,7 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from prismlb.service import POLL_S, BoundedHandler, BoundedHttpServer, reply_bytes, reply_json
-from prismlb.wire import ConfigError, NoRouteError, RejectCounter
+from prismlb.wire import ConfigError, NoRouteError, RejectCounter, RoutingTable, SliceTable, TableNode
 
 from ._errors import ShedError
 from ._httpx import PrismTransport
@@ -90,6 +91,28 @@ class GatewayConfig:
         for name in ("read_timeout_s", "connect_timeout_s", "upstream_timeout_s"):
             if not getattr(self, name) > 0:  # NaN included
                 raise ConfigError(f"gateway: {name} must be positive, got {getattr(self, name)!r}")
+
+
+def static_table(urls: Sequence[str]) -> RoutingTable:
+    """A table of `urls` alone, for a gateway without a brain (`prism gateway --worker-url`): one slice, `default`,
+    that takes every modality; each worker its own node, named by its host and port, of weight 1. ValueError for a
+    URL that is not `http(s)://host[:port][/path]` or names a worker twice."""
+    nodes: list[TableNode] = []
+    for url in urls:
+        parts = urlsplit(url)
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            port = None
+        if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.query:
+            raise ValueError(f"worker URL {url!r} is not http(s)://host[:port][/path]")
+        node_id = f"{parts.hostname}:{port}"
+        if any(n.node_id == node_id for n in nodes):
+            raise ValueError(f"worker {node_id} is named twice")
+        nodes.append(TableNode(node_id=node_id, endpoint=url.rstrip("/"), weight=1.0))
+    if not nodes:
+        raise ValueError("no worker URLs")
+    return RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="default", nodes=nodes)])
 
 
 class _Refused(Exception):

@@ -194,10 +194,15 @@ class Router:
 
     @classmethod
     def from_table(
-        cls, table: RoutingTable, *, settings: Settings | None = None, clock: Callable[[], float] = time.monotonic
+        cls,
+        table: RoutingTable,
+        *,
+        settings: Settings | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
     ) -> Self:
         """A router fixed on `table`, with no network; ValueError when the table cannot be routed on."""
-        router = cls(settings=settings, clock=clock)
+        router = cls(settings=settings, clock=clock, registry=registry)
         router.apply(table)
         return router
 

@@ -20,7 +20,7 @@ def outcome(bench: ModuleType, contender: object, p99_ms: float) -> object:
 
 
 def test_agreement_names_the_pairs_ordered_differently(bench: ModuleType) -> None:
-    prism, _, sglang, power, kv, cache = bench.CONTENDERS
+    prism, _, _, sglang, power, kv, cache = bench.CONTENDERS
     live = [outcome(bench, prism, 900), outcome(bench, sglang, 1200), outcome(bench, kv, 700)]
     live += [outcome(bench, power, 5000), outcome(bench, cache, 1100)]
     replayed = {"prism": 1000.0, "sglang": 1500.0, "vllm-kv-aware": 800.0}

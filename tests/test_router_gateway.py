@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from prismlb.cli import main
 from prismlb.router import Gateway, GatewayConfig, Router, Settings
 from prismlb.router._cli import GATEWAY_SETTINGS, gateway_config
+from prismlb.router._gateway import static_table
 from prismlb.wire import ConfigError, NodeMetrics, NodeVector, RoutingTable, SliceTable, TableNode, VectorSender
 
 from ._helpers_engines import Engine
@@ -312,3 +313,46 @@ def test_prism_gateway_follows_a_real_brain_and_relays_to_the_nodes_it_publishes
         finally:
             proc.terminate()
             assert proc.wait(timeout=20) == 0, (tmp_path / "gateway.log").read_text()
+
+
+def test_a_static_table_names_each_worker_by_host_and_port_and_refuses_what_is_no_worker() -> None:
+    table = static_table(["http://10.0.0.1:8000/", "https://gpu-2.example/v", "http://10.0.0.1:8001"])
+    (only,) = table.slices
+    assert only.name == "default"  # takes every modality
+    assert [(n.node_id, n.endpoint, n.weight) for n in only.nodes] == [
+        ("10.0.0.1:8000", "http://10.0.0.1:8000", 1.0),
+        ("gpu-2.example:443", "https://gpu-2.example/v", 1.0),
+        ("10.0.0.1:8001", "http://10.0.0.1:8001", 1.0),
+    ]
+    for bad, why in [
+        (["ftp://h:1"], "is not http"),
+        (["http://:80"], "is not http"),
+        (["http://h:99999"], "is not http"),
+        (["http://h:1/?q=1"], "is not http"),
+        (["http://h:1", "http://h:1/v1"], "named twice"),
+        ([], "no worker URLs"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            static_table(bad)
+
+
+def test_prism_gateway_with_worker_urls_relays_without_a_brain(engines: tuple[Engine, Engine], tmp_path: Path) -> None:
+    port = free_port()
+    urls = ",".join(e.address for e in engines)  # one flag, comma-separated
+    proc = prism(["gateway", "--port", str(port), "--worker-url", urls], tmp_path / "gateway.log")
+    try:
+
+        def healthy() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()["endpoints"] == 2
+            return False
+
+        wait_for(healthy, timeout_s=30, what=f"the gateway: {(tmp_path / 'gateway.log').read_text()}")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=10)
+        first = client.chat.completions.create(model="m", messages=conversation(3))
+        again = client.chat.completions.create(model="m", messages=conversation(3))
+        assert first.choices[0].message.content == again.choices[0].message.content  # its own placements' index
+        assert sum(e.requests for e in engines) == 2
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0, (tmp_path / "gateway.log").read_text()
