@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import ThreadingHTTPServer
 
-from ._helpers_http import QuietHandler
+from ._helpers_http import LoopbackServer, QuietHandler
 
 
 class Handler(QuietHandler):
@@ -58,15 +57,12 @@ class Handler(QuietHandler):
         self.reply(200, json.dumps(completion).encode(), "application/json")
 
 
-class Engine(ThreadingHTTPServer):
-    daemon_threads = True
-
+class Engine(LoopbackServer):
     def __init__(self, name: str, status: int = 200) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
+        super().__init__(Handler)
         self.name = name
         self.status = status
         self.requests = 0
         self.lock = threading.Lock()
         self.gate = threading.Event()
         self.gate.set()
-        self.address = f"http://127.0.0.1:{self.server_address[1]}"

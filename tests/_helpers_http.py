@@ -4,6 +4,7 @@ the test's output free of request logs."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,6 +13,23 @@ from typing import TypeVar
 from prismlb.service import reply_bytes
 
 _Server = TypeVar("_Server", bound=ThreadingHTTPServer)
+
+
+class LoopbackServer(ThreadingHTTPServer):
+    """A test's HTTP server on a free loopback port, a daemon thread per connection; `address` is its base URL."""
+
+    daemon_threads = True
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(("127.0.0.1", 0), handler)
+        self.address = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def refused_address() -> str:
+    """A loopback base URL whose port was free a moment ago and is not listened on: connects there are refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 class QuietHandler(BaseHTTPRequestHandler):

@@ -9,14 +9,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from prismlb.demo import Cluster, log_tails, wait_healthy
 
-from ._helpers_http import QuietHandler, serving_http
+from ._helpers_http import LoopbackServer, QuietHandler, serving_http
 from .conftest import free_port
 
 
@@ -29,13 +28,11 @@ class _Health(QuietHandler):
         self.reply(200 if self.path == "/health" and self.server.healthy.is_set() else 503, b"")
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
+class _Server(LoopbackServer):
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Health)
+        super().__init__(_Health)
         self.healthy = threading.Event()
-        self.url = f"http://127.0.0.1:{self.server_address[1]}/health"
+        self.url = f"{self.address}/health"
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -25,7 +24,7 @@ from prismlb.router._gateway import static_table
 from prismlb.wire import ConfigError, NodeMetrics, NodeVector, RoutingTable, SliceTable, TableNode, VectorSender
 
 from ._helpers_engines import Engine
-from ._helpers_http import QuietHandler, serving_http
+from ._helpers_http import LoopbackServer, QuietHandler, refused_address, serving_http
 from .conftest import free_port, prism, running_brain, wait_for
 from .test_router_openai import conversation, make_router
 
@@ -96,13 +95,10 @@ class _Trickle(QuietHandler):
         self.wfile.write(b"0\r\n\r\n")
 
 
-class _TrickleEngine(ThreadingHTTPServer):
-    daemon_threads = True
-
+class _TrickleEngine(LoopbackServer):
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Trickle)
+        super().__init__(_Trickle)
         self.gate = threading.Event()
-        self.address = f"http://127.0.0.1:{self.server_address[1]}"
 
 
 @pytest.fixture
@@ -151,22 +147,20 @@ def test_a_refusing_or_unreachable_engine_is_passed_over_and_none_reachable_is_a
 ) -> None:
     busy, ok = engines
     busy.status = 503
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"  # bound, never listening: connects are refused
-        for other in (busy.address, dead):  # each beside the good one: a request tries at most two endpoints
-            router = Router.from_table(table_of(("gpu-a", other), ("gpu-b", ok.address)))
-            with Gateway(router, GatewayConfig(port=0)) as gateway:
-                client = openai_client(gateway)
-                for number in range(5):
-                    reply = client.chat.completions.create(model="m", messages=conversation(number))
-                    assert reply.choices[0].message.content == "gpu-b"
-        alone = Router.from_table(table_of(("gpu-c", dead)))
-        with Gateway(alone, GatewayConfig(port=0)) as gateway:
-            response = httpx.post(f"http://127.0.0.1:{gateway.port}/v1/completions", json={"model": "m", "prompt": "x"})
-            assert response.status_code == 502
-            assert response.json()["error"]["type"] == "upstream_unreachable"
-            assert gateway.errors == {"upstream_unreachable": 1}
+    dead = refused_address()
+    for other in (busy.address, dead):  # each beside the good one: a request tries at most two endpoints
+        router = Router.from_table(table_of(("gpu-a", other), ("gpu-b", ok.address)))
+        with Gateway(router, GatewayConfig(port=0)) as gateway:
+            client = openai_client(gateway)
+            for number in range(5):
+                reply = client.chat.completions.create(model="m", messages=conversation(number))
+                assert reply.choices[0].message.content == "gpu-b"
+    alone = Router.from_table(table_of(("gpu-c", dead)))
+    with Gateway(alone, GatewayConfig(port=0)) as gateway:
+        response = httpx.post(f"http://127.0.0.1:{gateway.port}/v1/completions", json={"model": "m", "prompt": "x"})
+        assert response.status_code == 502
+        assert response.json()["error"]["type"] == "upstream_unreachable"
+        assert gateway.errors == {"upstream_unreachable": 1}
 
 
 def test_health_and_metrics_are_the_gateways_own_and_no_table_is_a_503(engines: tuple[Engine, Engine]) -> None:

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -34,7 +31,7 @@ from prismlb.semantics import MODALITY_HEADER
 from prismlb.sim import request_tokens
 from prismlb.wire import RoutingTable, SliceTable, TableNode
 
-from ._helpers_http import QuietHandler
+from ._helpers_http import LoopbackServer, QuietHandler, refused_address, serving_http
 
 DOCUMENT = "Quarterly report. " * 300  # 5,400 bytes: a first turn longer than the key's window
 
@@ -68,31 +65,17 @@ class Handler(QuietHandler):
         self.reply(200, json.dumps({"object": "chat.completion", **seen}).encode(), "application/json")
 
 
-class NamedServer(ThreadingHTTPServer):
-    daemon_threads = True
-
+class NamedServer(LoopbackServer):
     def __init__(self, name: str) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
+        super().__init__(Handler)
         self.name = name
-        self.address = f"http://127.0.0.1:{self.server_address[1]}"
 
 
 @pytest.fixture
 def servers() -> Iterator[dict[str, NamedServer]]:
     started = {name: NamedServer(name) for name in ("gpu-a", "gpu-b", "gpu-c")}
-    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in started.values()]
-    for thread in threads:
-        thread.start()
-    yield started
-    for server in started.values():
-        server.shutdown()
-        server.server_close()
-
-
-def refused_address() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with serving_http(*started.values()):
+        yield started
 
 
 def make_router(addresses: dict[str, str], **settings: object) -> Router:
