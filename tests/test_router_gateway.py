@@ -271,42 +271,49 @@ def test_a_taken_port_is_a_config_error() -> None:
             Gateway(router, GatewayConfig(port=first.port))
 
 
+@contextlib.contextmanager
+def gateway_process(args: list[str], log: Path, endpoints: int) -> Iterator[openai.OpenAI]:
+    """`prism gateway ARGS` on a free port until its table has `endpoints` endpoints; the `openai` client on it.
+    On the way out it is sent SIGTERM and must exit 0."""
+    port = free_port()
+    proc = prism(["gateway", "--port", str(port), *args], log)
+
+    def ready() -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()["endpoints"] == endpoints
+        return False
+
+    try:
+        wait_for(ready, timeout_s=30, what=f"the gateway's table: {log.read_text()}")
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=10)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0, log.read_text()
+
+
 def test_prism_gateway_follows_a_real_brain_and_relays_to_the_nodes_it_publishes(
     engines: tuple[Engine, Engine], tmp_path: Path
 ) -> None:
     """The command as a unit file runs it: its own process, the brain's tables over ZeroMQ, SIGTERM to stop."""
     with running_brain() as brain, zmq.Context() as ctx, VectorSender(ctx, brain.config.ingest) as sender:
-        port = free_port()
-        args = ["gateway", "--port", str(port), "--updates", brain.config.updates, "--snapshot", brain.config.snapshot]
-        proc = prism(args, tmp_path / "gateway.log")
-        try:
-            for seq in range(3):
-                for engine in engines:
-                    sender.send(
-                        NodeVector(
-                            node_id=engine.name,
-                            host="127.0.0.1",
-                            endpoint=engine.address,
-                            seq=seq,
-                            sample_time_unix_s=time.time(),
-                            period_s=1.0,
-                            metrics=NodeMetrics(cpu_util_ratio=0.1, requests_running=0, requests_waiting=0),
-                        )
+        for seq in range(3):
+            for engine in engines:
+                sender.send(
+                    NodeVector(
+                        node_id=engine.name,
+                        host="127.0.0.1",
+                        endpoint=engine.address,
+                        seq=seq,
+                        sample_time_unix_s=time.time(),
+                        period_s=1.0,
+                        metrics=NodeMetrics(cpu_util_ratio=0.1, requests_running=0, requests_waiting=0),
                     )
-
-            def healthy() -> bool:
-                with contextlib.suppress(httpx.HTTPError):
-                    return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()["endpoints"] == 2
-                return False
-
-            wait_for(healthy, timeout_s=30, what=f"the gateway's table: {(tmp_path / 'gateway.log').read_text()}")
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=10)
+                )
+        brain_flags = ["--updates", brain.config.updates, "--snapshot", brain.config.snapshot]
+        with gateway_process(brain_flags, tmp_path / "gateway.log", 2) as client:
             reply = client.chat.completions.create(model="m", messages=conversation(7))
             assert reply.choices[0].message.content in ("gpu-a", "gpu-b")
             assert sum(e.requests for e in engines) == 1
-        finally:
-            proc.terminate()
-            assert proc.wait(timeout=20) == 0, (tmp_path / "gateway.log").read_text()
 
 
 def test_a_static_table_names_each_worker_by_host_and_port_and_refuses_what_is_no_worker() -> None:
@@ -331,22 +338,9 @@ def test_a_static_table_names_each_worker_by_host_and_port_and_refuses_what_is_n
 
 
 def test_prism_gateway_with_worker_urls_relays_without_a_brain(engines: tuple[Engine, Engine], tmp_path: Path) -> None:
-    port = free_port()
     urls = ",".join(e.address for e in engines)  # one flag, comma-separated
-    proc = prism(["gateway", "--port", str(port), "--worker-url", urls], tmp_path / "gateway.log")
-    try:
-
-        def healthy() -> bool:
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()["endpoints"] == 2
-            return False
-
-        wait_for(healthy, timeout_s=30, what=f"the gateway: {(tmp_path / 'gateway.log').read_text()}")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=10)
+    with gateway_process(["--worker-url", urls], tmp_path / "gateway.log", 2) as client:
         first = client.chat.completions.create(model="m", messages=conversation(3))
         again = client.chat.completions.create(model="m", messages=conversation(3))
         assert first.choices[0].message.content == again.choices[0].message.content  # its own placements' index
         assert sum(e.requests for e in engines) == 2
-    finally:
-        proc.terminate()
-        assert proc.wait(timeout=20) == 0, (tmp_path / "gateway.log").read_text()
