@@ -6,6 +6,7 @@ from ._config import AgentConfig, resolve_config
 from ._connections import Connection
 from ._conntrack import CheckRow, ConnectionTracer
 from ._ebpf import ConnectCounter, check, probe_ebpf
+from ._engine import EngineCollector, EngineSample
 from ._host import HostSample, HostSampler
 
 __all__ = [
@@ -15,6 +16,8 @@ __all__ = [
     "ConnectCounter",
     "Connection",
     "ConnectionTracer",
+    "EngineCollector",
+    "EngineSample",
     "HostSample",
     "HostSampler",
     "add_parser",

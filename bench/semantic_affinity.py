@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from prismlb.router import Router, Settings
 from prismlb.router._router import Placement
@@ -100,10 +101,17 @@ class StructureRouter(Router):
     structure vectors of the requests placed on each node: what the brain would summarise from routers'
     reports. The caller sets `vector` to the structure of the request about to be placed."""
 
-    def __init__(self, *, mode: str = "blend", settings: Settings | None = None, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        *,
+        mode: str = "blend",
+        settings: Settings | None = None,
+        clock: Callable[[], float],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is none of {MODES}")
-        super().__init__(settings=settings, clock=clock)
+        super().__init__(settings=settings, clock=clock, registry=registry)
         self.mode = mode
         self.vector: np.ndarray | None = None
         self.summaries: dict[str, np.ndarray] = {}

@@ -4,6 +4,7 @@ where nginx sends keys there. `prism gateway`: run the router as an HTTP reverse
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -33,7 +34,7 @@ from prismlb.service import (
 )
 from prismlb.wire import BrainAddress, ClientCurve, ConfigError, NoRouteError, RoutingTable
 
-from ._gateway import Gateway, GatewayConfig, static_table
+from ._gateway import Gateway, GatewayConfig, WorkerWatch, static_table
 from ._nginx import DEFAULT_HASH, check_nginx_settings, nginx_choices, render_nginx
 from ._router import Router
 
@@ -73,7 +74,8 @@ GATEWAY_SETTINGS = SettingTable(
         Setting(
             "worker_urls",
             "an engine to relay to without a brain (repeatable, or comma-separated): a fixed table of equal "
-            "weights, placement from the gateway's own placements and load alone",
+            "weights, each engine's prefill speed read from its /metrics, placement from the gateway's own "
+            "placements and load",
             _worker_urls,
             flag="--worker-url",
             variable="PRISM_GATEWAY_WORKER_URLS",
@@ -304,7 +306,9 @@ def _run_gateway(args: argparse.Namespace) -> int:
             raise ConfigError("--worker-url runs without a brain: give it, or the brain's endpoints and keys, not both")
         if workers:
             router = Router.from_table(static_table(workers), registry=registry)
+            watch: WorkerWatch | None = WorkerWatch(router, workers)
         else:
+            watch = None
             address = BrainAddress(settings["updates"], settings["snapshot"])
             router = Router.connect(address, curve=curve, registry=registry)
     except ConfigError as exc:
@@ -314,7 +318,7 @@ def _run_gateway(args: argparse.Namespace) -> int:
             gateway = Gateway(router, config, registry=registry)
         except ConfigError as exc:
             return _fail_as("gateway", str(exc), 1)
-        with gateway:
+        with gateway, watch if watch is not None else contextlib.nullcontext():
             sd_notify("READY=1")
             ping_s = watchdog_interval_s()
             while not stop.wait(ping_s):

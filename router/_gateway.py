@@ -24,15 +24,17 @@ A caller gone mid-answer (`client_gone`) ends the engine's request and its lease
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from prismlb.service import POLL_S, BoundedHandler, BoundedHttpServer, reply_bytes, reply_json
@@ -113,6 +115,95 @@ def static_table(urls: Sequence[str]) -> RoutingTable:
     if not nodes:
         raise ValueError("no worker URLs")
     return RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="default", nodes=nodes)])
+
+
+class WorkerWatch:
+    """What a gateway without a brain learns of its workers from their own `/metrics`: each worker's prefill speed,
+    measured as an agent measures it (the agent's `EngineCollector`, over at least 16 finished prefills), applied to
+    the router as a new version of the fixed table (`static_table`) after each round of scrapes that changed one.
+
+    A worker's speed is its latest measure, else the median of the measured workers' (the brain's rule without its
+    GPU classes, which a URL does not name); before any measure the table carries none and expected times are in
+    tokens, every worker alike. That is all it learns: no KV events, predicted tails, kernel signals or host state,
+    which need an agent on the worker's host."""
+
+    def __init__(
+        self,
+        router: Router,
+        urls: Sequence[str],
+        *,
+        period_s: float = 2.0,
+        collector: Callable[[str], Any] | None = None,
+    ) -> None:
+        from prismlb.agent import EngineCollector  # the agent's own measure, not a second one
+
+        self.router = router
+        self.table = static_table(urls)
+        make = collector or (lambda url: EngineCollector(url, timeout_s=1.0))
+        self._collectors = [(node, make(_metrics_url(node.endpoint))) for node in self.table.slices[0].nodes]
+        self._measured: dict[str, float] = {}
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def speeds(self) -> dict[str, float]:
+        """The prefill speed the table gives each worker now, tokens per second (none before a first measure)."""
+        return {n.node_id: n.prefill_tokens_per_s for n in self.table.slices[0].nodes if n.prefill_tokens_per_s}
+
+    def poll(self) -> bool:
+        """Scrape every worker once; apply the table when a worker's speed changed (whether it did)."""
+        for node, collector in self._collectors:
+            rate = collector.sample().prefill_tokens_per_s
+            if rate:
+                self._measured[node.node_id] = rate
+        if not self._measured:
+            return False
+        typical = statistics.median(self._measured.values())
+        nodes = [
+            msgspec.structs.replace(n, prefill_tokens_per_s=self._measured.get(n.node_id, typical))
+            for n in self.table.slices[0].nodes
+        ]
+        if nodes == self.table.slices[0].nodes:
+            return False
+        slice_ = msgspec.structs.replace(self.table.slices[0], nodes=nodes)
+        table = msgspec.structs.replace(
+            self.table, version=self.table.version + 1, issued_unix_s=time.time(), slices=[slice_]
+        )
+        self.router.apply(table)
+        self.table = table
+        return True
+
+    def start(self) -> None:
+        """Poll every `period_s` on a background thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="prism-gateway-workers", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.poll()
+            except Exception:  # a fault here must not end the watch: the last table stays in force
+                _log.exception("polling the workers' /metrics failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> WorkerWatch:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _metrics_url(endpoint: str) -> str:
+    """A worker's Prometheus endpoint: `/metrics` at its scheme, host and port (its path prefix is the API's)."""
+    parts = urlsplit(endpoint)
+    return f"{parts.scheme}://{parts.netloc}/metrics"
 
 
 class _Refused(Exception):

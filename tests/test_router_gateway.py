@@ -17,10 +17,11 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
+from prismlb.agent import EngineSample
 from prismlb.cli import main
 from prismlb.router import Gateway, GatewayConfig, Router, Settings
 from prismlb.router._cli import GATEWAY_SETTINGS, gateway_config
-from prismlb.router._gateway import static_table
+from prismlb.router._gateway import WorkerWatch, static_table
 from prismlb.wire import ConfigError, NodeMetrics, NodeVector, RoutingTable, SliceTable, TableNode, VectorSender
 
 from ._helpers_engines import Engine
@@ -344,3 +345,32 @@ def test_prism_gateway_with_worker_urls_relays_without_a_brain(engines: tuple[En
         again = client.chat.completions.create(model="m", messages=conversation(3))
         assert first.choices[0].message.content == again.choices[0].message.content  # its own placements' index
         assert sum(e.requests for e in engines) == 2
+
+
+class _ScriptedEngine:
+    """An `EngineCollector` stand-in at the watch's seam: each `sample()` gives the next scripted prefill speed."""
+
+    def __init__(self, speeds: list[float | None]) -> None:
+        self.speeds = speeds
+
+    def sample(self) -> EngineSample:
+        return EngineSample(prefill_tokens_per_s=self.speeds.pop(0) if self.speeds else None)
+
+
+def test_the_worker_watch_gives_each_worker_its_measured_speed_else_the_measured_median() -> None:
+    urls = ["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
+    script = {
+        "http://10.0.0.1:8000/metrics": [None, 1000.0, None, None],
+        "http://10.0.0.2:8000/metrics": [None, None, 3000.0, None],
+        "http://10.0.0.3:8000/metrics": [None, None, None, None],
+    }
+    router = Router.from_table(static_table(urls))
+    watch = WorkerWatch(router, urls, collector=lambda url: _ScriptedEngine(script[url]))
+    assert not watch.poll() and watch.speeds == {}  # nothing measured: expected times stay in tokens
+    assert watch.poll()
+    assert watch.speeds == {"10.0.0.1:8000": 1000.0, "10.0.0.2:8000": 1000.0, "10.0.0.3:8000": 1000.0}
+    assert router.table is not None and router.table.version == 2
+    assert watch.poll()
+    assert watch.speeds == {"10.0.0.1:8000": 1000.0, "10.0.0.2:8000": 3000.0, "10.0.0.3:8000": 2000.0}
+    assert not watch.poll(), "a worker without a new measure keeps its last one"
+    assert router.table.version == 3 and router.table.slices[0].nodes[1].prefill_tokens_per_s == 3000.0
