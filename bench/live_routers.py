@@ -19,7 +19,8 @@ Prism's `X-Modality-Signature` header). Contenders:
 - Prism as a gateway (`prism gateway`, its own process, the same brain and agents): the load generator sends to
   it as to a peer, so Prism pays the proxy hop every peer pays; and the gateway given the engines' URLs alone
   (`--worker-url`), with no brain and no agents, as the peers are given them: what Prism's router does on its own
-  placements and load without the cluster's telemetry.
+  placements and load, with each engine's prefill speed read from its `/metrics`, without the rest of the
+  cluster's telemetry.
 - SGLang Model Gateway (`sglang-router`), policies `cache_aware` and `power_of_two`.
 - vLLM router (`vllm-router`), `kv_aware` fed by the engines' KV events (`--kv-event-source`,
   `--kv-event-model`), and `cache_aware`.
@@ -104,7 +105,7 @@ class Contender:
 CONTENDERS = (
     Contender("prism", None, policy="expected TTFT, prefix index", replay="prism"),
     Contender("prism-gateway", None, "gateway", "expected TTFT, prefix index, as a proxy"),
-    Contender("prism-gateway", None, "gateway --worker-url", "the same without brain or agents"),
+    Contender("prism-gateway", None, "gateway --worker-url", "the same on worker URLs, no brain or agents"),
     Contender("sglang", "sglang-router", "sglang_router.launch_router", "cache_aware", "sglang"),
     Contender("sglang", "sglang-router", "sglang_router.launch_router", "power_of_two"),
     Contender("vllm", "vllm-router", "vllm_router.launch_router", "kv_aware", "vllm-kv-aware"),
