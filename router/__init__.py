@@ -16,7 +16,7 @@ from prismlb.wire import NoRouteError
 
 from ._cli import add_parser
 from ._errors import ShedError
-from ._gateway import Gateway, GatewayConfig
+from ._gateway import Gateway, GatewayConfig, WorkerWatch, static_table
 from ._health import Circuit, EndpointStatus, Outcome
 from ._httpx import AsyncPrismTransport, PrismTransport
 from ._keys import (
@@ -71,6 +71,7 @@ __all__ = [
     "Router",
     "Settings",
     "Ticket",
+    "WorkerWatch",
     "ShedError",
     "add_parser",
     "block_hash",
@@ -81,5 +82,6 @@ __all__ = [
     "nginx_choices",
     "nginx_ring_points",
     "render_nginx",
+    "static_table",
     "text_block_hashes",
 ]

@@ -19,9 +19,8 @@ from prometheus_client import CollectorRegistry
 
 from prismlb.agent import EngineSample
 from prismlb.cli import main
-from prismlb.router import Gateway, GatewayConfig, Router, Settings
+from prismlb.router import Gateway, GatewayConfig, Router, Settings, WorkerWatch, static_table
 from prismlb.router._cli import GATEWAY_SETTINGS, gateway_config
-from prismlb.router._gateway import WorkerWatch, static_table
 from prismlb.wire import ConfigError, NodeMetrics, NodeVector, RoutingTable, SliceTable, TableNode, VectorSender
 
 from ._helpers_engines import Engine
