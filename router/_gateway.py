@@ -247,13 +247,16 @@ class Gateway:
             max_connections=self.config.max_connections, max_keepalive_connections=self.config.max_connections
         )
         inner = transport if transport is not None else httpx.HTTPTransport(limits=limits)
+        self.transport = PrismTransport(router, transport=inner)
+        """Sends each request through the router; shared by every connection's thread. Called directly, not through
+        an `httpx.Client`: a proxy wants none of a client's cookies, redirects or default headers, nor its cost."""
         timeout = httpx.Timeout(self.config.upstream_timeout_s, connect=self.config.connect_timeout_s, pool=None)
-        self.client = httpx.Client(transport=PrismTransport(router, transport=inner), timeout=timeout)
-        """Sends each request through the router (`PrismTransport`); shared by every connection's thread."""
+        self.timeouts = timeout.as_dict()
+        """Each relayed request's timeouts, as httpx's transports read them from the request's extensions."""
         try:
             self._server = _GatewayServer(self)
         except OSError as exc:
-            self.client.close()
+            self.transport.close()
             raise ConfigError(f"gateway: cannot listen on {self.config.host}:{self.config.port}: {exc}") from None
         self.port = self._server.server_port
         """The port listened on (the kernel's pick when the config's is 0)."""
@@ -277,7 +280,7 @@ class Gateway:
             self._server.server_close()
             self._server.close_connections()
         finally:
-            self.client.close()
+            self.transport.close()
 
     def __enter__(self) -> Gateway:
         self.start()
@@ -361,7 +364,7 @@ class _GatewayHandler(BoundedHandler):
             self._refuse(exc)
             return
         try:
-            response = gateway.client.send(request, stream=True)
+            response = gateway.transport.handle_request(request)
         except NoRouteError as exc:
             self._refuse(_Refused(HTTPStatus.SERVICE_UNAVAILABLE, "no_route", str(exc), caller=False))
             return
@@ -388,7 +391,7 @@ class _GatewayHandler(BoundedHandler):
     do_POST = do_PUT = do_PATCH = do_DELETE = _relay
 
     def _request(self) -> httpx.Request:
-        """The caller's request as the router's client sends it; `_Refused` for one that cannot be read."""
+        """The caller's request as the router's transport sends it; `_Refused` for one that cannot be read."""
         if not self.path.startswith("/"):
             self.close_connection = True
             raise _Refused(HTTPStatus.BAD_REQUEST, "bad_target", f"request target {self.path[:80]!r} is not a path")
@@ -398,8 +401,9 @@ class _GatewayHandler(BoundedHandler):
         forwarded = self.headers.get("X-Forwarded-For")
         headers = [(k, v) for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP | {"x-forwarded-for"}]
         headers.append(("X-Forwarded-For", f"{forwarded}, {caller}" if forwarded else caller))
-        return self.server.gateway.client.build_request(
-            self.command, f"http://prism.gateway{self.path}", headers=headers, content=body
+        extensions = {"timeout": self.server.gateway.timeouts}
+        return httpx.Request(
+            self.command, f"http://prism.gateway{self.path}", headers=headers, content=body, extensions=extensions
         )
 
     def _body(self) -> bytes:
