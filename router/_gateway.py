@@ -7,8 +7,8 @@ the request's turn in the waiting room, another endpoint after a refused connect
 engine's answer as it arrives: a streamed completion's chunks are written to the caller as the engine sends them,
 so the caller's first token is the engine's, one hop later.
 
-Its own paths are `GET /health` (200 once a table with an endpoint is in, else 503, with the table's epoch and
-version) and `GET /metrics` (the router's and the gateway's Prometheus metrics). Every other request is forwarded
+Its own paths are `GET /health` (200 while an endpoint of its table takes requests, else 503, with the table's epoch
+and version) and `GET /metrics` (the router's and the gateway's Prometheus metrics). Every other request is forwarded
 with its method, path, query and headers, less the hop-by-hop ones; `X-Forwarded-For` names the caller.
 
 What the gateway itself answers, as OpenAI-style JSON errors (`{"error": {"message", "type", "code"}}`):
@@ -539,14 +539,25 @@ class _GatewayHandler(BoundedHandler):
             self.close_connection = True
 
     def _health(self) -> None:
-        table = self.server.gateway.router.table
+        """200 while some endpoint of the table takes requests; 503 without a table, without endpoints, or with every
+        endpoint's circuit open (a balancer in front then sends elsewhere until a circuit half-opens)."""
+        router = self.server.gateway.router
+        table = router.table
         endpoints = 0 if table is None else len({n.node_id for s in table.slices for n in s.nodes})
+        available = sum(1 for status in router.status().values() if status.available)
+        if table is None:
+            state = "no_table"
+        elif not endpoints:
+            state = "no_endpoints"
+        else:
+            state = "ok" if available else "none_available"
         payload = {
-            "status": "ok" if endpoints else "no_table" if table is None else "no_endpoints",
+            "status": state,
             "table": None if table is None else {"epoch": table.epoch, "version": table.version},
             "endpoints": endpoints,
+            "available": available,
         }
-        reply_json(self, HTTPStatus.OK if endpoints else HTTPStatus.SERVICE_UNAVAILABLE, payload)
+        reply_json(self, HTTPStatus.OK if state == "ok" else HTTPStatus.SERVICE_UNAVAILABLE, payload)
 
     def log_message(self, format: str, *args: Any) -> None:
         _log.debug("%s: " + format, self.client_address[0], *args)

@@ -161,6 +161,8 @@ def test_a_refusing_or_unreachable_engine_is_passed_over_and_none_reachable_is_a
         assert response.status_code == 502
         assert response.json()["error"]["type"] == "upstream_unreachable"
         assert gateway.errors == {"upstream_unreachable": 1}
+        health = httpx.get(f"http://127.0.0.1:{gateway.port}/health")  # a balancer in front sends elsewhere
+        assert (health.status_code, health.json()["status"], health.json()["available"]) == (503, "none_available", 0)
 
 
 def test_health_and_metrics_are_the_gateways_own_and_no_table_is_a_503(engines: tuple[Engine, Engine]) -> None:
@@ -177,7 +179,7 @@ def test_health_and_metrics_are_the_gateways_own_and_no_table_is_a_503(engines: 
         router.apply(table_of(*((e.name, e.address) for e in engines)))
         health = httpx.get(f"{base}/health")
         assert health.status_code == 200
-        assert health.json() == {"status": "ok", "table": {"epoch": 1, "version": 1}, "endpoints": 2}
+        assert health.json() == {"status": "ok", "table": {"epoch": 1, "version": 1}, "endpoints": 2, "available": 2}
         assert httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": "x"}).status_code == 200
         metrics = httpx.get(f"{base}/metrics").text
         assert 'prism_gateway_responses_total{code="503"} 1.0' in metrics
