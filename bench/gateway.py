@@ -16,34 +16,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 
 from prismlb.demo import free_port, percentile, spawn, stop, wait_healthy
+from prismlb.service import NoDelayHandler
 
 CHUNKS = 8
 BODY = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "What does the report say? " * 40}]}
 
 
-class _Engine(BaseHTTPRequestHandler):
-    """The stand-in engine: `CHUNKS` chunks of a streamed chat completion at once, chunked, keep-alive."""
+class _Engine(NoDelayHandler):
+    """The stand-in engine: `CHUNKS` chunks of a streamed chat completion at once, chunked, keep-alive, each write
+    sent at once as real engines' servers send it."""
 
     protocol_version = "HTTP/1.1"
-
-    def setup(self) -> None:
-        super().setup()
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as real engines' servers do
 
     def do_GET(self) -> None:
         self.send_response(200)
@@ -155,8 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     routes: dict[str, str] = {"direct": engine_url}
     rows: list[str] = []
     procs: list[subprocess.Popen[bytes]] = []
-    with contextlib.ExitStack() as stack:
-        stack.callback(lambda: stop(procs))
+    try:
         engine = spawn([__file__, "--serve-engine", str(engine_port)], logs / "engine.log")
         procs.append(engine)
         if not wait_healthy(f"{engine_url}/health", engine, time.monotonic() + 20):
@@ -195,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{e99 * 1e3:.2f} ms | {args.requests / wall:.0f} | {added} |",
                     flush=True,
                 )
+    finally:
+        stop(procs)
     for row in rows:
         print(row)
     return 0

@@ -27,7 +27,7 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -35,9 +35,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import msgspec
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
 
-from prismlb.service import POLL_S, BoundedHandler, BoundedHttpServer, reply_bytes, reply_json
+from prismlb.service import POLL_S, BoundedHandler, BoundedHttpServer, kind_counter, reply_bytes, reply_json
 from prismlb.wire import ConfigError, NoRouteError, RejectCounter, RoutingTable, SliceTable, TableNode
 
 from ._errors import ShedError
@@ -237,12 +238,10 @@ class Gateway:
         self.config = config or GatewayConfig()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.rejects = RejectCounter("gateway", _log, self.registry)
-        self._errors = Counter(
-            "prism_gateway_errors", "Requests the gateway could not relay, by kind", ["kind"], registry=self.registry
-        )
-        self._responses = Counter(
-            "prism_gateway_responses", "Responses begun to callers, by status code", ["code"], registry=self.registry
-        )
+        self._lock = threading.Lock()
+        self._errors: dict[str, int] = {}
+        self._responses: dict[str, int] = {}
+        self.registry.register(_GatewayCollector(self))
         limits = httpx.Limits(
             max_connections=self.config.max_connections, max_keepalive_connections=self.config.max_connections
         )
@@ -292,25 +291,32 @@ class Gateway:
     @property
     def errors(self) -> dict[str, int]:
         """Requests not relayed, by kind (`prism_gateway_errors_total`)."""
-        return _by_label(self._errors, "kind")
+        with self._lock:
+            return dict(self._errors)
 
     @property
     def responses(self) -> dict[str, int]:
         """Responses begun, by status code (`prism_gateway_responses_total`)."""
-        return _by_label(self._responses, "code")
+        with self._lock:
+            return dict(self._responses)
 
-    def _count_error(self, kind: str) -> None:
-        self._errors.labels(kind).inc()
+    def _count(self, tally: dict[str, int], key: str) -> None:
+        with self._lock:
+            tally[key] = tally.get(key, 0) + 1
 
 
-def _by_label(counter: Counter, label: str) -> dict[str, int]:
-    """A labelled counter's totals by its one label's value."""
-    out: dict[str, int] = {}
-    for metric in counter.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total"):
-                out[sample.labels[label]] = int(sample.value)
-    return out
+class _GatewayCollector:
+    """The gateway's tallies as Prometheus counters, read at scrape time."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+
+    def collect(self) -> Iterator[Metric]:
+        gateway = self._gateway
+        yield kind_counter("prism_gateway_errors", "Requests the gateway could not relay, by kind", gateway.errors)
+        yield kind_counter(
+            "prism_gateway_responses", "Responses begun to callers, by status code", gateway.responses, label="code"
+        )
 
 
 class _GatewayServer(BoundedHttpServer):
@@ -482,7 +488,7 @@ class _GatewayHandler(BoundedHandler):
         chunked = length is None and not bodiless and self.request_version == "HTTP/1.1"
         if length is None and not bodiless and not chunked:
             self.close_connection = True
-        gateway._responses.labels(str(status)).inc()
+        gateway._count(gateway._responses, str(status))
         try:
             self._write_head(status, response.headers.multi_items(), length, chunked)
             for piece in response.iter_raw():
@@ -491,10 +497,10 @@ class _GatewayHandler(BoundedHandler):
             if chunked:
                 self._write(b"0\r\n\r\n")
         except _ClientGone:
-            gateway._count_error("client_gone")
+            gateway._count(gateway._errors, "client_gone")
             self.close_connection = True
         except httpx.HTTPError as exc:
-            gateway._count_error("upstream_broken")
+            gateway._count(gateway._errors, "upstream_broken")
             _log.debug("the engine's answer to %s %s broke off: %r", self.command, self.path, exc)
             self.close_connection = True
 
@@ -527,8 +533,8 @@ class _GatewayHandler(BoundedHandler):
         if exc.caller:
             gateway.rejects.count(exc.kind, exc)
         else:
-            gateway._count_error(exc.kind)
-        gateway._responses.labels(str(int(exc.status))).inc()
+            gateway._count(gateway._errors, exc.kind)
+        gateway._count(gateway._responses, str(int(exc.status)))
         headers = {"Retry-After": "1"} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else {}
         if self.close_connection:
             headers["Connection"] = "close"

@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from prometheus_client.core import CounterMetricFamily
 
 
-def kind_counter(name: str, help_text: str, counts: Mapping[str, float]) -> CounterMetricFamily:
-    """`counts` as the counter `name`, one sample per kind under the label `kind`, in the kinds' order (so that
-    consecutive scrapes list them the same way)."""
-    family = CounterMetricFamily(name, help_text, labels=["kind"])
+def kind_counter(name: str, help_text: str, counts: Mapping[str, float], label: str = "kind") -> CounterMetricFamily:
+    """`counts` as the counter `name`, one sample per kind under `label`, in the kinds' order (so that consecutive
+    scrapes list them the same way)."""
+    family = CounterMetricFamily(name, help_text, labels=[label])
     for kind, value in sorted(counts.items()):
         family.add_metric([kind], value)
     return family
