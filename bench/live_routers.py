@@ -8,10 +8,11 @@ into their own virtualenv (`--venv`), so a claim against them rests on their cod
 
 For each contender a fresh cluster of four emulated engines (`make demo`'s: h100, 2 × a100, l40s, vLLM-format
 KV events over ZeroMQ, the same `time_scale`) is started with `prismlb.demo.Cluster`, and the demo's load
-generator (`prismlb.demo.Demo`) sends the same requests at the same times: the first `--requests` of each trace
+generator (`prismlb.demo.Demo`) sends the same requests at the same times: the first `--requests` of each workload
 in `--traces` (by default the Mooncake conversation trace, whose turns share prefixes, and Azure's conversation
-trace, whose prompts share nothing), time-compressed to `--duration` seconds, text only (the SGLang gateway drops
-Prism's `X-Modality-Signature` header). Contenders:
+trace, whose prompts share nothing; any text workload `prism eval` names may be given, the families as
+`NAME[:SEED]`, and trace files with `--trace`), time-compressed to `--duration` seconds, text only (the SGLang
+gateway drops Prism's `X-Modality-Signature` header). Contenders:
 
 - Prism: brain, one agent per engine (eBPF off) and the router in-process, as the demo runs them, with the
   library's default settings as every peer runs with its own (not the demo's 0.3 s slow first token, which
@@ -334,7 +335,12 @@ def table(outcomes: Sequence[Outcome], nodes: Sequence[str]) -> list[str]:
 
 
 def replay_p99_ms(
-    contenders: Sequence[Contender], requests: int, load: float, *, trace: str = "mooncake", gpu_labels: bool = False
+    contenders: Sequence[Contender],
+    requests: int,
+    load: float,
+    *,
+    trace: str | Path = "mooncake",
+    gpu_labels: bool = False,
 ) -> dict[str, float]:
     """TTFT p99 of each replay model on the same trace prefix, cluster and offered prefill load as the live
     runs (prompts at their trace size, where the live engines shrink them and slow down to match the load).
@@ -344,12 +350,12 @@ def replay_p99_ms(
     class as an agent on a real GPU host would."""
     import torch
 
+    from prismlb.sim import resolve_workload
     from prismlb.sim._cluster import NodeSpec
     from prismlb.sim._eval import replay
-    from prismlb.sim._workload import load as load_trace
 
     torch.set_num_threads(1)
-    workload = load_trace(trace, seed=1, limit=requests)
+    workload = resolve_workload(trace, seed=1, limit=requests)
     labels = None if gpu_labels else {"gpu": ""}
     nodes = [NodeSpec(f"{gpu}-{i + 1}", gpu, 0, labels) for i, gpu in enumerate(DEFAULT_NODES)]  # type: ignore[arg-type]
     out = {}
@@ -391,7 +397,7 @@ def agreement(outcomes: Sequence[Outcome], replayed: dict[str, float]) -> list[s
 
 
 def bakeoff(
-    trace: str,
+    trace: str | Path,
     args: argparse.Namespace,
     contenders: Sequence[Contender],
     versions: dict[str, str],
@@ -400,10 +406,11 @@ def bakeoff(
     """Every contender on the first `args.requests` of `trace`, one after the other; their table and the replay
     check printed."""
     requests = load_requests(args.requests, trace)
+    name = trace.stem if isinstance(trace, Path) else trace
     work_s = prefill_work_s(requests, DEFAULT_NODES)
     time_scale = min(TIME_SCALE_MAX, max(TIME_SCALE_RANGE[0], args.load * args.duration / work_s))
     print(
-        f"live bakeoff: {len(requests)} {trace} requests (trace 0-{requests[-1].at_s:.0f} s) in "
+        f"live bakeoff: {len(requests)} {name} requests (trace 0-{requests[-1].at_s:.0f} s) in "
         f"{args.duration:.0f} s on {', '.join(DEFAULT_NODES)} at time_scale {time_scale:.2f} "
         f"({time_scale * work_s / args.duration:.0%} of their prefill offered); one infinite "
         f"prefix cache would hit {prefix_cache_bound(requests):.1%}; logs in {logs}",
@@ -424,7 +431,7 @@ def bakeoff(
             requests,
             args.duration,
             time_scale,
-            logs / f"{trace}-{i}-{contender.name}",
+            logs / f"{name}-{i}-{contender.name}",
             args.venv / "bin" / "python",
             args.peer_debug,
         )
@@ -432,7 +439,7 @@ def bakeoff(
         if outcome.problem:
             print(f"   {label}: {outcome.problem}", flush=True)
     nodes = [f"{gpu}-{i + 1}" for i, gpu in enumerate(DEFAULT_NODES)]
-    print(f"\n{trace}:")
+    print(f"\n{name}:")
     for line in table(outcomes, nodes):
         print(line)
     for o in outcomes:
@@ -460,7 +467,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, help="replay seconds per trace")
     parser.add_argument("--load", type=float, default=DEFAULT_LOAD, help="offered share of prefill capacity")
     parser.add_argument(
-        "--traces", default=DEFAULT_TRACES, help=f"comma-separated text traces to run (default {DEFAULT_TRACES})"
+        "--traces",
+        default=DEFAULT_TRACES,
+        help=f"comma-separated text workloads to run: shared traces and workload families NAME[:SEED], as prism "
+        f"eval names them (default {DEFAULT_TRACES})",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a trace file in prism eval's format to run too (repeatable)",
     )
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the peers' virtualenv")
     parser.add_argument(
@@ -475,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     only = {name for name in args.only.split(",") if name}
     contenders = [c for c in CONTENDERS if not only or c.name in only]
-    traces = [t for t in args.traces.split(",") if t]
+    traces: list[str | Path] = [*(t for t in args.traces.split(",") if t), *args.trace]
     logs = Path(tempfile.mkdtemp(prefix="prism-live-routers-"))
     status = 0
     with signals_interrupt():
@@ -491,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("live bakeoff: interrupted; every process stopped", flush=True)
             status = 130
-        except (ValueError, FileNotFoundError) as exc:
+        except (ValueError, OSError) as exc:
             print(f"live bakeoff: {exc}", file=sys.stderr)
             status = 2
     print(f"   total wall clock {time.monotonic() - started:.0f} s; logs in {logs}")

@@ -12,9 +12,10 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from prismlb.router import prefix_key
-from prismlb.sim import BLOCK_TOKENS, PROFILES, WORKLOADS, load
+from prismlb.sim import BLOCK_TOKENS, PROFILES, resolve_workload
 from prismlb.sim._engine import CHARS_PER_TOKEN
 from prismlb.sim._model import KV_BLOCK_TOKENS
 
@@ -61,21 +62,25 @@ def _block_text(block_id: int, cache: dict[int, str]) -> str:
     return text
 
 
-def load_requests(count: int, trace: str = TRACE) -> list[DemoRequest]:
-    """The first `count` requests of `trace` (a text workload of `prismlb.sim.WORKLOADS`), shrunk TOKEN_SCALE
-    times. Raises FileNotFoundError where the traces are not (PRISM_TRACES names their folder)."""
-    if trace not in WORKLOADS or trace == "mm":
-        raise ValueError(f"no text trace {trace!r}; known: {', '.join(w for w in WORKLOADS if w != 'mm')}")
+def load_requests(count: int, trace: str | Path = TRACE) -> list[DemoRequest]:
+    """The first `count` requests of `trace`, shrunk TOKEN_SCALE times: any workload the replay names
+    (`prismlb.sim.resolve_workload` at seed 1: a shared trace, a workload family `NAME[:seed]`, a trace file)
+    whose requests are text alone, since the emulated engines take text. Raises ValueError for an unknown name or
+    a workload with media, FileNotFoundError where the traces are not (PRISM_TRACES names their folder)."""
+    workload = resolve_workload(trace, seed=1, limit=count)
+    media = sum(1 for r in workload.requests if r.media)
+    if media:
+        raise ValueError(f"{workload.name} has {media} requests with media; the live engines take text alone")
     cache: dict[int, str] = {}
     requests: list[DemoRequest] = []
-    for r in load(trace, seed=1, limit=count).requests:
+    for r in workload.requests:
         tokens = max(1, math.ceil(r.input_tokens / TOKEN_SCALE))
         text = "".join(_block_text(b, cache) for b in r.blocks)[: tokens * CHARS_PER_TOKEN]
         key = prefix_key(text=text, prefix_tokens=KEY_PREFIX_TOKENS)
         max_tokens = max(2, round(r.output_tokens / TOKEN_SCALE))
         requests.append(DemoRequest(len(requests), r.arrival_s, text, max_tokens, f"{key:016x}", r.blocks))
     if not requests:
-        raise ValueError(f"the {trace} trace has no requests")
+        raise ValueError(f"{workload.name} has no requests")
     return requests
 
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._engine import EmulatedEngine, block_hashes, prompt_tokens, request_tokens
 from ._eval import add_parser as add_eval_parser
+from ._eval import resolve_workload
 from ._model import PROFILES, EngineModel, GpuProfile, Job
 from ._traces import traces_dir
 from ._types import ClusterView, EngineStats, Outcome, Policy, RunResult, SimNode, SimRequest, SliceStats, Workload
@@ -66,6 +67,7 @@ __all__ = [
     "offered_utilisation",
     "prompt_tokens",
     "request_tokens",
+    "resolve_workload",
     "scale_to_utilisation",
     "servegen_mm",
     "traces_dir",

@@ -173,17 +173,23 @@ class Case:
 
 
 @lru_cache(maxsize=32)
-def _workload(trace: str | Path, seed: int, limit: int | None) -> tuple[Workload, float]:
-    """A shared trace by `NAME[:seed]` (named `NAME-seed` with a seed of its own, else at `seed`), a workload
-    family by `NAME[:seed]` (`--workload`, its own seed), or a file."""
+def resolve_workload(trace: str | Path, *, seed: int, limit: int | None) -> Workload:
+    """The workload a name or file stands for, wherever one is named (`prism eval`, the live bakeoff): a shared
+    trace by `NAME[:seed]` (named `NAME-seed` with a seed of its own, else at `seed`), a workload family by
+    `NAME[:seed]` (`--workload`, its own seed), or a trace file (`--trace`, a `Path`). Raises ValueError for a
+    name that is neither, OSError for a file that cannot be read."""
     if isinstance(trace, Path):
-        workload = load_trace(trace, limit=limit, seed=seed)
-    elif (shared := _shared(trace)) is not None:
+        return load_trace(trace, limit=limit, seed=seed)
+    if (shared := _shared(trace)) is not None:
         name, own = shared
         workload = load(name, seed=seed if own is None else own, limit=limit)
-        workload = workload if own is None else dataclasses.replace(workload, name=f"{name}-{own}")
-    else:
-        workload = family_workload(trace, limit)
+        return workload if own is None else dataclasses.replace(workload, name=f"{name}-{own}")
+    return family_workload(trace, limit)
+
+
+def _workload(trace: str | Path, seed: int, limit: int | None) -> tuple[Workload, float]:
+    """`resolve_workload`'s workload and its prefix-hit bound."""
+    workload = resolve_workload(trace, seed=seed, limit=limit)
     return workload, infinite_cache_hit_rate(workload)
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -121,8 +123,28 @@ def test_a_trace_without_prefixes_gives_prompts_that_share_nothing() -> None:
     assert len(blocks) == len(set(blocks)), "each prompt its own blocks"
     assert prefix_cache_bound(requests) == 0.0
     assert len({r.text[:BLOCK_CHARS] for r in requests}) == 300
-    with pytest.raises(ValueError, match="no text trace 'mm'"):
-        load_requests(1, "mm")
+    with pytest.raises(ValueError, match=r"mm has \d+ requests with media; the live engines take text alone"):
+        load_requests(100, "mm")
+
+
+def test_a_workload_family_or_a_trace_file_gives_requests_as_a_shared_trace_does(tmp_path: Path) -> None:
+    requests = load_requests(400, "tenants:2")
+    assert len(requests) == 400 and requests[0].at_s == 0
+    assert 0.0 < prefix_cache_bound(requests) < 1.0, "a tenant's system prompt is shared, questions are not"
+    first = {r.text[:BLOCK_CHARS] for r in requests}
+    assert 1 < len(first) < 400, "tenants share their first block of text"
+    trace = tmp_path / "mine.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 32, "hash_ids": [7, 8]},
+        {"timestamp": 250, "input_length": 1536, "output_length": 16, "hash_ids": [7, 8, 9]},
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    mine = load_requests(10, trace)
+    assert [r.blocks for r in mine] == [(7, 8), (7, 8, 9)]
+    assert mine[1].text.startswith(mine[0].text), "the second prompt continues the first"
+    assert [r.max_tokens for r in mine] == [2, 2]
+    with pytest.raises(ValueError, match="unknown workload family 'nonesuch'"):
+        load_requests(1, "nonesuch")
 
 
 @needs_trace
