@@ -205,8 +205,7 @@ def _shared(spec: str) -> tuple[str, int | None] | None:
 
 
 def run_case(case: Case) -> RunResult:
-    """One replay; the same case gives the same result. Prism's own logs below ERROR are off while it runs (a
-    replay's brain and routers would log every simulated fault) and back at the caller's level after it."""
+    """One replay (`replay`); the same case gives the same result."""
     import torch
 
     torch.set_num_threads(1)
@@ -215,13 +214,7 @@ def run_case(case: Case) -> RunResult:
     floor = _p99_floor_ms(case.trace, case.seed, case.limit, case.cluster)
     kill = Kill(nodes[len(nodes) // 2 - 1].name) if case.kill else None
     degrade = gray_failure(nodes) if case.degraded else ()
-    log = logging.getLogger("prism")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        result = replay(workload, case.policy, nodes, case.utilisation, seed=case.seed, kill=kill, degrade=degrade)
-    finally:
-        log.setLevel(level)
+    result = replay(workload, case.policy, nodes, case.utilisation, seed=case.seed, kill=kill, degrade=degrade)
     return dataclasses.replace(result, kv_hit_bound=bound, ttft_p99_floor_ms=floor)
 
 
@@ -266,20 +259,27 @@ def replay(
 ) -> RunResult:
     """The workload scaled to `utilisation` of the nodes' prefill capacity, replayed through the named policy
     (`policy_factories` or an ablation), its SLO attainment against each request's own SLO (`_slo.slo_s`):
-    what every `prism eval` run is, on any cluster."""
+    what every `prism eval` run is, on any cluster. Prism's own logs below ERROR are off while it runs (a
+    replay's brain and routers would log every simulated fault and their start-up notes) and back at the caller's
+    level after it."""
     scaled = _scaled(workload, nodes, utilisation)
-    chosen = _policy(policy, workload.block_tokens)
     classes = pool_classes(nodes)
-    return Simulation(
-        scaled,
-        chosen,
-        nodes,
-        utilisation=utilisation,
-        seed=seed,
-        kill=kill,
-        degrade=degrade,
-        slo_s=lambda r: slo_s(r, classes),
-    ).run()
+    log = logging.getLogger("prism")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return Simulation(
+            scaled,
+            _policy(policy, workload.block_tokens),
+            nodes,
+            utilisation=utilisation,
+            seed=seed,
+            kill=kill,
+            degrade=degrade,
+            slo_s=lambda r: slo_s(r, classes),
+        ).run()
+    finally:
+        log.setLevel(level)
 
 
 def _scaled(workload: Workload, nodes: Sequence[NodeSpec], utilisation: float) -> Workload:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from prismlb.cli import main
+from prismlb.sim import resolve_workload
 from prismlb.sim._eval import (
     MM_CLUSTER,
     TEXT_CLUSTER,
@@ -19,6 +20,7 @@ from prismlb.sim._eval import (
     cases,
     cluster_for,
     parse_cluster,
+    replay,
     run_case,
 )
 from prismlb.sim._families import PRESETS
@@ -70,6 +72,21 @@ def test_capacity_and_a_kill_run() -> None:
     assert result.killed_node == "a100-3" and result.killed_at_s is not None
     assert result.kv_hit_bound > 0 and result.requests == 300
     assert result.completed + (result.requests - result.completed) == 300
+
+
+def test_a_replay_called_directly_is_quiet_below_error_and_restores_the_level(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("prism")
+    log.setLevel(logging.INFO)
+    try:
+        with caplog.at_level(logging.INFO, logger="prism"):
+            workload = resolve_workload("tenants:1", seed=1, limit=100)
+            result = replay(workload, "prism", TEXT_CLUSTER[:2], 0.5, seed=1)
+            logging.getLogger("prism.brain").warning("after the replay")
+        assert result.requests == 100
+        assert [r.getMessage() for r in caplog.records] == ["after the replay"], "the brain's start-up notes are off"
+        assert log.level == logging.INFO
+    finally:
+        log.setLevel(logging.NOTSET)
 
 
 def test_quick_runs_the_shared_traces_and_the_quick_families_at_the_kill_level_without_a_report(
