@@ -172,7 +172,6 @@ class Case:
     """A `--cluster` spec (`parse_cluster`); empty: the workload's default cluster (`cluster_for`)."""
 
 
-@lru_cache(maxsize=32)
 def resolve_workload(trace: str | Path, *, seed: int, limit: int | None) -> Workload:
     """The workload a name or file stands for, wherever one is named (`prism eval`, the live bakeoff): a shared
     trace by `NAME[:seed]` (named `NAME-seed` with a seed of its own, else at `seed`), a workload family by
@@ -187,8 +186,10 @@ def resolve_workload(trace: str | Path, *, seed: int, limit: int | None) -> Work
     return family_workload(trace, limit)
 
 
+@lru_cache(maxsize=32)
 def _workload(trace: str | Path, seed: int, limit: int | None) -> tuple[Workload, float]:
-    """`resolve_workload`'s workload and its prefix-hit bound."""
+    """`resolve_workload`'s workload and its prefix-hit bound, kept for the replays of one process: every case of a
+    workload reads both, and the bound walks every request."""
     workload = resolve_workload(trace, seed=seed, limit=limit)
     return workload, infinite_cache_hit_rate(workload)
 
