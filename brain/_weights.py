@@ -65,7 +65,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping
 
-from prismlb.semantics import ENGINE_LATENCY_KEY, TAU0_MS, Slice
+from prismlb.semantics import ENGINE_LATENCY_KEY, TAU0_MS, Slice, held_speed
 from prismlb.wire import MAX_MS, MAX_TABLE_VALUE, NodeVector, TableNode
 
 from ._registry import EntryKey, NodeState, admit_ms
@@ -119,12 +119,6 @@ def _predicted(predictions: Predictions, node_id: str, slice_: Slice) -> float |
     return value if value is not None and math.isfinite(value) and 0.0 <= value <= MAX_TABLE_VALUE else None
 
 
-RATE_STEPS_PER_DOUBLING = 8
-RATE_HYSTERESIS = 0.15
-"""A node's published prefill speed moves only when its measure drifts more than 15% from it, in steps of
-2^(1/8) (9%): a table that changed with every window's noise would be sent again to every router each cycle."""
-
-
 def gpu_label(vector: NodeVector) -> str:
     """A node's GPU class as its `gpu` label gives it ("" when unlabelled): the peers whose speed it takes before
     it has measured its own."""
@@ -143,7 +137,7 @@ def median_speeds(states: Iterable[NodeState], group: Callable[[NodeVector], str
 
 
 def prefill_rates(states: Mapping[str, NodeState]) -> dict[str, float]:
-    """Each node's prefill speed in prompt tokens per second to publish, held with hysteresis in its state: its
+    """Each node's prefill speed in prompt tokens per second to publish, held in its state (`held_speed`): its
     latest own measure (`NodeState.measured_rate`), else the median of the measured nodes of its GPU class
     (`median_speeds`), so that a node that has not prefilled yet is expected to run like its peers, else the
     median of every measured node: a class none of whose nodes has prefilled a second yet (an overflow pool that
@@ -158,10 +152,7 @@ def prefill_rates(states: Mapping[str, NodeState]) -> dict[str, float]:
         if not rate:
             state.prefill_rate = None
             continue
-        held = state.prefill_rate
-        if held is None or abs(rate - held) > RATE_HYSTERESIS * held:
-            held = 2.0 ** (round(math.log2(rate) * RATE_STEPS_PER_DOUBLING) / RATE_STEPS_PER_DOUBLING)
-            state.prefill_rate = min(held, MAX_TABLE_VALUE)
+        state.prefill_rate = held_speed(rate, state.prefill_rate)
         out[node_id] = state.prefill_rate
     return out
 

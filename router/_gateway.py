@@ -38,11 +38,13 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
+from prismlb.semantics import held_speed
 from prismlb.service import POLL_S, BoundedHandler, BoundedHttpServer, kind_counter, reply_bytes, reply_json
 from prismlb.wire import ConfigError, NoRouteError, RejectCounter, RoutingTable, SliceTable, TableNode
 
 from ._errors import ShedError
 from ._httpx import PrismTransport
+from ._ring import label
 from ._router import Router
 
 _log = logging.getLogger("prism.gateway")
@@ -118,15 +120,27 @@ def static_table(urls: Sequence[str]) -> RoutingTable:
     return RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="default", nodes=nodes)])
 
 
-class WorkerWatch:
-    """What a gateway without a brain learns of its workers from their own `/metrics`: each worker's prefill speed,
-    measured as an agent measures it (the agent's `EngineCollector`, over at least 16 finished prefills), applied to
-    the router as a new version of the fixed table (`static_table`) after each round of scrapes that changed one.
+UNTRIED_SPEED_FACTOR = 2.0
+"""A worker of no known speed (no measure, no first token) is expected to prefill this many times as fast as the
+fastest known: it is tried, and measured by its first tokens. At the median speed (the brain's rule), a worker idle
+since the start stays idle on prefix-sharing traffic: every worker that has taken a request holds the shared
+prefix, which the idle one would compute first, so it is never the quickest choice and never measured."""
 
-    A worker's speed is its latest measure, else the median of the measured workers' (the brain's rule without its
-    GPU classes, which a URL does not name); before any measure the table carries none and expected times are in
-    tokens, every worker alike. That is all it learns: no KV events, predicted tails, kernel signals or host state,
-    which need an agent on the worker's host."""
+
+class WorkerWatch:
+    """What a gateway without a brain learns of its workers' prefill speeds, applied to the router as a new version
+    of the fixed table (`static_table`) after each round that changed one.
+
+    A worker's speed is, in order: its latest measure from its own `/metrics`, as an agent measures it (the agent's
+    `EngineCollector`, over at least 16 finished prefills); else the router's own measure, the prompt tokens it sent
+    there over the seconds to their first tokens (`EndpointStatus.first_token_speed`), which a worker has from its
+    first streamed answer on, scaled by the median ratio of the two measures over the workers that have both (that
+    one reads a busy engine's queue and the hop too); else, never yet measured, `UNTRIED_SPEED_FACTOR` times the
+    fastest known. Speeds are published as the brain publishes them (`held_speed`). Before any measure the table
+    carries none and expected times are in tokens, every worker alike. Without the router's own measure a gateway's
+    first placements are blind for as long as the 16 prefills take, and prefix-sharing traffic sticks to where they
+    went (agents' growing contexts): a slow GPU then takes agents and the fastest may take none. That is all it
+    learns: no KV events, predicted tails, kernel signals or host state, which need an agent on the worker's host."""
 
     def __init__(
         self,
@@ -153,16 +167,28 @@ class WorkerWatch:
         return {n.node_id: n.prefill_tokens_per_s for n in self.table.slices[0].nodes if n.prefill_tokens_per_s}
 
     def poll(self) -> bool:
-        """Scrape every worker once; apply the table when a worker's speed changed (whether it did)."""
+        """Scrape every worker once and read the router's first tokens; apply the table when a worker's speed
+        changed (whether it did)."""
         for node, collector in self._collectors:
             rate = collector.sample().prefill_tokens_per_s
             if rate:
                 self._measured[node.node_id] = rate
-        if not self._measured:
+        status = self.router.status()
+        seen: dict[str, float] = {}
+        for node in self.table.slices[0].nodes:
+            endpoint = status.get(label(node))
+            if endpoint is not None and endpoint.first_token_speed:
+                seen[node.node_id] = endpoint.first_token_speed
+        both = [self._measured[n] / seen[n] for n in self._measured.keys() & seen.keys()]
+        scale = statistics.median(both) if both else 1.0
+        known = {n: rate * scale for n, rate in seen.items()} | self._measured
+        if not known:
             return False
-        typical = statistics.median(self._measured.values())
+        untried = UNTRIED_SPEED_FACTOR * max(known.values())
         nodes = [
-            msgspec.structs.replace(n, prefill_tokens_per_s=self._measured.get(n.node_id, typical))
+            msgspec.structs.replace(
+                n, prefill_tokens_per_s=held_speed(known.get(n.node_id, untried), n.prefill_tokens_per_s)
+            )
             for n in self.table.slices[0].nodes
         ]
         if nodes == self.table.slices[0].nodes:
@@ -182,11 +208,13 @@ class WorkerWatch:
             self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
+        while True:  # at once first: each worker's measure counts its prefills from the gateway's start
             try:
                 self.poll()
             except Exception:  # a fault here must not end the watch: the last table stays in force
                 _log.exception("polling the workers' /metrics failed")
+            if self._stop.wait(self.period_s):
+                return
 
     def close(self) -> None:
         self._stop.set()

@@ -55,6 +55,10 @@ class EndpointStatus:
     load: int = 0
     """What bounded load and the expected-TTFT choice weigh: requests in flight, or with `load="prefill"` the
     prompt tokens sent there that have no first token yet, less what the node was expected to find cached."""
+    first_token_speed: float | None = None
+    """The prompt tokens this router expected the endpoint to compute for its requests that reported a first token,
+    over the seconds from their start to it, summed since the router started: the endpoint's prefill speed as its
+    callers see it (a busy engine's queue included), in tokens per second; None before a first token."""
 
 
 def classify(exc: BaseException) -> Outcome:
@@ -79,6 +83,8 @@ class EndpointState:
         "down_until",
         "fails",
         "fails_since",
+        "first_token_s",
+        "first_token_tokens",
         "gated",
         "inflight",
         "label",
@@ -111,6 +117,8 @@ class EndpointState:
         self.opened_at = 0.0
         self.trials = 0
         self.outcomes: dict[Outcome, int] = {}
+        self.first_token_tokens = 0  # the prompt tokens of the requests that reported a first token ...
+        self.first_token_s = 0.0  # ... and the seconds they waited for it (`EndpointStatus.first_token_speed`)
 
     def circuit(self, now: float) -> Circuit:
         if self.state is Circuit.OPEN and now - self.opened_at >= self.settings.open_s:
@@ -127,7 +135,8 @@ class EndpointState:
         )
 
     def status(self, now: float) -> EndpointStatus:
-        return EndpointStatus(self.inflight, self.admits(now), self.circuit(now), dict(self.outcomes), self.load)
+        speed = self.first_token_tokens / self.first_token_s if self.first_token_s > 0 else None
+        return EndpointStatus(self.inflight, self.admits(now), self.circuit(now), dict(self.outcomes), self.load, speed)
 
     def start(self, now: float, units: int) -> bool:
         """Count a request in flight, adding `units` to the load; True when it is a half-open circuit's trial."""

@@ -36,6 +36,7 @@ class Lease:
         "_slow_s",
         "_started",
         "_state",
+        "_tokens",
         "_trial",
         "_units",
         "_until_first",
@@ -58,6 +59,7 @@ class Lease:
         clock: Callable[[], float] = time.monotonic,
         *,
         units: int = 1,
+        tokens: int = 0,
         until_first_token: bool = False,
         silent: bool = False,
         wake: Callable[[], None] | None = None,
@@ -77,6 +79,7 @@ class Lease:
         self._outcome: Outcome | None = None
         self._trial = False
         self._units = units  # what the request adds to its endpoint's and group's load ...
+        self._tokens = tokens  # the prompt tokens the endpoint is expected to compute (its first-token speed's)
         self._until_first = until_first_token  # ... until its first token, else until it ends
         self._held = 0
         self._silent = silent  # its caller reports no first token: its load is held to the end, unseen by turns
@@ -107,14 +110,19 @@ class Lease:
             self._placed()
 
     def first_token(self) -> None:
-        """Mark the arrival of the first token; later calls are ignored."""
-        if self._first is None:
-            self._first = self._clock()
-            if self._until_first and self._held:
-                with self._lock:
-                    self._drop_load()
-                if self._wake is not None:
-                    self._wake()
+        """Mark the arrival of the first token, counted in the endpoint's first-token speed; later calls, and one
+        outside `begin`..`end`, are ignored."""
+        if self._first is not None or self._started is None:
+            return
+        self._first = self._clock()
+        dropped = self._until_first and self._held
+        with self._lock:
+            self._state.first_token_tokens += self._tokens
+            self._state.first_token_s += self._first - self._started
+            if dropped:
+                self._drop_load()
+        if dropped and self._wake is not None:
+            self._wake()
 
     def fail(self, outcome: Outcome = Outcome.ERROR) -> None:
         """Report this outcome when the lease ends, whatever else happens."""

@@ -521,6 +521,7 @@ class Router:
             self.settings.slow_s,
             self.clock,
             units=units if prefill else 1,
+            tokens=units,
             until_first_token=prefill,
             silent=silent,
             wake=self._wake if self.holds else None,

@@ -1,5 +1,6 @@
 """What the parts of Prism must agree on beyond the wire format: node health, NUMA weights, A/B arm and
-zone assignment, modality slices, the TTFT SLO, the KV Bloom filter and the one quantile rule."""
+zone assignment, modality slices, the TTFT SLO, the KV Bloom filter, the published prefill speed and the one
+quantile rule."""
 
 from ._arms import assign_arm, assign_zone
 from ._bloom import (
@@ -16,6 +17,7 @@ from ._health import DIMENSIONS, Dimension, Health, health
 from ._modality import DEFAULT_SLICE, ENGINE_LATENCY_KEY, MODALITY_HEADER, Slice, parse_signature
 from ._numa import CROSS_NUMA, SAME_NUMA, numa_factor
 from ._slo import SLO_SCALE, TAU0_MS, ttft_slo_s
+from ._speed import held_speed
 from ._stats import quantile
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "bloom_false_positive_rate",
     "bloom_overlap",
     "health",
+    "held_speed",
     "numa_factor",
     "parse_signature",
     "quantile",

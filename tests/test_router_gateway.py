@@ -19,8 +19,9 @@ from prometheus_client import CollectorRegistry
 
 from prismlb.agent import EngineSample
 from prismlb.cli import main
-from prismlb.router import Gateway, GatewayConfig, Router, Settings, WorkerWatch, static_table
+from prismlb.router import Gateway, GatewayConfig, Request, Router, Settings, WorkerWatch, static_table
 from prismlb.router._cli import GATEWAY_SETTINGS, gateway_config
+from prismlb.semantics import held_speed
 from prismlb.wire import ConfigError, NodeMetrics, NodeVector, RoutingTable, SliceTable, TableNode, VectorSender
 
 from ._helpers_engines import Engine
@@ -358,20 +359,43 @@ class _ScriptedEngine:
         return EngineSample(prefill_tokens_per_s=self.speeds.pop(0) if self.speeds else None)
 
 
-def test_the_worker_watch_gives_each_worker_its_measured_speed_else_the_measured_median() -> None:
+def _sent(router: Router, clock: list[float], node: str, tokens: int, seconds: float) -> None:
+    """One streamed request of `tokens` uncached prompt tokens placed on `node`, its first token `seconds` later."""
+    others = {label for label in router.status() if label != node}
+    with router.request(Request(key=f"k{clock[0]}", cost=tokens), exclude=others) as lease:
+        assert lease.node_id == node
+        clock[0] += seconds
+        lease.first_token()
+
+
+def test_the_worker_watch_gives_each_worker_its_measure_else_the_routers_own_else_twice_the_fastest() -> None:
     urls = ["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
     script = {
-        "http://10.0.0.1:8000/metrics": [None, 1000.0, None, None],
-        "http://10.0.0.2:8000/metrics": [None, None, 3000.0, None],
+        "http://10.0.0.1:8000/metrics": [None, None, 3000.0, None],
+        "http://10.0.0.2:8000/metrics": [None, None, None, None],
         "http://10.0.0.3:8000/metrics": [None, None, None, None],
     }
-    router = Router.from_table(static_table(urls))
+    clock = [0.0]
+    router = Router.from_table(static_table(urls), clock=lambda: clock[0])
     watch = WorkerWatch(router, urls, collector=lambda url: _ScriptedEngine(script[url]))
     assert not watch.poll() and watch.speeds == {}  # nothing measured: expected times stay in tokens
+    one, two, three = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+    _sent(router, clock, one, 1000, 1.0)
+    _sent(router, clock, one, 3000, 1.0)  # the router's own: 4,000 tokens over 2 s
     assert watch.poll()
-    assert watch.speeds == {"10.0.0.1:8000": 1000.0, "10.0.0.2:8000": 1000.0, "10.0.0.3:8000": 1000.0}
+    assert watch.speeds == {
+        one: held_speed(2000.0, None),
+        two: held_speed(4000.0, None),
+        three: held_speed(4000.0, None),
+    }, "a worker never tried is expected twice as fast as the fastest known, so that one is sent there"
     assert router.table is not None and router.table.version == 2
-    assert watch.poll()
-    assert watch.speeds == {"10.0.0.1:8000": 1000.0, "10.0.0.2:8000": 3000.0, "10.0.0.3:8000": 2000.0}
-    assert not watch.poll(), "a worker without a new measure keeps its last one"
-    assert router.table.version == 3 and router.table.slices[0].nodes[1].prefill_tokens_per_s == 3000.0
+    _sent(router, clock, two, 500, 1.0)
+    assert watch.poll()  # the engine's own measure of the first worker reads 1.5 times the router's
+    assert watch.speeds == {
+        one: held_speed(3000.0, None),
+        two: held_speed(750.0, None),
+        three: held_speed(6000.0, None),
+    }
+    _sent(router, clock, two, 60, 0.1)  # 560 tokens over 1.1 s, 764 scaled: within 15% of the published 724
+    assert not watch.poll(), "a worker whose measure moved less than the hysteresis keeps its published speed"
+    assert router.table.version == 3 and router.table.slices[0].nodes[1].prefill_tokens_per_s == held_speed(750.0, None)

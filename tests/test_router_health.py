@@ -264,3 +264,24 @@ def test_a_lease_counts_once() -> None:
         assert r.status()[lease.node_id].inflight == 1
     assert lease.end() is None
     assert r.status()[lease.node_id].inflight == 0 and r.status()[lease.node_id].outcomes == {Outcome.OK: 1}
+
+
+def test_an_endpoints_first_token_speed_is_its_streamed_requests_tokens_over_their_waits() -> None:
+    clock = Clock()
+    r = router(clock)
+    node = r.route("k").node_id
+    others = {label for label in r.status() if label != node}
+    assert r.status()[node].first_token_speed is None
+    with r.request(Request(key="k", cost=3000), exclude=others) as lease:
+        clock.now += 0.5
+        lease.first_token()
+        clock.now += 0.5
+        lease.first_token()  # a later call: the first token came once
+    with r.request(Request(key="k", cost=1000), exclude=others) as lease:
+        clock.now += 1.5
+    lease.first_token()  # after the lease ended: no wait to count
+    with r.request(Request(key="k", cost=1000), exclude=others) as lease:
+        clock.now += 1.5
+        lease.first_token()
+    assert r.status()[node].first_token_speed == pytest.approx(4000 / 2.0)
+    assert all(r.status()[label].first_token_speed is None for label in others)
