@@ -79,8 +79,8 @@ class Lease:
         self._outcome: Outcome | None = None
         self._trial = False
         self._units = units  # what the request adds to its endpoint's and group's load ...
-        self._tokens = tokens  # the prompt tokens the endpoint is expected to compute (its first-token speed's)
         self._until_first = until_first_token  # ... until its first token, else until it ends
+        self._tokens = tokens  # the prompt tokens the endpoint is expected to compute (its first-token speed's)
         self._held = 0
         self._silent = silent  # its caller reports no first token: its load is held to the end, unseen by turns
         self._wake = wake  # the router's waiting room, told when this lease's load falls
@@ -115,7 +115,7 @@ class Lease:
         if self._first is not None or self._started is None:
             return
         self._first = self._clock()
-        dropped = self._until_first and self._held
+        dropped = self._until_first and self._held > 0
         with self._lock:
             self._state.first_token_tokens += self._tokens
             self._state.first_token_s += self._first - self._started
