@@ -40,10 +40,18 @@ class RouterCollector:
         outcomes = CounterMetricFamily(
             "prism_router_requests", "Requests ended, by outcome", labels=["endpoint", "outcome"]
         )
+        speed = GaugeMetricFamily(
+            "prism_router_first_token_speed_tokens_per_second",
+            "Prompt tokens this caller expected the endpoint to compute over the seconds to their first tokens, "
+            "since the start (absent before a first token)",
+            labels=["endpoint"],
+        )
         for label, status in router.status().items():
             inflight.add_metric([label], status.inflight)
             available.add_metric([label], float(status.available))
             circuit.add_metric([label], int(status.circuit))
+            if status.first_token_speed is not None:
+                speed.add_metric([label], status.first_token_speed)
             for outcome, count in sorted(status.outcomes.items()):
                 outcomes.add_metric([label, outcome.value], count)
         sessions = GaugeMetricFamily("prism_router_sessions", "Sessions remembered for stickiness")
@@ -66,7 +74,7 @@ class RouterCollector:
         )
         for node, count in sorted(router.kv_block_size_mismatches.items()):
             mismatches.add_metric([node], count)
-        return [*families, inflight, available, circuit, outcomes, sessions, waiting, turns, mismatches]
+        return [*families, inflight, available, circuit, outcomes, speed, sessions, waiting, turns, mismatches]
 
     @staticmethod
     def _table_families(

@@ -347,9 +347,13 @@ def test_exports_the_table_in_use_and_each_endpoint_as_gauges() -> None:
     assert registry.get_sample_value("prism_router_table_version") == 7
     age = registry.get_sample_value("prism_router_table_age_seconds")
     assert age is not None and 0 <= age < 5
-    with router.request(Request(key="k", session="s")):
+    speed = "prism_router_first_token_speed_tokens_per_second"
+    with router.request(Request(key="k", session="s", cost=500)) as lease:
         assert registry.get_sample_value("prism_router_inflight_requests", {"endpoint": "a0"}) == 1
+        assert registry.get_sample_value(speed, {"endpoint": "a0"}) is None
+        lease.first_token()
     assert registry.get_sample_value("prism_router_inflight_requests", {"endpoint": "a0"}) == 0
+    assert (registry.get_sample_value(speed, {"endpoint": "a0"}) or 0) > 0
     assert registry.get_sample_value("prism_router_endpoint_available", {"endpoint": "a0"}) == 1
     assert registry.get_sample_value("prism_router_circuit_state", {"endpoint": "a0"}) == 0
     assert registry.get_sample_value("prism_router_requests_total", {"endpoint": "a0", "outcome": "ok"}) == 1
