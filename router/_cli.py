@@ -74,8 +74,8 @@ GATEWAY_SETTINGS = SettingTable(
         Setting(
             "worker_urls",
             "an engine to relay to without a brain (repeatable, or comma-separated): a fixed table of equal "
-            "weights, each engine's prefill speed read from its /metrics, placement from the gateway's own "
-            "placements and load",
+            "weights, each engine's prefill speed from the gateway's own first tokens, then from its /metrics, "
+            "placement from the gateway's own placements and load",
             _worker_urls,
             flag="--worker-url",
             variable="PRISM_GATEWAY_WORKER_URLS",
