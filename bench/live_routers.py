@@ -6,11 +6,11 @@ The replay (`prism eval`, docs/results/) compares Prism with re-implementations 
 policies. This runs the routers themselves: their released wheels, pinned below, installed by this script
 into their own virtualenv (`--venv`), so a claim against them rests on their code, not on a model of it.
 
-For each contender a fresh cluster of four emulated engines (`make demo`'s: h100, 2 × a100, l40s, vLLM-format
-KV events over ZeroMQ, the same `time_scale`) is started with `prismlb.demo.Cluster`, and the demo's load
-generator (`prismlb.demo.Demo`) sends the same requests at the same times: the first `--requests` of each workload
-in `--traces` (by default the Mooncake conversation trace, whose turns share prefixes, and Azure's conversation
-trace, whose prompts share nothing; any text workload `prism eval` names may be given, the families as
+For each contender a fresh cluster of emulated engines (`--nodes`, by default `make demo`'s four: h100, 2 × a100,
+l40s; vLLM-format KV events over ZeroMQ, the same `time_scale`) is started with `prismlb.demo.Cluster`, and the
+demo's load generator (`prismlb.demo.Demo`) sends the same requests at the same times: the first `--requests` of
+each workload in `--traces` (by default the Mooncake conversation trace, whose turns share prefixes, and Azure's
+conversation trace, whose prompts share nothing; any text workload `prism eval` names may be given, the families as
 `NAME[:SEED]`, and trace files with `--trace`), time-compressed to `--duration` seconds, text only (the SGLang
 gateway drops Prism's `X-Modality-Signature` header). Contenders:
 
@@ -72,6 +72,7 @@ from prismlb.demo import (
     wait_healthy,
 )
 from prismlb.router import Router, Settings
+from prismlb.sim import PROFILES
 from prismlb.sim._engine import MODEL_NAME
 
 PINS = {"sglang-router": "0.3.2", "vllm-router": "0.1.17"}
@@ -229,11 +230,12 @@ def run_one(
     logs: Path,
     python: Path,
     debug: bool = False,
+    gpus: Sequence[str] = DEFAULT_NODES,
 ) -> Outcome:
-    """One contender on a fresh cluster; every process it started is stopped before it returns."""
+    """One contender on a fresh cluster of `gpus`; every process it started is stopped before it returns."""
     outcome = Outcome(contender, version)
     logs.mkdir(parents=True)
-    cluster = Cluster(DEFAULT_NODES, time_scale, logs, ebpf=False)
+    cluster = Cluster(tuple(gpus), time_scale, logs, ebpf=False)
     procs: list[subprocess.Popen[bytes]] = []
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: stop([*procs, *cluster.procs()]))
@@ -341,6 +343,7 @@ def replay_p99_ms(
     *,
     trace: str | Path = "mooncake",
     gpu_labels: bool = False,
+    gpus: Sequence[str] = DEFAULT_NODES,
 ) -> dict[str, float]:
     """TTFT p99 of each replay model on the same trace prefix, cluster and offered prefill load as the live
     runs (prompts at their trace size, where the live engines shrink them and slow down to match the load).
@@ -357,7 +360,7 @@ def replay_p99_ms(
     torch.set_num_threads(1)
     workload = resolve_workload(trace, seed=1, limit=requests)
     labels = None if gpu_labels else {"gpu": ""}
-    nodes = [NodeSpec(f"{gpu}-{i + 1}", gpu, 0, labels) for i, gpu in enumerate(DEFAULT_NODES)]  # type: ignore[arg-type]
+    nodes = [NodeSpec(f"{gpu}-{i + 1}", gpu, 0, labels) for i, gpu in enumerate(gpus)]  # type: ignore[arg-type]
     out = {}
     for name in dict.fromkeys(c.replay for c in contenders if c.replay is not None):
         out[name] = replay(workload, name, nodes, load, seed=1).slices["all"].ttft_p99_ms
@@ -407,11 +410,11 @@ def bakeoff(
     check printed."""
     requests = load_requests(args.requests, trace)
     name = trace.stem if isinstance(trace, Path) else trace
-    work_s = prefill_work_s(requests, DEFAULT_NODES)
+    work_s = prefill_work_s(requests, args.nodes)
     time_scale = min(TIME_SCALE_MAX, max(TIME_SCALE_RANGE[0], args.load * args.duration / work_s))
     print(
         f"live bakeoff: {len(requests)} {name} requests (trace 0-{requests[-1].at_s:.0f} s) in "
-        f"{args.duration:.0f} s on {', '.join(DEFAULT_NODES)} at time_scale {time_scale:.2f} "
+        f"{args.duration:.0f} s on {', '.join(args.nodes)} at time_scale {time_scale:.2f} "
         f"({time_scale * work_s / args.duration:.0%} of their prefill offered); one infinite "
         f"prefix cache would hit {prefix_cache_bound(requests):.1%}; logs in {logs}",
         flush=True,
@@ -434,11 +437,12 @@ def bakeoff(
             logs / f"{name}-{i}-{contender.name}",
             args.venv / "bin" / "python",
             args.peer_debug,
+            args.nodes,
         )
         outcomes.append(outcome)
         if outcome.problem:
             print(f"   {label}: {outcome.problem}", flush=True)
-    nodes = [f"{gpu}-{i + 1}" for i, gpu in enumerate(DEFAULT_NODES)]
+    nodes = [f"{gpu}-{i + 1}" for i, gpu in enumerate(args.nodes)]
     print(f"\n{name}:")
     for line in table(outcomes, nodes):
         print(line)
@@ -446,19 +450,31 @@ def bakeoff(
         if o.errors:
             kinds = ", ".join(f"{k} {v}" for k, v in sorted(o.errors.items()))
             print(f"   {o.contender.name} {o.contender.policy} errors: {kinds}")
-    replayed = replay_p99_ms(contenders, args.requests, args.load, trace=trace)
+    replayed = replay_p99_ms(contenders, args.requests, args.load, trace=trace, gpus=args.nodes)
     print()
     for line in agreement(outcomes, replayed):
         print(line)
     if "prism" in replayed:
         prism = [c for c in contenders if c.replay == "prism"]
-        labelled = replay_p99_ms(prism, args.requests, args.load, trace=trace, gpu_labels=True)["prism"]
+        labelled = replay_p99_ms(prism, args.requests, args.load, trace=trace, gpu_labels=True, gpus=args.nodes)
+        labelled = labelled["prism"]
         print(
             f"Replayed Prism with each node labelled with its GPU class, as agents on GPU hosts report it: "
             f"TTFT p99 {labelled:.0f} ms (unlabelled {replayed['prism']:.0f} ms).\n",
             flush=True,
         )
     return outcomes
+
+
+def gpu_classes(text: str) -> tuple[str, ...]:
+    """`--nodes`' value: the engines' GPU classes, each one the emulated engine has a profile for."""
+    gpus = tuple(g.strip().lower() for g in text.split(",") if g.strip())
+    unknown = sorted(set(gpus) - set(PROFILES))
+    if not gpus or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown GPU class {', '.join(unknown) or '(none)'}; known: {', '.join(sorted(PROFILES))}"
+        )
+    return gpus
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -479,6 +495,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         metavar="FILE",
         help="a trace file in prism eval's format to run too (repeatable)",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=gpu_classes,
+        default=DEFAULT_NODES,
+        help=f"GPU class of each engine, comma-separated (default {','.join(DEFAULT_NODES)}; known: "
+        f"{', '.join(sorted(PROFILES))})",
     )
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the peers' virtualenv")
     parser.add_argument(

@@ -3,6 +3,7 @@ and the verdict on whether live and replay order the contenders alike."""
 
 from __future__ import annotations
 
+import argparse
 from types import ModuleType
 
 import pytest
@@ -40,3 +41,13 @@ def test_replay_models_run_on_the_live_cluster(bench: ModuleType) -> None:
     p99 = bench.replay_p99_ms(bench.CONTENDERS, 60, 0.6)
     assert set(p99) == {"prism", "sglang", "vllm-kv-aware"}
     assert all(value > 0 for value in p99.values())
+
+
+def test_the_cluster_is_any_list_of_known_gpu_classes(bench: ModuleType) -> None:
+    assert bench.gpu_classes(" A100, a100,l40s ,") == ("a100", "a100", "l40s")
+    for bad in ("a100,b200", "", " , "):
+        with pytest.raises(argparse.ArgumentTypeError, match="unknown GPU class"):
+            bench.gpu_classes(bad)
+    p99 = bench.replay_p99_ms(bench.CONTENDERS[:1], 60, 0.6, gpus=("a100",) * 4)
+    slower = bench.replay_p99_ms(bench.CONTENDERS[:1], 60, 0.6, gpus=("l40s",) * 4)
+    assert slower["prism"] > p99["prism"], "the same requests and load on slower engines wait longer"
