@@ -139,16 +139,16 @@ def median_speeds(states: Iterable[NodeState], group: Callable[[NodeVector], str
 def prefill_rates(states: Mapping[str, NodeState]) -> dict[str, float]:
     """Each node's prefill speed in prompt tokens per second to publish, held in its state (`held_speed`): its
     latest own measure (`NodeState.measured_rate`), else the median of the measured nodes of its GPU class
-    (`median_speeds`), so that a node that has not prefilled yet is expected to run like its peers, else the
-    median of every measured node: a class none of whose nodes has prefilled a second yet (an overflow pool that
-    takes a slice's requests only when they are expected to start sooner there) would otherwise have no speed, and
-    a router cannot set its queue in seconds against the measured nodes' until it has one. Absent while no node
-    has measured one (routers then compare queued tokens alone)."""
+    (`median_speeds`), so that a node that has not prefilled yet is expected to run like its peers. Absent for a
+    node of no GPU label or of a class none of whose nodes has measured one: each router then stands in for it with
+    its own callers' first tokens there, on the measured nodes' scale, else the median of the table's speeds
+    (`router._snapshot`). A fleet's median here would take a slow GPU for a typical one for as long as its first
+    16 prefills take, while the first requests placed on it stick to it (its cached prefixes)."""
     typical = median_speeds(states.values())
-    fleet = median_speeds(states.values(), lambda vector: "").get("")
     out: dict[str, float] = {}
     for node_id, state in states.items():
-        rate = state.measured_rate or typical.get(gpu_label(state.vector)) or fleet
+        label = gpu_label(state.vector)
+        rate = state.measured_rate or (typical.get(label) if label else None)
         if not rate:
             state.prefill_rate = None
             continue

@@ -24,7 +24,6 @@ A caller gone mid-answer (`client_gone`) ends the engine's request and its lease
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -38,7 +37,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
-from prismlb.semantics import held_speed
+from prismlb.semantics import callers_speeds, held_speed
 from prismlb.service import POLL_S, BoundedHandler, BoundedHttpServer, kind_counter, reply_bytes, reply_json
 from prismlb.wire import ConfigError, NoRouteError, RejectCounter, RoutingTable, SliceTable, TableNode
 
@@ -135,7 +134,8 @@ class WorkerWatch:
     `EngineCollector`, over at least 16 finished prefills); else the router's own measure, the prompt tokens it sent
     there over the seconds to their first tokens (`EndpointStatus.first_token_speed`), which a worker has from its
     first streamed answer on, scaled by the median ratio of the two measures over the workers that have both (that
-    one reads a busy engine's queue and the hop too); else, never yet measured, `UNTRIED_SPEED_FACTOR` times the
+    one reads a busy engine's queue and the hop too; `semantics.callers_speeds`, as every router stands in for a
+    speed its table lacks); else, never yet measured, `UNTRIED_SPEED_FACTOR` times the
     fastest known. Speeds are published as the brain publishes them (`held_speed`). Before any measure the table
     carries none and expected times are in tokens, every worker alike. Without the router's own measure a gateway's
     first placements are blind for as long as the 16 prefills take, and prefix-sharing traffic sticks to where they
@@ -179,9 +179,7 @@ class WorkerWatch:
             endpoint = status.get(label(node))
             if endpoint is not None and endpoint.first_token_speed:
                 seen[node.node_id] = endpoint.first_token_speed
-        both = [self._measured[n] / seen[n] for n in self._measured.keys() & seen.keys()]
-        scale = statistics.median(both) if both else 1.0
-        known = {n: rate * scale for n, rate in seen.items()} | self._measured
+        known = self._measured | callers_speeds(self._measured, seen)
         if not known:
             return False
         untried = UNTRIED_SPEED_FACTOR * max(known.values())

@@ -134,9 +134,15 @@ class EndpointState:
             circuit is Circuit.HALF_OPEN and self.trials < self.settings.half_open_trials
         )
 
+    @property
+    def first_token_speed(self) -> float | None:
+        """`EndpointStatus.first_token_speed`, now."""
+        return self.first_token_tokens / self.first_token_s if self.first_token_s > 0 else None
+
     def status(self, now: float) -> EndpointStatus:
-        speed = self.first_token_tokens / self.first_token_s if self.first_token_s > 0 else None
-        return EndpointStatus(self.inflight, self.admits(now), self.circuit(now), dict(self.outcomes), self.load, speed)
+        return EndpointStatus(
+            self.inflight, self.admits(now), self.circuit(now), dict(self.outcomes), self.load, self.first_token_speed
+        )
 
     def start(self, now: float, units: int) -> bool:
         """Count a request in flight, adding `units` to the load; True when it is a half-open circuit's trial."""

@@ -8,12 +8,12 @@ import statistics
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from prismlb.semantics import Slice, assign_arm, assign_zone
+from prismlb.semantics import Slice, assign_arm, assign_zone, callers_speeds
 from prismlb.wire import Experiment, RoutingTable, SliceTable, TableNode, ZoneRoute
 
 from ._health import EndpointState
 from ._request import CORE_CLASS
-from ._ring import Ring
+from ._ring import Ring, label
 from ._settings import Settings
 
 try:
@@ -71,10 +71,11 @@ class Group:
     """`Settings.balance`: the bounded-load factor, 0 for no bound."""
     index: Mapping[str, int]  # label -> entry index
     rates: tuple[float, ...]
-    """Each entry's prefill speed in prompt tokens per second: the brain's estimate, else the median of the
-    group's estimates, else 1 for all (then expected times only compare, which is all they are used for)."""
+    """Each entry's prefill speed in prompt tokens per second: the table's, else this router's own from its callers'
+    first tokens (`_speeds`), else the median of the group's, else of the table's, else 1 for all (then expected
+    times only compare, which is all they are used for)."""
     timed: bool
-    """Whether any entry's prefill speed is known: whether `rates` are in tokens per second."""
+    """Whether any entry's prefill speed in the table is known: whether `rates` are in tokens per second."""
     slo_rate: float
     """The prefill speed a request's TTFT deadline is counted at (`Router.turn`): the median of `rates`, the lower
     of two middles. A typical node's, not the slowest's: one node slowed by a fault (a throttled GPU) would
@@ -195,19 +196,48 @@ class Snapshot:
     applied_monotonic: float
 
 
+@dataclass(frozen=True, slots=True)
+class _Speeds:
+    """The prefill speeds a table's groups are built with: each entry's (by label) where one is known, and what an
+    entry none is known for takes when its group has none either."""
+
+    by_label: Mapping[str, float]
+    fleet: float | None
+
+
+def _speeds(table: RoutingTable, state_for: Callable[[str], EndpointState]) -> _Speeds:
+    """Every entry's prefill speed: the table's, else the router's own from its callers' first tokens on the table's
+    scale (`semantics.callers_speeds`); `fleet`, the median of these over the table (None when none is known:
+    expected times then compare tokens)."""
+    measured: dict[str, float] = {}
+    seen: dict[str, float] = {}
+    for slice_table in table.slices:
+        for node in slice_table.nodes:
+            name = label(node)
+            if node.prefill_tokens_per_s:
+                measured[name] = node.prefill_tokens_per_s
+            else:
+                speed = state_for(name).first_token_speed
+                if speed:
+                    seen[name] = speed
+    by_label = measured | callers_speeds(measured, seen)
+    return _Speeds(by_label, statistics.median_high(by_label.values()) if by_label else None)
+
+
 def _group(
     name: str,
     ring: Ring,
     settings: Settings,
     state_for: Callable[[str], EndpointState],
     counter_for: Callable[[str], InFlight],
+    speeds: _Speeds,
 ) -> Group:
     total_weight = sum(ring.weights)
     brain_load = settings.load == "requests"  # the brain's estimates count requests
     base_total = sum(node.load or 0.0 for node in ring.entries) if brain_load else 0.0
     entries = tuple(
         (
-            state_for(label),
+            state_for(entry),
             settings.balance * (base_total + 1) * weight / total_weight - (node.load or 0.0 if brain_load else 0.0)
             if settings.balance
             else math.inf,
@@ -215,11 +245,13 @@ def _group(
             total_weight / weight,
             Endpoint(node.node_id, node.endpoint, node.gpu, node.model_version),
         )
-        for label, node, weight in zip(ring.labels, ring.entries, ring.weights, strict=True)
+        for entry, node, weight in zip(ring.labels, ring.entries, ring.weights, strict=True)
     )
-    known = [n.prefill_tokens_per_s for n in ring.entries if n.prefill_tokens_per_s]
-    typical = statistics.median_high(known) if known else 1.0
-    rates = tuple(n.prefill_tokens_per_s or typical for n in ring.entries)
+    own = [speeds.by_label.get(entry) for entry in ring.labels]
+    known = [rate for rate in own if rate]
+    typical = statistics.median_high(known) if known else speeds.fleet
+    rates = tuple(rate or typical or 1.0 for rate in own)
+    timed = typical is not None
     top = max(ring.weights)
     by_node: dict[str, list[int]] = {}
     for i, node in enumerate(ring.entries):
@@ -238,12 +270,12 @@ def _group(
         balance=settings.balance,
         index={label: i for i, label in enumerate(ring.labels)},
         rates=rates,
-        timed=bool(known),
+        timed=timed,
         slo_rate=statistics.median_low(rates),
         top_rate=max(rates),
         stretch=tuple(top / w for w in ring.weights),
-        stall=tuple((n.stall_ms or 0.0) / 1000 if known else 0.0 for n in ring.entries),
-        admit=tuple((n.admit_ms or 0.0) / 1000 if known else 0.0 for n in ring.entries),
+        stall=tuple((n.stall_ms or 0.0) / 1000 if timed else 0.0 for n in ring.entries),
+        admit=tuple((n.admit_ms or 0.0) / 1000 if timed else 0.0 for n in ring.entries),
         by_node={node: tuple(indices) for node, indices in by_node.items()},
         fast=fast,
     )
@@ -256,6 +288,7 @@ def _arms(
     settings: Settings,
     state_for: Callable[[str], EndpointState],
     counter_for: Callable[[str], InFlight],
+    speeds: _Speeds,
 ) -> dict[str, Group]:
     """One group per arm over the slice's nodes of the arm's model version (the whole slice when it has none)."""
     arms: dict[str, Group] = {}
@@ -268,7 +301,7 @@ def _arms(
             nodes, settings.base_points, numa_node=settings.numa_node, max_points=settings.max_ring_points
         )
         arms[arm.model_version] = _group(
-            f"{slice_table.name}@{arm.model_version}", ring, settings, state_for, counter_for
+            f"{slice_table.name}@{arm.model_version}", ring, settings, state_for, counter_for, speeds
         )
     return arms
 
@@ -279,6 +312,7 @@ def _zones(
     settings: Settings,
     state_for: Callable[[str], EndpointState],
     counter_for: Callable[[str], InFlight],
+    speeds: _Speeds,
 ) -> dict[str, Group]:
     """One group per serving zone of the split's row over the slice's entries in that zone; none when the row is
     absent or the slice's entries are all in one zone (the split could not change where its requests go)."""
@@ -296,7 +330,8 @@ def _zones(
             ring = Ring.build(
                 nodes, settings.base_points, numa_node=settings.numa_node, max_points=settings.max_ring_points
             )
-            groups[share.zone] = _group(f"{slice_table.name}@zone:{share.zone}", ring, settings, state_for, counter_for)
+            name = f"{slice_table.name}@zone:{share.zone}"
+            groups[share.zone] = _group(name, ring, settings, state_for, counter_for, speeds)
     return groups
 
 
@@ -329,7 +364,8 @@ def build(
     `state_for(label)` and `counter_for(group name)` give the router's state objects, which outlive tables;
     `now` is the router's clock, for the table's age. A slice whose `SliceTable` is the very object the
     `previous` snapshot was built from, under the same experiment, keeps its groups: a table assembled from
-    per-slice updates rebuilds only the slices that changed.
+    per-slice updates rebuilds only the slices that changed, and those with an entry of no speed, whose speeds are
+    this router's own measures of the moment (`_speeds`).
     """
     fallback_of: dict[str, str | None] = {}
     for slice_table in table.slices:
@@ -342,6 +378,7 @@ def build(
         experiments.setdefault(listed.slice, listed)  # the first experiment on a slice wins
     zone_route = next((row for row in table.zones if row.caller == settings.zone), None) if settings.zone else None
     routes: dict[str, SliceRoute] = {}
+    speeds: _Speeds | None = None  # worked out for the first slice rebuilt
     for slice_table in table.slices:
         if not slice_table.nodes:
             continue
@@ -353,6 +390,7 @@ def build(
             and before.source is slice_table
             and before.experiment == experiment
             and before.zone_route == zone_route
+            and all(n.prefill_tokens_per_s for n in slice_table.nodes)  # else its speeds are this router's (`_speeds`)
         ):
             spill = () if before.overflow is None else (before.overflow,)
             for group in (before.group, *before.arms.values(), *before.zones.values(), *spill):
@@ -373,10 +411,17 @@ def build(
                 )
             except ValueError as exc:
                 raise ValueError(f"slice {slice_table.name!r}: {exc}") from None
-        base = _group(slice_table.name, rings[0], settings, state_for, counter_for)
-        spill = _group(f"{slice_table.name}+overflow", rings[1], settings, state_for, counter_for) if extra else None
-        arms = {} if experiment is None else _arms(slice_table, experiment, base, settings, state_for, counter_for)
-        zones = _zones(slice_table, zone_route, settings, state_for, counter_for) if not arms else {}
+        speeds = speeds or _speeds(table, state_for)
+        base = _group(slice_table.name, rings[0], settings, state_for, counter_for, speeds)
+        spill = (
+            _group(f"{slice_table.name}+overflow", rings[1], settings, state_for, counter_for, speeds)
+            if extra
+            else None
+        )
+        arms = (
+            {} if experiment is None else _arms(slice_table, experiment, base, settings, state_for, counter_for, speeds)
+        )
+        zones = _zones(slice_table, zone_route, settings, state_for, counter_for, speeds) if not arms else {}
         routes[slice_table.name] = SliceRoute(
             slice_table.name,
             base,

@@ -17,7 +17,7 @@ from ._health import DIMENSIONS, Dimension, Health, health
 from ._modality import DEFAULT_SLICE, ENGINE_LATENCY_KEY, MODALITY_HEADER, Slice, parse_signature
 from ._numa import CROSS_NUMA, SAME_NUMA, numa_factor
 from ._slo import SLO_SCALE, TAU0_MS, ttft_slo_s
-from ._speed import held_speed
+from ._speed import callers_speeds, held_speed
 from ._stats import quantile
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "bloom_contains",
     "bloom_false_positive_rate",
     "bloom_overlap",
+    "callers_speeds",
     "health",
     "held_speed",
     "numa_factor",

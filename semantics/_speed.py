@@ -1,9 +1,12 @@
-"""How a node's prefill speed is published in a table, by the brain and by a gateway without one: held until its
-measure drifts, in coarse steps, so that a table is not sent again to every router for each window's noise."""
+"""A node's prefill speed: how it is published in a table, by the brain and by a gateway without one (held until its
+measure drifts, in coarse steps, so that a table is not sent again to every router for each window's noise), and how
+a router stands in for one its table does not carry yet (its own first tokens, on the table's scale)."""
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Mapping
 
 from prismlb.wire import MAX_TABLE_VALUE
 
@@ -20,3 +23,18 @@ def held_speed(rate: float, held: float | None) -> float:
         return held
     step = 2.0 ** (round(math.log2(rate) * RATE_STEPS_PER_DOUBLING) / RATE_STEPS_PER_DOUBLING)
     return min(step, MAX_TABLE_VALUE)
+
+
+def callers_speeds(measured: Mapping[str, float], seen: Mapping[str, float]) -> dict[str, float]:
+    """Speeds for the nodes of `seen` that `measured` lacks, on `measured`'s scale.
+
+    `measured`: the speeds an engine's own counters give (an agent's or a gateway's `/metrics` measure, over at
+    least 16 prefills); `seen`: what a router's callers saw, its prompt tokens over the seconds to their first
+    tokens (`EndpointStatus.first_token_speed`), which it has from a node's first streamed answer on. That one also
+    reads a busy engine's queue and the hop, so it is scaled by the median ratio of the two over the nodes that have
+    both (1 when none has: every speed is then the callers' own, still comparable with each other). It keeps the
+    nodes' order where the engines' measures are not in yet: a fleet's median in their place would take a slow
+    GPU for a typical one while its first placements stick to it."""
+    both = [measured[k] / seen[k] for k in measured.keys() & seen.keys() if seen[k] > 0]
+    scale = statistics.median(both) if both else 1.0
+    return {k: rate * scale for k, rate in seen.items() if k not in measured and rate > 0}

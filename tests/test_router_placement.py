@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -52,8 +53,8 @@ def request(blocks: tuple[int, ...] = BLOCKS, cost: int = COST, key: int | None 
     return Request(key=key, blocks=blocks, cost=cost, block_size=BLOCK)
 
 
-def sent(r: Router, req: Request) -> Lease:
-    lease = r.request(req)
+def sent(r: Router, req: Request, exclude: frozenset[str] | set[str] = frozenset()) -> Lease:
+    lease = r.request(req, exclude=exclude)
     lease.begin()
     return lease
 
@@ -402,3 +403,45 @@ def test_a_session_placed_on_an_overflow_node_stays_there() -> None:
     # within the affinity for three quarters of the prompt (2.5) times the pool's 1.3 s.
     follow = Request(blocks=av_request(0, 8000).blocks, cost=8000, block_size=BLOCK, modality="audio", session="s1")
     assert r.route(follow).node_id == "h1"
+
+
+# --- a speed the table does not carry yet ---------------------------------------------------------------------
+
+
+def prompt(n: int, cost: int) -> Request:
+    return Request(
+        blocks=tuple(block_hashes([t + 1_000_000 * n for t in range(cost)], BLOCK)), cost=cost, block_size=BLOCK
+    )
+
+
+def test_a_node_the_table_gives_no_speed_takes_its_callers_first_tokens_on_the_tables_scale() -> None:
+    """c's engine has not measured its speed yet (an agent needs 16 prefills); its first tokens here came 4 times as
+    slowly as a's. Taken for the other nodes' median (a's 10,000 tokens/s), c would take the next prompt while a and b
+    queue; on the table's scale (a: 10,000 over the 2,000 its callers saw) it is 2,500 tokens/s and does not."""
+    r, clock = router(node("a", rate=10_000.0), node("b", rate=10_000.0), node("c"))
+    queued = [sent(r, prompt(n, 8_000), exclude={"c"}) for n in (1, 2)]  # 0.8 s on each of a and b
+    assert {lease.node_id for lease in queued} == {"a", "b"}
+    assert sent(r, prompt(3, 4_000)).node_id == "c"  # at the median: 0.4 s against 1.2 s
+    r, clock = router(node("a", rate=10_000.0), node("b", rate=10_000.0), node("c"))
+    for name, tokens in (("a", 2_000), ("c", 500)):
+        with r.request(prompt(10 + tokens, tokens), exclude={"a", "b", "c"} - {name}) as lease:
+            clock.now += 1.0
+            lease.first_token()
+    r.apply(msgspec.structs.replace(r.table, version=2))  # the speeds a table is built with: its next version's
+    queued = [sent(r, prompt(n, 8_000), exclude={"c"}) for n in (1, 2)]
+    assert {lease.node_id for lease in queued} == {"a", "b"}
+    assert sent(r, prompt(3, 4_000)).node_id in {"a", "b"}  # 1.2 s there against 1.6 s on c
+
+
+def test_a_group_no_entry_of_which_has_a_speed_takes_the_tables_median() -> None:
+    """An overflow entry the brain has no measure for (none of its class has prefilled) is neither 1 token/s, which
+    would keep it off for good, nor unknown: it takes the median of the table's speeds, and is worth the detour
+    while the pool is deep."""
+    pool = [node("l1", rate=6000.0), node("l2", rate=6000.0)]
+    spill = TableNode(node_id="h1", endpoint="http://h1:8000", weight=1.0, overflow=True)
+    built = RoutingTable(
+        epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="av", nodes=[*pool, spill])]
+    )
+    r = Router.from_table(built, clock=Clock())
+    assert {sent(r, av_request(n, 12_000)).node_id for n in (1, 2)} == {"l1", "l2"}  # 2 s deep each
+    assert r.route(av_request(3)).node_id == "h1"  # 1 s at 6,000 tokens/s against 3 s
