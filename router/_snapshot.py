@@ -75,7 +75,8 @@ class Group:
     first tokens (`_speeds`), else the median of the group's, else of the table's, else 1 for all (then expected
     times only compare, which is all they are used for)."""
     timed: bool
-    """Whether any entry's prefill speed in the table is known: whether `rates` are in tokens per second."""
+    """Whether any prefill speed is known, the table's or this router's own: whether `rates` are in tokens per
+    second."""
     slo_rate: float
     """The prefill speed a request's TTFT deadline is counted at (`Router.turn`): the median of `rates`, the lower
     of two middles. A typical node's, not the slowest's: one node slowed by a fault (a throttled GPU) would
@@ -268,7 +269,7 @@ def _group(
         base_total=base_total,
         inflight=inflight,
         balance=settings.balance,
-        index={label: i for i, label in enumerate(ring.labels)},
+        index={entry: i for i, entry in enumerate(ring.labels)},
         rates=rates,
         timed=timed,
         slo_rate=statistics.median_low(rates),
