@@ -294,9 +294,14 @@ def av_router(**settings: object) -> tuple[Router, Clock]:
     return Router.from_table(built, settings=Settings(**settings), clock=clock), clock  # type: ignore[arg-type]
 
 
-def av_request(n: int, cost: int = 6000) -> Request:
+def prompt(n: int, cost: int, modality: str | None = None) -> Request:
+    """The n-th of prompts that share no block, `cost` tokens long."""
     tokens = [t + 1_000_000 * n for t in range(cost)]
-    return Request(blocks=tuple(block_hashes(tokens, BLOCK)), cost=cost, block_size=BLOCK, modality="audio+text")
+    return Request(blocks=tuple(block_hashes(tokens, BLOCK)), cost=cost, block_size=BLOCK, modality=modality)
+
+
+def av_request(n: int, cost: int = 6000) -> Request:
+    return prompt(n, cost, "audio+text")
 
 
 def test_overflow_entries_are_off_the_ring_and_taken_only_when_twice_as_fast() -> None:
@@ -406,12 +411,6 @@ def test_a_session_placed_on_an_overflow_node_stays_there() -> None:
 
 
 # --- a speed the table does not carry yet ---------------------------------------------------------------------
-
-
-def prompt(n: int, cost: int) -> Request:
-    return Request(
-        blocks=tuple(block_hashes([t + 1_000_000 * n for t in range(cost)], BLOCK)), cost=cost, block_size=BLOCK
-    )
 
 
 def test_a_node_the_table_gives_no_speed_takes_its_callers_first_tokens_on_the_tables_scale() -> None:
