@@ -456,12 +456,10 @@ def bakeoff(
         print(line)
     if "prism" in replayed:
         prism = [c for c in contenders if c.replay == "prism"]
-        labelled = replay_p99_ms(prism, args.requests, args.load, trace=trace, gpu_labels=True, gpus=args.nodes)[
-            "prism"
-        ]
+        by_class = replay_p99_ms(prism, args.requests, args.load, trace=trace, gpu_labels=True, gpus=args.nodes)
         print(
             f"Replayed Prism with each node labelled with its GPU class, as agents on GPU hosts report it: "
-            f"TTFT p99 {labelled:.0f} ms (unlabelled {replayed['prism']:.0f} ms).\n",
+            f"TTFT p99 {by_class['prism']:.0f} ms (unlabelled {replayed['prism']:.0f} ms).\n",
             flush=True,
         )
     return outcomes
