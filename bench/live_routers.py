@@ -1,6 +1,6 @@
 """Live bakeoff: Prism against the real SGLang Model Gateway and the real vLLM router, same cluster, same trace.
 
-Run: .venv/bin/python bench/live_routers.py   (about 9 minutes; the first run also installs the peers, ~20 s)
+Run: .venv/bin/python bench/live_routers.py   (about 9 minutes a round; the first run also installs the peers, ~20 s)
 
 The replay (`prism eval`, docs/results/) compares Prism with re-implementations of the other routers'
 policies. This runs the routers themselves: their released wheels, pinned below, installed by this script
@@ -29,10 +29,14 @@ gateway drops Prism's `X-Modality-Signature` header). Contenders:
 Reported per contender: TTFT p50/p99 (the load generator's clock, to the first streamed chunk), the share of
 prompt tokens the engines served from their prefix caches (`usage.prompt_tokens_details.cached_tokens`),
 errors, requests not sent or unfinished at the time bound, each engine's share of the requests (from its
-`/metrics`), and the replay's wall clock. Then the replay (`prism eval`'s simulation) runs each contender's model
-on the same requests, cluster and offered load, and a second table sets live and replayed TTFT p99 and rank side
-by side, saying which pairs of contenders the two order differently. A peer that cannot be installed or started
-is reported as such and the others still run. Every child process is stopped on exit, on Ctrl-C and on SIGTERM.
+`/metrics`), and the replay's wall clock. With `--rounds N` every contender runs N times, a round of all after
+another, and its row pools the N runs' requests (`pooled`), with each round's p99 beside them: one run's p99 is its
+8th slowest request of 800, set largely by where the first seconds' uncached prompts land before any speed is
+measured, and the same code's runs differ by up to 2× on eight engines. Then the replay (`prism eval`'s
+simulation) runs each contender's model on the same requests, cluster and offered load, and a second table sets
+live and replayed TTFT p99 and rank side by side, saying which pairs of contenders the two order differently. A
+peer that cannot be installed or started is reported as such and the others still run. Every child process is
+stopped on exit, on Ctrl-C and on SIGTERM.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from prismlb.demo import (
     wait_healthy,
 )
 from prismlb.router import Router, Settings
+from prismlb.service import whole_number_at_least
 from prismlb.sim import PROFILES
 from prismlb.sim._engine import MODEL_NAME
 
@@ -132,6 +137,34 @@ class Outcome:
     cached_tokens: int = 0
     shares: dict[str, float] = field(default_factory=dict)
     wall_s: float | None = None
+    round_p99_ms: list[float] = field(default_factory=list)
+    """Each round's TTFT p99, in the order run, when `--rounds` ran the contender more than once."""
+
+
+def pooled(runs: Sequence[Outcome]) -> Outcome:
+    """One contender's rounds as one outcome: every round's requests counted together (the TTFT percentiles over
+    all of them), each engine's share the rounds' mean, the wall clock the longest, and each round's own p99 kept
+    beside them. A p99 of 800 requests is their 8th slowest and moves by up to 2× between runs of the same code
+    (docs/benchmarks.md, run 29); the pooled p99 of N rounds is their 8N-th slowest."""
+    first = runs[0]
+    if len(runs) == 1:
+        return first
+    ran = [o for o in runs if o.ttft_ms]
+    merged = Outcome(first.contender, first.version, problem=next((o.problem for o in runs if o.problem), None))
+    for o in runs:
+        merged.answered += o.answered
+        merged.lost += o.lost
+        merged.ttft_ms += o.ttft_ms
+        merged.prompt_tokens += o.prompt_tokens
+        merged.cached_tokens += o.cached_tokens
+        for kind, count in o.errors.items():
+            merged.errors[kind] = merged.errors.get(kind, 0) + count
+    nodes = {n for o in ran for n in o.shares}
+    merged.shares = {n: sum(o.shares.get(n, 0.0) for o in ran) / len(ran) for n in sorted(nodes)} if ran else {}
+    walls = [o.wall_s for o in runs if o.wall_s is not None]
+    merged.wall_s = max(walls) if walls else None
+    merged.round_p99_ms = [percentile(o.ttft_ms, 0.99) or 0.0 for o in ran]
+    return merged
 
 
 # --- the peers --------------------------------------------------------------------------------------------
@@ -311,9 +344,11 @@ def run_one(
 
 
 def table(outcomes: Sequence[Outcome], nodes: Sequence[str]) -> list[str]:
-    """One markdown row per contender, ranked by TTFT p99 (those that did not run last)."""
-    head = "| router | version | policy | answered | errors | lost | TTFT p50 | TTFT p99 | cached | "
-    head += " | ".join(nodes) + " | wall |"
+    """One markdown row per contender, ranked by TTFT p99 (those that did not run last); with a column of each
+    round's p99 when any contender ran more than one (`pooled`)."""
+    rounds = any(o.round_p99_ms for o in outcomes)
+    head = "| router | version | policy | answered | errors | lost | TTFT p50 | TTFT p99 | "
+    head += "p99 by round | " * rounds + "cached | " + " | ".join(nodes) + " | wall |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def key(o: Outcome) -> float:
@@ -329,9 +364,10 @@ def table(outcomes: Sequence[Outcome], nodes: Sequence[str]) -> list[str]:
         cached = f"{o.cached_tokens / o.prompt_tokens:.1%}" if o.prompt_tokens else "-"
         errors = sum(o.errors.values())
         shares = " | ".join(f"{o.shares.get(n, 0.0):.0%}" for n in nodes)
+        by_round = f"{', '.join(f'{v:.0f}' for v in o.round_p99_ms) or '-'} ms | " if rounds else ""
         lines.append(
             f"| {c.name} | {o.version} | {c.policy} | {o.answered} | {errors} | {o.lost} | {p50:.0f} ms | "
-            f"{p99:.0f} ms | {cached} | {shares} | {o.wall_s or 0:.1f} s |"
+            f"{p99:.0f} ms | {by_round}{cached} | {shares} | {o.wall_s or 0:.1f} s |"
         )
     return lines
 
@@ -419,29 +455,32 @@ def bakeoff(
         f"prefix cache would hit {prefix_cache_bound(requests):.1%}; logs in {logs}",
         flush=True,
     )
-    outcomes: list[Outcome] = []
-    for i, contender in enumerate(contenders):
-        label = f"{contender.name} {contender.policy}"
-        version = versions.get(contender.package, "") if contender.package else "this checkout"
-        if version.startswith("!"):
-            outcomes.append(Outcome(contender, PINS.get(contender.package or "", ""), problem=version[2:]))
-            print(f"   {label}: not installed ({version[2:]})", flush=True)
-            continue
-        print(f"   {label}: running", flush=True)
-        outcome = run_one(
-            contender,
-            version,
-            requests,
-            args.duration,
-            time_scale,
-            logs / f"{name}-{i}-{contender.name}",
-            args.venv / "bin" / "python",
-            args.peer_debug,
-            args.nodes,
-        )
-        outcomes.append(outcome)
-        if outcome.problem:
-            print(f"   {label}: {outcome.problem}", flush=True)
+    runs: dict[int, list[Outcome]] = {}
+    for round_ in range(args.rounds):  # round after round, so that a drift of the host's load falls on every contender
+        for i, contender in enumerate(contenders):
+            label = f"{contender.name} {contender.policy}" + (f" (round {round_ + 1})" if args.rounds > 1 else "")
+            version = versions.get(contender.package, "") if contender.package else "this checkout"
+            if version.startswith("!"):
+                if round_ == 0:
+                    runs[i] = [Outcome(contender, PINS.get(contender.package or "", ""), problem=version[2:])]
+                    print(f"   {label}: not installed ({version[2:]})", flush=True)
+                continue
+            print(f"   {label}: running", flush=True)
+            outcome = run_one(
+                contender,
+                version,
+                requests,
+                args.duration,
+                time_scale,
+                logs / f"{name}-{i}-{contender.name}" / f"round-{round_ + 1}",
+                args.venv / "bin" / "python",
+                args.peer_debug,
+                args.nodes,
+            )
+            runs.setdefault(i, []).append(outcome)
+            if outcome.problem:
+                print(f"   {label}: {outcome.problem}", flush=True)
+    outcomes = [pooled(runs[i]) for i in sorted(runs)]
     nodes = [f"{gpu}-{i + 1}" for i, gpu in enumerate(args.nodes)]
     print(f"\n{name}:")
     for line in table(outcomes, nodes):
@@ -501,6 +540,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=DEFAULT_NODES,
         help=f"GPU class of each engine, comma-separated (default {','.join(DEFAULT_NODES)}; known: "
         f"{', '.join(sorted(PROFILES))})",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=whole_number_at_least(1, "--rounds must be at least 1, got {value}"),
+        default=1,
+        help="runs of each contender per trace, one round of all after another; the table pools their requests "
+        "and lists each round's p99",
     )
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the peers' virtualenv")
     parser.add_argument(

@@ -51,3 +51,20 @@ def test_the_cluster_is_any_list_of_known_gpu_classes(bench: ModuleType) -> None
     p99 = bench.replay_p99_ms(bench.CONTENDERS[:1], 60, 0.6, gpus=("a100",) * 4)
     slower = bench.replay_p99_ms(bench.CONTENDERS[:1], 60, 0.6, gpus=("l40s",) * 4)
     assert slower["prism"] > p99["prism"], "the same requests and load on slower engines wait longer"
+
+
+def test_rounds_pool_their_requests_and_keep_each_rounds_p99(bench: ModuleType) -> None:
+    prism = bench.CONTENDERS[0]
+    fast = bench.Outcome(prism, "v", answered=100, ttft_ms=[100.0] * 100, shares={"a": 0.8, "b": 0.2}, wall_s=40.0)
+    slow = bench.Outcome(prism, "v", answered=99, lost=1, ttft_ms=[300.0] * 99, shares={"a": 0.4, "b": 0.6})
+    slow.errors, slow.wall_s, slow.prompt_tokens, slow.cached_tokens = {"HTTPStatusError": 1}, 42.0, 1000, 250
+    assert bench.pooled([fast]) is fast, "one round is reported as it ran"
+    both = bench.pooled([fast, slow])
+    assert (both.answered, both.lost, both.errors, len(both.ttft_ms)) == (199, 1, {"HTTPStatusError": 1}, 199)
+    assert both.round_p99_ms == [100.0, 300.0]
+    assert both.shares == pytest.approx({"a": 0.6, "b": 0.4}) and both.wall_s == 42.0
+    head, _, row = bench.table([both], ["a", "b"])
+    assert "| p99 by round |" in head and "| 100, 300 ms |" in row and "| 25.0% | 60% | 40% |" in row
+    assert "p99 by round" not in bench.table([fast], ["a", "b"])[0], "one round: the table as before"
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0"])
