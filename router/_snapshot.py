@@ -75,8 +75,12 @@ class Group:
     first tokens (`_speeds`), else the median of the group's, else of the table's, else 1 for all (then expected
     times only compare, which is all they are used for)."""
     timed: bool
-    """Whether any prefill speed is known, the table's or this router's own: whether `rates` are in tokens per
-    second."""
+    """Whether `rates` are on the engines' own scale of tokens per second: some entry of the table has the speed its
+    engine measured, and this router's own measures, if any, are scaled to it (`_speeds`). Until then the absolute
+    rules that read seconds (the waiting room's limit, a ticket's deadline, the stall and the wait for cache room)
+    count as they do with no speed at all: this router's first tokens read a busy engine's queue and the hop too,
+    so their scale alone is slower than the engines' by an unknown factor, and the room would hold that many times
+    longer. `rates` still order the entries."""
     slo_rate: float
     """The prefill speed a request's TTFT deadline is counted at (`Router.turn`): the median of `rates`, the lower
     of two middles. A typical node's, not the slowest's: one node slowed by a fault (a throttled GPU) would
@@ -89,11 +93,10 @@ class Group:
     stretched for the health and tail latency the brain saw there."""
     stall: tuple[float, ...]
     """Each entry's network stall in seconds (`TableNode.stall_ms`), added to its expected time to first token;
-    0 for all while no entry's prefill speed is known (then expected times are not in seconds)."""
+    0 for all while not `timed` (then expected times are not in the engines' seconds)."""
     admit: tuple[float, ...]
     """Each entry's wait for room in its engine's KV cache in seconds (`TableNode.admit_ms`), which its expected
-    time to first token takes instead of its queued prefill when longer; 0 for all while no entry's prefill speed
-    is known."""
+    time to first token takes instead of its queued prefill when longer; 0 for all while not `timed`."""
     by_node: Mapping[str, tuple[int, ...]]
     """node id -> its entries' indices (several for a node with per-GPU entries)."""
     fast: Callable[[object], Endpoint | None] | None
@@ -204,12 +207,15 @@ class _Speeds:
 
     by_label: Mapping[str, float]
     fleet: float | None
+    scaled: bool
+    """Whether some entry's speed is its engine's measure, which `by_label` is then on the scale of."""
 
 
 def _speeds(table: RoutingTable, state_for: Callable[[str], EndpointState]) -> _Speeds:
     """Every entry's prefill speed: the table's, else the router's own from its callers' first tokens on the table's
     scale (`semantics.callers_speeds`); `fleet`, the median of these over the table (None when none is known:
-    expected times then compare tokens)."""
+    expected times then compare tokens); `scaled`, whether the table has any speed, which sets that scale (without
+    one, the router's own measures still order the nodes, but not in the engines' seconds)."""
     measured: dict[str, float] = {}
     seen: dict[str, float] = {}
     for slice_table in table.slices:
@@ -217,12 +223,11 @@ def _speeds(table: RoutingTable, state_for: Callable[[str], EndpointState]) -> _
             name = label(node)
             if node.prefill_tokens_per_s:
                 measured[name] = node.prefill_tokens_per_s
-            else:
-                speed = state_for(name).first_token_speed
-                if speed:
-                    seen[name] = speed
+            speed = state_for(name).first_token_speed  # of the measured nodes too: they set the scale
+            if speed:
+                seen[name] = speed
     by_label = measured | callers_speeds(measured, seen)
-    return _Speeds(by_label, statistics.median_high(by_label.values()) if by_label else None)
+    return _Speeds(by_label, statistics.median_high(by_label.values()) if by_label else None, bool(measured))
 
 
 def _group(
@@ -252,7 +257,7 @@ def _group(
     known = [rate for rate in own if rate]
     typical = statistics.median_high(known) if known else speeds.fleet
     rates = tuple(rate or typical or 1.0 for rate in own)
-    timed = typical is not None
+    timed = typical is not None and speeds.scaled
     top = max(ring.weights)
     by_node: dict[str, list[int]] = {}
     for i, node in enumerate(ring.entries):

@@ -430,6 +430,7 @@ def test_a_node_the_table_gives_no_speed_takes_its_callers_first_tokens_on_the_t
     queued = [sent(r, prompt(n, 8_000), exclude={"c"}) for n in (1, 2)]
     assert {lease.node_id for lease in queued} == {"a", "b"}
     assert sent(r, prompt(3, 4_000)).node_id in {"a", "b"}  # 1.2 s there against 1.6 s on c
+    assert sent(r, prompt(4, 1_000)).node_id == "c"  # 0.4 s at 2,500 tokens/s; at its callers' 500, 2 s
 
 
 def test_a_group_no_entry_of_which_has_a_speed_takes_the_tables_median() -> None:

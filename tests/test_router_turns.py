@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -156,6 +157,41 @@ def test_one_slowed_entry_does_not_stretch_every_deadline() -> None:
     table = RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="llm", nodes=entries)])
     r = Router.from_table(table, settings=Settings(hold_tokens=1000), clock=Clock())
     assert r.turn(Request(cost=10_000)).deadline == pytest.approx(100.0 + 5.0)
+
+
+def test_the_callers_own_speeds_alone_do_not_put_the_room_in_seconds() -> None:
+    """Before any engine has measured its speed, this router's first tokens order the nodes, but they read the
+    queue and the hop too, here 500 and 250 tokens/s where the engines do 10,000 and 5,000: the room counts 800
+    queued tokens as 800, not as the 16,000 they would be at 500 tokens/s, and a deadline is the SLO at the
+    assumed speed. Once a table gives one engine's measure, every speed is on its scale, in seconds."""
+    clock = Clock()
+    entries = [TableNode(node_id=f"n{i}", endpoint=f"http://n{i}:8000", weight=1.0) for i in range(2)]
+    table = RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="llm", nodes=entries)])
+    r = Router.from_table(table, settings=Settings(hold_tokens=1000), clock=clock)
+    for node, seconds in (("n0", 1.0), ("n1", 2.0)):  # each node's first answer: 500 prompt tokens
+        ticket = r.turn(Request(cost=500))
+        lease = r.request(ticket.request, turn=ticket, exclude={"n0", "n1"} - {node})
+        lease.begin()
+        clock.now += seconds
+        lease.first_token()
+        lease.end()
+    r.apply(msgspec.structs.replace(table, version=2))  # the speeds a table is built with: its next version's
+    assert r.status()["n1"].first_token_speed == pytest.approx(250.0)
+    queued = [placed(r, 800) for _ in range(2)]
+    assert {lease.node_id for lease in queued} == {"n0", "n1"}
+
+    def room_and_deadline_s() -> tuple[bool, float]:
+        short, long_prompt = r.turn(Request(cost=10)), r.turn(Request(cost=20_000))
+        r.leave(short)
+        r.leave(long_prompt)
+        return short.granted, long_prompt.deadline - clock.now
+
+    assert room_and_deadline_s() == (True, pytest.approx(10.0)), "800 tokens: room; 5 x 2 s at the assumed speed"
+    measured = [msgspec.structs.replace(entries[0], prefill_tokens_per_s=10_000.0), entries[1]]
+    r.apply(msgspec.structs.replace(table, version=3, slices=[SliceTable(name="llm", nodes=measured)]))
+    assert room_and_deadline_s() == (True, pytest.approx(20.0)), "800 tokens at 10,000/s; 5 x 4 s at n1's 5,000/s"
+    for lease in queued:
+        lease.end()
 
 
 def test_a_caller_may_stop_waiting_and_no_request_waits_longer_than_hold_max_s() -> None:
