@@ -230,14 +230,25 @@ def _speeds(table: RoutingTable, state_for: Callable[[str], EndpointState]) -> _
     return _Speeds(by_label, statistics.median_high(by_label.values()) if by_label else None, bool(measured))
 
 
-def _group(
-    name: str,
-    ring: Ring,
-    settings: Settings,
-    state_for: Callable[[str], EndpointState],
-    counter_for: Callable[[str], InFlight],
-    speeds: _Speeds,
-) -> Group:
+@dataclass(frozen=True, slots=True)
+class _Builder:
+    """What every group of one table is built with: the router's settings, its state objects (`state_for(label)`,
+    `counter_for(group name)`, which outlive tables) and the table's speeds."""
+
+    settings: Settings
+    state_for: Callable[[str], EndpointState]
+    counter_for: Callable[[str], InFlight]
+    speeds: _Speeds
+
+    def ring(self, nodes: list[TableNode]) -> Ring:
+        settings = self.settings
+        return Ring.build(
+            nodes, settings.base_points, numa_node=settings.numa_node, max_points=settings.max_ring_points
+        )
+
+
+def _group(name: str, ring: Ring, how: _Builder) -> Group:
+    settings, state_for, speeds = how.settings, how.state_for, how.speeds
     total_weight = sum(ring.weights)
     brain_load = settings.load == "requests"  # the brain's estimates count requests
     base_total = sum(node.load or 0.0 for node in ring.entries) if brain_load else 0.0
@@ -262,7 +273,7 @@ def _group(
     by_node: dict[str, list[int]] = {}
     for i, node in enumerate(ring.entries):
         by_node.setdefault(node.node_id, []).append(i)
-    inflight = counter_for(name)
+    inflight = how.counter_for(name)
     fast = None
     if fastroute is not None:
         args = (ring.points, ring.owners, ring.slots, ring.shift, entries, base_total, inflight, settings.balance)
@@ -287,15 +298,7 @@ def _group(
     )
 
 
-def _arms(
-    slice_table: SliceTable,
-    experiment: Experiment,
-    base: Group,
-    settings: Settings,
-    state_for: Callable[[str], EndpointState],
-    counter_for: Callable[[str], InFlight],
-    speeds: _Speeds,
-) -> dict[str, Group]:
+def _arms(slice_table: SliceTable, experiment: Experiment, base: Group, how: _Builder) -> dict[str, Group]:
     """One group per arm over the slice's nodes of the arm's model version (the whole slice when it has none)."""
     arms: dict[str, Group] = {}
     for arm in experiment.arms:
@@ -303,23 +306,11 @@ def _arms(
         if not nodes:
             arms[arm.model_version] = base
             continue
-        ring = Ring.build(
-            nodes, settings.base_points, numa_node=settings.numa_node, max_points=settings.max_ring_points
-        )
-        arms[arm.model_version] = _group(
-            f"{slice_table.name}@{arm.model_version}", ring, settings, state_for, counter_for, speeds
-        )
+        arms[arm.model_version] = _group(f"{slice_table.name}@{arm.model_version}", how.ring(nodes), how)
     return arms
 
 
-def _zones(
-    slice_table: SliceTable,
-    route: ZoneRoute | None,
-    settings: Settings,
-    state_for: Callable[[str], EndpointState],
-    counter_for: Callable[[str], InFlight],
-    speeds: _Speeds,
-) -> dict[str, Group]:
+def _zones(slice_table: SliceTable, route: ZoneRoute | None, how: _Builder) -> dict[str, Group]:
     """One group per serving zone of the split's row over the slice's entries in that zone; none when the row is
     absent or the slice's entries are all in one zone (the split could not change where its requests go)."""
     if route is None:
@@ -333,11 +324,7 @@ def _zones(
     for share in route.shares:
         nodes = by_zone.get(share.zone)
         if nodes and share.zone not in groups:
-            ring = Ring.build(
-                nodes, settings.base_points, numa_node=settings.numa_node, max_points=settings.max_ring_points
-            )
-            name = f"{slice_table.name}@zone:{share.zone}"
-            groups[share.zone] = _group(name, ring, settings, state_for, counter_for, speeds)
+            groups[share.zone] = _group(f"{slice_table.name}@zone:{share.zone}", how.ring(nodes), how)
     return groups
 
 
@@ -384,7 +371,7 @@ def build(
         experiments.setdefault(listed.slice, listed)  # the first experiment on a slice wins
     zone_route = next((row for row in table.zones if row.caller == settings.zone), None) if settings.zone else None
     routes: dict[str, SliceRoute] = {}
-    speeds: _Speeds | None = None  # worked out for the first slice rebuilt
+    how: _Builder | None = None  # with the table's speeds, worked out for the first slice rebuilt
     for slice_table in table.slices:
         if not slice_table.nodes:
             continue
@@ -405,29 +392,19 @@ def build(
                     state_for(name)
             routes[slice_table.name] = dataclasses.replace(before, fallbacks=fallbacks)
             continue
+        how = how or _Builder(settings, state_for, counter_for, _speeds(table, state_for))
         regular = _regular(slice_table)
         extra = [n for n in slice_table.nodes if n.overflow] if len(regular) < len(slice_table.nodes) else []
         rings: list[Ring] = []
         for nodes in (regular, extra) if extra else (regular,):
             try:
-                rings.append(
-                    Ring.build(
-                        nodes, settings.base_points, numa_node=settings.numa_node, max_points=settings.max_ring_points
-                    )
-                )
+                rings.append(how.ring(nodes))
             except ValueError as exc:
                 raise ValueError(f"slice {slice_table.name!r}: {exc}") from None
-        speeds = speeds or _speeds(table, state_for)
-        base = _group(slice_table.name, rings[0], settings, state_for, counter_for, speeds)
-        spill = (
-            _group(f"{slice_table.name}+overflow", rings[1], settings, state_for, counter_for, speeds)
-            if extra
-            else None
-        )
-        arms = (
-            {} if experiment is None else _arms(slice_table, experiment, base, settings, state_for, counter_for, speeds)
-        )
-        zones = _zones(slice_table, zone_route, settings, state_for, counter_for, speeds) if not arms else {}
+        base = _group(slice_table.name, rings[0], how)
+        spill = _group(f"{slice_table.name}+overflow", rings[1], how) if extra else None
+        arms = {} if experiment is None else _arms(slice_table, experiment, base, how)
+        zones = _zones(slice_table, zone_route, how) if not arms else {}
         routes[slice_table.name] = SliceRoute(
             slice_table.name,
             base,
