@@ -15,6 +15,12 @@ blocks reach the engine's KV events only once it is computed, seconds later, and
 share its prefix would go elsewhere from every other router (measured on the Mooncake trace with four routers,
 docs/router.md).
 
+Reports also name the head of each of the router's waiting rooms (the request it lets go next, `RoomHead`); the
+relay passes on, per slice, the two most urgent over every router, their times counted to the sending, so that a
+router lets its head go only when no peer's is due sooner (`Settings.share_turns`): one order over every router's
+room, where each would otherwise order its own share of the requests and all of them fill the same free engine at
+once.
+
 Bounded: at most `max_routers` routers (a report from one more is refused and counted) and
 `MAX_ROUTER_LOAD_NODES` nodes per report (the message's own limit). The sums are kept as reports come (the
 router's previous figure out, the new one in) and recomputed from the reports at every refresh, so floating-point
@@ -24,14 +30,14 @@ drift never builds up.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from prismlb.service import kind_counter
-from prismlb.wire import ClusterLoad, Placed, RouterLoad
+from prismlb.wire import MAX_CLUSTER_HEADS, MAX_SECONDS, ClusterLoad, Placed, RoomHead, RouterLoad
 
 EXPIRY_S = 2.0
 PUBLISH_S = 0.02
@@ -47,6 +53,7 @@ class _Report:
     loads: dict[str, float]
     heard: float
     zone: str = ""
+    heads: list[RoomHead] = field(default_factory=list)
 
 
 class LoadRelay:
@@ -101,7 +108,7 @@ class LoadRelay:
         if held is not None:
             self._add(held.loads, -1.0)
         loads = dict(report.loads)
-        self._reports[report.router_id] = _Report(report.seq, loads, now, report.zone)
+        self._reports[report.router_id] = _Report(report.seq, loads, now, report.zone, list(report.heads))
         self._add(loads, 1.0)
         for placement in report.placed:
             if self._placed_blocks + len(placement.blocks) > self.max_placed:
@@ -158,8 +165,34 @@ class LoadRelay:
         self.seq += 1
         self.counts["published"] += 1
         return ClusterLoad(
-            brain_id=self.brain_id, seq=self.seq, routers=len(self._reports), loads=dict(self._sums), placed=placed
+            brain_id=self.brain_id,
+            seq=self.seq,
+            routers=len(self._reports),
+            loads=dict(self._sums),
+            placed=placed,
+            heads=self._heads(now),
         )
+
+    def _heads(self, now: float) -> list[RoomHead]:
+        """Per slice, the two most urgent room heads of the routers heard, their times aged to `now`; the most
+        urgent slices first, up to the message's limit."""
+        by_slice: dict[str, list[RoomHead]] = {}
+        for router_id, report in self._reports.items():
+            age = max(0.0, now - report.heard)
+            for head in report.heads:
+                late = None if head.late_s is None else min(MAX_SECONDS, head.late_s + age)
+                aged = RoomHead(slice=head.slice, due_s=max(0.0, head.due_s - age), late_s=late, router_id=router_id)
+                kept = by_slice.setdefault(head.slice, [])
+                kept.append(aged)
+                kept.sort(key=_first)
+                del kept[2:]
+        ranked = sorted(by_slice.values(), key=lambda kept: _first(kept[0]))
+        return [head for kept in ranked for head in kept][:MAX_CLUSTER_HEADS]
+
+
+def _first(head: RoomHead) -> tuple[int, float]:
+    """A head's place in the rooms' order, on a clock at 0 when its times were counted."""
+    return head.urgency(0.0)
 
 
 class LoadRelayCollector(Collector):

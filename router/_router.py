@@ -19,7 +19,9 @@ from prometheus_client import CollectorRegistry
 from prismlb.semantics import Slice, ttft_slo_s
 from prismlb.wire import (
     MAX_PLACED_BLOCKS,
+    MAX_ROOM_HEADS,
     MAX_ROUTER_LOAD_NODES,
+    MAX_SECONDS,
     BrainAddress,
     ClientCurve,
     ClusterLoad,
@@ -28,6 +30,7 @@ from prismlb.wire import (
     NoRouteError,
     Placed,
     RejectCounter,
+    RoomHead,
     RouterLoad,
     RoutingTable,
     TableSubscriber,
@@ -102,6 +105,19 @@ def _spread(expected: Mapping[int, tuple[float, float]], copies: int, draw: int)
     return min(level, key=level.__getitem__)
 
 
+PEER_TURN_ROOM = 0.5
+"""Share of the room (`Settings.hold_tokens`) an entry must have left for a router to let its head go while a peer's
+is due sooner (`Settings.share_turns`): the peer hears of the room only with the brain's next sums, tens of
+milliseconds on, and an entry with less than half a room queued would run dry meanwhile. Measured against a quarter
+and three quarters with four routers in the replay (docs/router.md)."""
+
+
+def _urgency(ticket: Ticket, now: float) -> tuple[int, float]:
+    """A waiting ticket's place in the rooms' order (smaller goes first), as `Room.head` orders them: (0, deadline) in
+    time, (1, when it became late) once late; `RoomHead.urgency` is a peer's on the same scale."""
+    return (1, ticket.late_at) if ticket.late_at < now else (0, ticket.deadline)
+
+
 @dataclass(slots=True)
 class Placement:
     """A request with block hashes being placed by expected time to first token: what the choice reads in each
@@ -168,6 +184,8 @@ class Router:
         self._echo = 0.0  # work peers are taken to place per unit this router places (`apply_cluster_load`)
         self._fresh: dict[str, float] = {}  # prefill units this router placed per node since the peers' sums arrived
         self._shares: tuple[float, float] | None = None  # averages of this router's and its peers' queued work
+        self._reported_heads: dict[str, tuple[float, float, bool]] = {}  # per slice, the head last reported (`_heads`)
+        self._peer_heads: dict[str, tuple[int, float]] = {}  # per slice, the most urgent peer's head (`_urgency`)
         self._placed_out: collections.deque[tuple[str, Sequence[int]]] = collections.deque(maxlen=MAX_PENDING_PLACED)
         """Placements not reported yet: (node, blocks the node did not hold), appended by any caller's thread."""
         self.holds = self.settings.hold_tokens > 0 and self.settings.load == "prefill"
@@ -391,15 +409,45 @@ class Router:
                 pending.appendleft((node_id, blocks[room:]))
             placed.append(Placed(node_id=node_id, blocks=list(blocks[:room])))
             room -= len(placed[-1].blocks)
-        if loads == self._reported and not placed and not force:
+        heads, shown = self._heads()
+        if loads == self._reported and not placed and shown == self._reported_heads and not force:
             return None
-        self._reported = loads
+        self._reported, self._reported_heads = loads, shown
         self._load_seq += 1
         return RouterLoad(
-            router_id=self.router_id, zone=self.settings.zone, seq=self._load_seq, loads=loads, placed=placed
+            router_id=self.router_id,
+            zone=self.settings.zone,
+            seq=self._load_seq,
+            loads=loads,
+            placed=placed,
+            heads=heads,
         )
 
-    def apply_cluster_load(self, loads: Mapping[str, float], placed: Sequence[Placed] = (), routers: int = 1) -> None:
+    def _heads(self) -> tuple[list[RoomHead], dict[str, tuple[float, float, bool]]]:
+        """The head of each waiting room with requests waiting, for a load report (`Settings.share_turns`), the
+        most urgent `MAX_ROOM_HEADS` of them; and which ticket each is (its deadline and arrival), late or not, to tell
+        whether they changed."""
+        if not (self.settings.share_turns and self.holds and self.turns.waiting):
+            return [], {}
+        with self._lock:
+            now = self.clock()
+            found = [(key, room.head(now)) for key, room in self.turns.rooms.items() if room.waiting]
+        ranked = sorted(((_urgency(t, now), key, t) for key, t in found if t is not None), key=lambda item: item[0])
+        heads: list[RoomHead] = []
+        shown: dict[str, tuple[float, float, bool]] = {}
+        for (late, when), key, ticket in ranked[:MAX_ROOM_HEADS]:
+            seconds = min(MAX_SECONDS, max(0.0, now - when if late else when - now))
+            heads.append(RoomHead(slice=key, due_s=0.0, late_s=seconds) if late else RoomHead(slice=key, due_s=seconds))
+            shown[key] = (ticket.deadline, ticket.joined, bool(late))
+        return heads, shown
+
+    def apply_cluster_load(
+        self,
+        loads: Mapping[str, float],
+        placed: Sequence[Placed] = (),
+        routers: int = 1,
+        heads: Sequence[RoomHead] = (),
+    ) -> None:
         """Every router's queued prefill per node, summed by the brain over `routers` routers: what is not this
         router's own (its last report) is its peers', counted in the expected time to first token for
         `peer_load_ttl_s`. A report the sums do not include yet makes that difference off by this router's change
@@ -413,8 +461,18 @@ class Router:
         (`_spread`). `echo` is the peers' queued work over this router's own, each averaged over the sums that had
         any (`ECHO_ALPHA`), at most one per peer: what peers sharing the traffic alike place meanwhile, and nothing
         when this router carries the traffic alone. An idle cluster keeps the last averages, since the burst that
-        ends the lull reaches every router at once."""
+        ends the lull reaches every router at once.
+
+        `heads`, the routers' waiting-room heads (two per slice), leave each slice's most urgent of the peers' for
+        `_grant` to defer to (`Settings.share_turns`)."""
         now = self.clock()
+        peer_heads: dict[str, tuple[int, float]] = {}
+        for head in heads:
+            if head.router_id != self.router_id:
+                urgency = head.urgency(now)
+                if head.slice not in peer_heads or urgency < peer_heads[head.slice]:
+                    peer_heads[head.slice] = urgency
+        self._peer_heads = peer_heads
         for placement in placed:
             if placement.router_id != self.router_id:
                 self.index.placed(placement.node_id, placement.blocks, now)
@@ -446,7 +504,7 @@ class Router:
         self._wake()
 
     def _on_cluster_load(self, load: ClusterLoad) -> None:
-        self.apply_cluster_load(load.loads, load.placed, load.routers)
+        self.apply_cluster_load(load.loads, load.placed, load.routers, load.heads)
 
     def _on_table(self, table: RoutingTable) -> bool:
         try:
@@ -639,7 +697,8 @@ class Router:
         """Under the accounting lock: in every slice with requests waiting, let go those waiting `hold_max_s`, and
         the room's head (`Room.head`: earliest deadline first, late ones last) while an entry of the slice has at most
         `hold_tokens` queued and no other ticket of the slice is granted and not yet placed (one at a time, so each
-        sees the queues the last left)."""
+        sees the queues the last left). While a peer router's head goes first (`_peer_first`), the entry must have
+        no more than `PEER_TURN_ROOM` of that queued: the turn is the peer's unless the engine would run dry."""
         if not self.turns.waiting:
             return
         snapshot = self._snapshot
@@ -657,17 +716,32 @@ class Router:
                 self.turns.grant(head, now)
                 continue
             spill = self._spill(target, target.group)
-            if self._room(target.group, now) or (spill is not None and self._room(spill, now, target)):
+            share = PEER_TURN_ROOM if self._peer_first(key, head, now) else 1.0
+            if self._room(target.group, now, share=share) or (
+                spill is not None and self._room(spill, now, target, share)
+            ):
                 self.turns.grant(head, now)
 
-    def _room(self, group: Group, now: float, detour: SliceRoute | None = None) -> bool:
+    def _peer_first(self, key: str, head: Ticket, now: float) -> bool:
+        """Whether a peer router's room head for slice `key`, from the brain's last sums while they are fresh, goes
+        before this router's `head` in the rooms' one order (`Settings.share_turns`): then the turn is the peer's."""
+        theirs = self._peer_heads.get(key)
+        return (
+            theirs is not None
+            and now - self._peer_at <= self.settings.peer_load_ttl_s
+            and self.settings.share_turns
+            and theirs < _urgency(head, now)
+        )
+
+    def _room(self, group: Group, now: float, detour: SliceRoute | None = None, share: float = 1.0) -> bool:
         """Whether some available entry of `group` has at most `hold_tokens` of prefill queued that will report a
         first token (this router's and its peers'), counted in time once the group's speeds are measured: its tokens at
         `assumed_prefill_tokens_per_s` take as long as the entry's queue at the entry's speed, so a fast node has room
         while its queue drains as soon as a slow one's would. In the overflow group of slice `detour`, only among the
         entries a detour may take now (`_owner_waits`; the caller asks only of the group `_spill` gives placement): a
-        turn granted for room that placement then passes over would join the pool's full queues."""
-        limit = self.settings.hold_tokens
+        turn granted for room that placement then passes over would join the pool's full queues. `share`: of
+        `hold_tokens`."""
+        limit = self.settings.hold_tokens * share
         assumed = self.settings.assumed_prefill_tokens_per_s
         peers, echo, fresh = self._peers(now)
         for i, (state, _, _, _, endpoint) in enumerate(group.entries):

@@ -58,6 +58,12 @@ class Settings:
     its peers' (the brain's `ClusterLoad` sums less this router's own report) in the expected time to first token:
     routers embedded in many callers then see each node's whole queue, not their own share of it (docs/router.md).
     Reports go every `load_report_s` while they change; peers' figures older than `peer_load_ttl_s` are ignored."""
+    share_turns: bool = True
+    """With `share_load` and a waiting room (`hold_tokens`), also report the head of each of this router's rooms (the
+    request it lets go next) and let a head go only while no peer's, from the brain's last sums, is due sooner (late
+    ones after every one in time, as in one room): routers embedded in many callers then keep one order over all of
+    their waiting requests, where each would order only its own share and all of them would fill the same free
+    engine at once (docs/router.md). A peer's head counts for `peer_load_ttl_s`, as its queued work does."""
     load_report_s: float = 0.02
     """How often a router connected to a brain sends its queued prefill work while it changes."""
     peer_load_ttl_s: float = 2.0

@@ -233,6 +233,12 @@ def routers_4(block_tokens: int) -> Policy:
     return PrismPolicy(block_tokens=block_tokens, gateways=4)
 
 
+def routers_4_own_turns(block_tokens: int) -> Policy:
+    """Four sharing routers that do not share their waiting rooms' heads (`Settings(share_turns=False)`): each lets
+    its own requests go in its own order whenever it sees room, whatever its peers hold."""
+    return PrismPolicy(block_tokens=block_tokens, gateways=4, settings=Settings(share_turns=False))
+
+
 def routers_4_no_share(block_tokens: int) -> Policy:
     """Four routers that do not share their queued prefill and placements (`Settings(share_load=False)`): each
     sees only its own share of every node's queue, and its own placements until the engines' KV events come."""
@@ -299,6 +305,7 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
     "fleet-rate": fleet_rate,
     "no-sessions": no_sessions,
     "4-routers": routers_4,
+    "4-routers-own-turns": routers_4_own_turns,
     "4-routers-no-share": routers_4_no_share,
 }
 """Every ablation by name; each builds its policy from the workload's KV block size."""

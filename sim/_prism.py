@@ -142,7 +142,7 @@ class PrismPolicy(Policy):
         sums = self.loads.due(now)
         if sums is not None:
             for router in self.routers:
-                router.apply_cluster_load(sums.loads, sums.placed, sums.routers)
+                router.apply_cluster_load(sums.loads, sums.placed, sums.routers, sums.heads)
 
     def start(self, view: ClusterView, now: float) -> None:
         self.tick(view, now)

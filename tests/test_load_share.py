@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
+import pytest
 import zmq
 
 from prismlb.brain import LoadRelay
-from prismlb.router import Request, Router, Settings, block_hashes
-from prismlb.router._router import _spread
+from prismlb.router import Lease, Request, Router, Settings, block_hashes
+from prismlb.router._router import _spread, _urgency
+from prismlb.router._turns import Ticket
 from prismlb.sim._cluster import Simulation
 from prismlb.sim._eval import TEXT_CLUSTER, capacity
 from prismlb.sim._families import family_workload
@@ -22,11 +25,13 @@ from prismlb.wire import (
     NodeMetrics,
     NodeVector,
     Placed,
+    RoomHead,
     RouterLoad,
     RoutingTable,
     SliceTable,
     TableNode,
     VectorSender,
+    WireError,
     decode,
     encode,
 )
@@ -285,6 +290,124 @@ def test_a_lull_keeps_the_peers_share() -> None:
 # --- over ZeroMQ, through the brain service -----------------------------------------------------------------
 
 
+# --- one order over every router's waiting room --------------------------------------------------------------
+
+
+def test_relay_passes_on_each_slices_two_most_urgent_room_heads_aged_to_the_sums() -> None:
+    relay = LoadRelay("b")
+    relay.accept(RouterLoad(router_id="r1", seq=1, heads=[RoomHead(slice="llm", due_s=1.0)]), 0.0)
+    relay.accept(
+        RouterLoad(
+            router_id="r2",
+            seq=1,
+            heads=[RoomHead(slice="llm", due_s=0.4), RoomHead(slice="vlm", late_s=0.2)],
+        ),
+        0.0,
+    )
+    relay.accept(RouterLoad(router_id="r3", seq=1, heads=[RoomHead(slice="llm", late_s=5.0)]), 0.0)
+    sums = relay.due(0.1)
+    assert sums is not None
+    # llm's first is in time, vlm's late: llm first; in each, in time before late, the longest late first.
+    assert [(h.slice, h.router_id) for h in sums.heads] == [("llm", "r2"), ("llm", "r1"), ("vlm", "r2")]
+    assert [h.due_s for h in sums.heads[:2]] == [pytest.approx(0.3), pytest.approx(0.9)]
+    assert sums.heads[2].late_s == pytest.approx(0.3)
+    relay.accept(RouterLoad(router_id="r2", seq=2), 0.2)  # r2's rooms emptied: r3's late head is second now
+    sums = relay.due(0.3)
+    assert sums is not None and [(h.router_id, h.late_s) for h in sums.heads] == [
+        ("r1", None),
+        ("r3", pytest.approx(5.3)),
+    ]
+    assert decode(encode(sums), (ClusterLoad,), 65536) == sums
+    for bad in (RoomHead(slice="llm", due_s=-1.0), RoomHead(slice="llm", late_s=float("nan")), RoomHead(slice="")):
+        with pytest.raises(WireError):
+            decode(encode(RouterLoad(router_id="r1", seq=3, heads=[bad])), (RouterLoad,), 65536)
+
+
+def _held(clock: Clock, **settings: object) -> tuple[Router, Lease]:
+    """A router of one entry (hold 1,000 tokens) whose entry is full, 2,000 tokens queued there, as it reported."""
+    r = Router.from_table(table("n0"), settings=Settings(hold_tokens=1000, **settings), clock=clock)  # type: ignore[arg-type]
+    ticket = r.turn(Request(cost=2000))
+    assert ticket.granted
+    lease = r.request(ticket.request, turn=ticket)
+    lease.begin()
+    assert r.load_report() is not None
+    return r, lease
+
+
+def test_router_reports_its_room_heads_as_they_change() -> None:
+    clock = Clock()
+    r, _ = _held(clock)
+    assert r.load_report() is None
+    waiting = r.turn(Request(cost=100))  # due 0.8 s from now (τ0)
+    first = r.load_report()
+    assert first is not None and first.heads == [RoomHead(slice="llm", due_s=pytest.approx(0.8))]
+    clock.now += 0.3
+    assert r.load_report() is None, "the same head, nearer its deadline: nothing new to say"
+    sooner = r.turn(Request(cost=100, slo_s=0.2))
+    second = r.load_report()
+    assert second is not None and second.heads == [RoomHead(slice="llm", due_s=pytest.approx(0.2))]
+    clock.now += 0.25  # the sooner one is late (its deadline passed): the one in time is the head again
+    third = r.load_report()
+    assert third is not None and third.heads == [RoomHead(slice="llm", due_s=pytest.approx(0.25))]
+    clock.now += 0.45  # both late: the first to be so is the head, late since its deadline less 2 x 10 ms
+    fourth = r.load_report()
+    assert fourth is not None and fourth.heads == [RoomHead(slice="llm", late_s=pytest.approx(0.52))]
+    assert not (waiting.granted or sooner.granted)
+    quiet, _ = _held(Clock(), share_turns=False)
+    quiet.turn(Request(cost=100))
+    assert quiet.load_report() is None, "share_turns=False: a request waiting changes nothing the report says"
+
+
+def test_a_router_leaves_the_turn_to_a_peer_whose_head_is_due_sooner() -> None:
+    clock = Clock()
+    r, busy = _held(clock)
+    mine = r.turn(Request(cost=100))  # due at 100.8
+    busy.first_token()  # its own queue empties: room, and nothing else queued
+    assert mine.granted, "an idle engine is filled at once, whoever's turn it is"
+    r.request(mine.request, turn=mine).end()
+    r, busy = _held(clock)
+    mine = r.turn(Request(cost=100))
+    peer = RoomHead(slice="llm", due_s=0.1, router_id="peer")  # due at 100.1, before this router's head
+    r.apply_cluster_load({"n0": 2700.0}, heads=[peer])  # the peers have 700 tokens queued there
+    busy.first_token()  # 700 queued: room (1,000), but more than half of it, so the peer's head goes first
+    assert not mine.granted
+    r.apply_cluster_load({"n0": 2400.0}, heads=[peer])  # 400 queued: the engine would idle before the peer acts
+    assert mine.granted
+    r.request(mine.request, turn=mine).end()
+    r, busy = _held(clock)
+    mine = r.turn(Request(cost=100))
+    r.apply_cluster_load({"n0": 2700.0}, heads=[peer])
+    busy.first_token()
+    assert not mine.granted
+    own = RoomHead(slice="llm", due_s=0.05, router_id=r.router_id)
+    r.apply_cluster_load({"n0": 2700.0}, heads=[own])  # the peer let its head go: only this router's own is left
+    assert mine.granted
+    r.request(mine.request, turn=mine).end()
+
+
+def test_a_late_head_waits_for_a_peers_in_time_one_and_a_stale_peer_head_counts_no_more() -> None:
+    clock = Clock()
+    r, busy = _held(clock)
+    late = r.turn(Request(cost=100))
+    clock.now += 1.0  # late
+    r.apply_cluster_load({"n0": 2700.0}, heads=[RoomHead(slice="llm", due_s=5.0, router_id="peer")])
+    busy.first_token()
+    assert not late.granted, "a late request goes after a peer's request still in time, however far its deadline"
+    r.apply_cluster_load({"n0": 2700.0}, heads=[RoomHead(slice="llm", late_s=0.1, router_id="peer")])
+    assert late.granted, "a peer's request late since after this one became late goes after it"
+    r.request(late.request, turn=late).end()
+    r, busy = _held(clock)
+    r.apply_cluster_load({"n0": 2700.0}, heads=[RoomHead(slice="llm", due_s=0.01, router_id="peer")])
+    busy.first_token()
+    clock.now += Settings().peer_load_ttl_s + 0.1  # the brain went silent: its figures and heads are stale
+    assert r.turn(Request(cost=100)).granted
+    off, busy = _held(clock, share_turns=False)
+    off.apply_cluster_load({"n0": 2700.0}, heads=[RoomHead(slice="llm", due_s=0.01, router_id="peer")])
+    ticket = off.turn(Request(cost=100))
+    busy.first_token()
+    assert ticket.granted, "share_turns=False: the router keeps its own order alone"
+
+
 def test_two_routers_see_each_others_queue_through_the_brain() -> None:
     with running_brain() as brain, zmq.Context() as ctx, VectorSender(ctx, brain.config.ingest) as sender:
         address = BrainAddress(brain.config.updates, brain.config.snapshot)
@@ -319,6 +442,38 @@ def test_two_routers_see_each_others_queue_through_the_brain() -> None:
             assert published is not None and published >= 2
 
 
+def test_a_routers_room_head_reaches_its_peer_through_the_brain() -> None:
+    settings = Settings(hold_tokens=10)
+    with running_brain() as brain, zmq.Context() as ctx, VectorSender(ctx, brain.config.ingest) as sender:
+        address = BrainAddress(brain.config.updates, brain.config.snapshot)
+        with Router.connect(address, settings=settings) as one, Router.connect(address, settings=settings) as two:
+            sender.send(
+                NodeVector(
+                    node_id="n1",
+                    host="n1",
+                    endpoint="http://n1:8000",
+                    seq=0,
+                    sample_time_unix_s=time.time(),
+                    period_s=1.0,
+                    metrics=NodeMetrics(cpu_util_ratio=0.1, requests_running=0, requests_waiting=0),
+                )
+            )
+            assert one.wait_for_table(15) and two.wait_for_table(15)
+            busy = one.request(Request(cost=500))  # the one node full: 500 tokens queued, room for 10
+            busy.begin()
+            waiting = one.turn(Request(cost=100))
+            assert not waiting.granted
+            slice_key = waiting.slice_key
+            assert wait_for(lambda: slice_key in two._peer_heads), "the head went out in a report and came back"
+            assert slice_key not in one._peer_heads, "a router's own head is not its peer's"
+            assert two._peer_heads[slice_key][1] == pytest.approx(waiting.deadline, abs=0.5)  # on two's own clock
+            busy.first_token()
+            assert waiting.granted
+            one.request(waiting.request, turn=waiting).end()
+            busy.end()
+            assert wait_for(lambda: slice_key not in two._peer_heads)
+
+
 def test_routers_that_do_not_share_load_send_and_take_nothing() -> None:
     r = Router.connect(BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"))
     quiet = Router.connect(
@@ -348,3 +503,31 @@ def test_shared_queues_keep_several_gateways_from_piling_onto_one_node() -> None
         if share:
             assert policy.loads.counts["reports"] > 0 and policy.loads.routers == 8
     assert p99[True] < p99[False], p99
+
+
+def test_routers_sharing_their_room_heads_let_fewer_requests_go_before_a_peers_sooner_one() -> None:
+    workload = family_workload("tenants", 800)
+    scaled = scale_to_utilisation(workload, 3.0, capacity(TEXT_CLUSTER)[0])
+    jumped: dict[bool, float] = {}
+    attained: dict[bool, float] = {}
+    for share in (True, False):
+        policy = PrismPolicy(block_tokens=workload.block_tokens, gateways=4, settings=Settings(share_turns=share))
+        counts = [0, 0]  # turns given for room; of those, while a peer held a request due sooner
+
+        def counted(router: Router, grant: Callable[..., None]) -> Callable[..., None]:
+            def wrapped(ticket: Ticket, now: float, *, expired: bool = False) -> None:
+                if not expired:
+                    rooms = [p.turns.rooms.get(ticket.slice_key) for p in policy.routers if p is not router]
+                    heads = [room.head(now) for room in rooms if room is not None]
+                    counts[0] += 1
+                    counts[1] += any(h is not None and _urgency(h, now) < _urgency(ticket, now) for h in heads)
+                grant(ticket, now, expired=expired)
+
+            return wrapped
+
+        for router in policy.routers:
+            router.turns.grant = counted(router, router.turns.grant)  # type: ignore[method-assign]
+        result = Simulation(scaled, policy, TEXT_CLUSTER, utilisation=3.0, seed=1).run()
+        jumped[share] = counts[1] / counts[0]
+        attained[share] = result.slices["all"].slo_attainment
+    assert jumped[True] < jumped[False] and attained[True] > attained[False], (jumped, attained)

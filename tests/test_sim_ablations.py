@@ -76,6 +76,7 @@ def test_every_variant_is_listed_with_a_docstring() -> None:
         "fleet-rate",
         "no-sessions",
         "4-routers",
+        "4-routers-own-turns",
         "4-routers-no-share",
     ]
     assert all(factory.__doc__ for factory in VARIANTS.values())
@@ -89,6 +90,7 @@ ROUTER_VARIANTS: dict[str, dict[str, object]] = {
     "no-cache-affinity": {"cache_affinity": 1.0},
     "no-overflow": {"overflow": 0.0},
     "no-overflow-yield": {"overflow_yields": False},
+    "4-routers-own-turns": {"share_turns": False},
     "4-routers-no-share": {"share_load": False},
 }
 """The variants that switch off a router setting, and what they set."""

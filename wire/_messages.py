@@ -385,7 +385,30 @@ report stays under `MAX_REPORT_BYTES` with its loads."""
 MAX_REPORT_BYTES = 256 * 1024
 """Largest frame the brain's snapshot socket takes, where routers' reports arrive beside snapshot requests."""
 MAX_CLUSTER_LOAD_NODES = 100_000
+MAX_ROOM_HEADS = 64
+"""Slices whose waiting-room head one `RouterLoad` names (a router with more waiting reports the most urgent)."""
+MAX_CLUSTER_HEADS = 1024
+"""Room heads in one `ClusterLoad`: two per slice, the most urgent slices first."""
 RouterId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+MAX_SECONDS = MAX_MS / 1000
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
+
+
+class RoomHead(_Message, kw_only=True):
+    """The request a router's waiting room for one slice lets go next (`router._turns`), in seconds relative to
+    the message, since routers' clocks differ: `due_s` until its deadline while it is in time; once late (it then
+    goes after every request in time, in the order they became late), `late_s` since it became so. In a
+    `ClusterLoad`, `router_id` names the router whose head it is and the times are counted to the sums' sending."""
+
+    slice: SliceName
+    due_s: Seconds = 0.0
+    late_s: Seconds | None = None
+    router_id: Annotated[str, msgspec.Meta(max_length=64)] = ""
+
+    def urgency(self, now: float) -> tuple[int, float]:
+        """Its place in the rooms' order on a clock reading `now` (smaller goes first): (0, deadline) in time,
+        (1, when it became late) once late, as `Room.head` orders its own."""
+        return (0, now + self.due_s) if self.late_s is None else (1, now - self.late_s)
 
 
 class Placed(_Message, kw_only=True):
@@ -413,6 +436,8 @@ class RouterLoad(_Message, kw_only=True):
     seq: Count
     loads: Annotated[dict[NodeId, Bounded], msgspec.Meta(max_length=MAX_ROUTER_LOAD_NODES)] = {}
     placed: Annotated[list[Placed], msgspec.Meta(max_length=MAX_PLACED_BLOCKS)] = []
+    heads: Annotated[list[RoomHead], msgspec.Meta(max_length=MAX_ROOM_HEADS)] = []
+    """The head of each of the router's waiting rooms with requests waiting, as of this report."""
 
 
 class ClusterLoad(_Message, kw_only=True):
@@ -428,6 +453,9 @@ class ClusterLoad(_Message, kw_only=True):
     loads: Annotated[dict[NodeId, Bounded], msgspec.Meta(max_length=MAX_CLUSTER_LOAD_NODES)] = {}
     placed: Annotated[list[Placed], msgspec.Meta(max_length=MAX_CLUSTER_LOAD_NODES)] = []
     """Every router's placements reported since the last `ClusterLoad`."""
+    heads: Annotated[list[RoomHead], msgspec.Meta(max_length=MAX_CLUSTER_HEADS)] = []
+    """Per slice, the two most urgent of the routers' waiting-room heads (two, so that the router holding the first
+    still sees the next)."""
 
 
 Message = (
