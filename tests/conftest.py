@@ -1,5 +1,5 @@
-"""Shared fixtures: free loopback ports, a zmq context, a running brain or agent, a clock the test moves, and
-waiting for a condition."""
+"""Shared fixtures: free loopback ports, a zmq context, a running brain or agent, an idle node's vector, a clock the
+test moves, and waiting for a condition."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from prismlb.demo import free_port
 from prismlb.service import wait_until
+from prismlb.wire import NodeMetrics, NodeVector
 
 if TYPE_CHECKING:
     from prismlb.agent import Agent, AgentConfig
@@ -71,6 +73,19 @@ def bench_with_variants(stem: str) -> Iterator[ModuleType]:
     finally:
         VARIANTS.clear()
         VARIANTS.update(before)
+
+
+def idle_vector(node_id: str, endpoint: str, seq: int = 0, host: str = "h") -> NodeVector:
+    """A vector of a healthy node with nothing running: what a brain needs to put the node in its table."""
+    return NodeVector(
+        node_id=node_id,
+        host=host,
+        endpoint=endpoint,
+        seq=seq,
+        sample_time_unix_s=time.time(),
+        period_s=1.0,
+        metrics=NodeMetrics(cpu_util_ratio=0.1, requests_running=0, requests_waiting=0),
+    )
 
 
 def wait_for(check: Callable[[], object], timeout_s: float = 10.0, what: str | None = None) -> bool:

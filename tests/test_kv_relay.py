@@ -21,8 +21,6 @@ from prismlb.wire import (
     KvDelta,
     KvFollower,
     KvSnapshotEnd,
-    NodeMetrics,
-    NodeVector,
     RejectCounter,
     RoutingTable,
     SliceTable,
@@ -34,7 +32,7 @@ from prismlb.wire import (
     split_kv_changes,
 )
 
-from .conftest import free_port, running_brain, wait_for
+from .conftest import free_port, idle_vector, running_brain, wait_for
 
 LOG = logging.getLogger("test")
 
@@ -386,15 +384,7 @@ def test_brain_service_relays_kv_blocks_to_a_router(workers: int) -> None:
         VectorSender(ctx, brain.config.ingest) as sender,
         Router.connect(BrainAddress(brain.config.updates, brain.config.snapshot)) as router,
     ):
-        vector = NodeVector(
-            node_id="n1",
-            host="h",
-            endpoint="http://n1:8000",
-            seq=0,
-            sample_time_unix_s=time.time(),
-            period_s=1.0,
-            metrics=NodeMetrics(cpu_util_ratio=0.1, requests_running=0, requests_waiting=0),
-        )
+        vector = idle_vector("n1", "http://n1:8000")
         sender.send(vector)
         assert router.wait_for_table(15)
         sender.send(blocks("n1", 0, [5, 6, 7], reset=True))

@@ -22,8 +22,6 @@ from prismlb.wire import (
     MAX_ROUTER_LOAD_NODES,
     BrainAddress,
     ClusterLoad,
-    NodeMetrics,
-    NodeVector,
     Placed,
     RoomHead,
     RouterLoad,
@@ -36,7 +34,7 @@ from prismlb.wire import (
     encode,
 )
 
-from .conftest import Clock, free_port, running_brain, wait_for
+from .conftest import Clock, free_port, idle_vector, running_brain, wait_for
 
 BLOCK = 16
 PROMPT = list(range(64 * BLOCK))
@@ -413,17 +411,7 @@ def test_two_routers_see_each_others_queue_through_the_brain() -> None:
         address = BrainAddress(brain.config.updates, brain.config.snapshot)
         with Router.connect(address) as one, Router.connect(address) as two:
             for seq, name in enumerate(("n1", "n2")):
-                sender.send(
-                    NodeVector(
-                        node_id=name,
-                        host=name,
-                        endpoint=f"http://{name}:8000",
-                        seq=seq,
-                        sample_time_unix_s=time.time(),
-                        period_s=1.0,
-                        metrics=NodeMetrics(cpu_util_ratio=0.1, requests_running=0, requests_waiting=0),
-                    )
-                )
+                sender.send(idle_vector(name, f"http://{name}:8000", seq, host=name))
             assert one.wait_for_table(15) and two.wait_for_table(15)
             assert wait_for(lambda: all(len(r.status()) == 2 for r in (one, two)))
             request = Request(blocks=BLOCKS, cost=len(PROMPT), block_size=BLOCK)
@@ -447,17 +435,7 @@ def test_a_routers_room_head_reaches_its_peer_through_the_brain() -> None:
     with running_brain() as brain, zmq.Context() as ctx, VectorSender(ctx, brain.config.ingest) as sender:
         address = BrainAddress(brain.config.updates, brain.config.snapshot)
         with Router.connect(address, settings=settings) as one, Router.connect(address, settings=settings) as two:
-            sender.send(
-                NodeVector(
-                    node_id="n1",
-                    host="n1",
-                    endpoint="http://n1:8000",
-                    seq=0,
-                    sample_time_unix_s=time.time(),
-                    period_s=1.0,
-                    metrics=NodeMetrics(cpu_util_ratio=0.1, requests_running=0, requests_waiting=0),
-                )
-            )
+            sender.send(idle_vector("n1", "http://n1:8000"))
             assert one.wait_for_table(15) and two.wait_for_table(15)
             busy = one.request(Request(cost=500))  # the one node full: 500 tokens queued, room for 10
             busy.begin()

@@ -22,11 +22,11 @@ from prismlb.cli import main
 from prismlb.router import Gateway, GatewayConfig, Request, Router, Settings, WorkerWatch, static_table
 from prismlb.router._cli import GATEWAY_SETTINGS, gateway_config
 from prismlb.semantics import held_speed
-from prismlb.wire import ConfigError, NodeMetrics, NodeVector, RoutingTable, SliceTable, TableNode, VectorSender
+from prismlb.wire import ConfigError, RoutingTable, SliceTable, TableNode, VectorSender
 
 from ._helpers_engines import Engine
 from ._helpers_http import LoopbackServer, QuietHandler, refused_address, serving_http
-from .conftest import free_port, prism, running_brain, wait_for
+from .conftest import free_port, idle_vector, prism, running_brain, wait_for
 from .test_router_openai import conversation, make_router
 
 
@@ -301,17 +301,7 @@ def test_prism_gateway_follows_a_real_brain_and_relays_to_the_nodes_it_publishes
     with running_brain() as brain, zmq.Context() as ctx, VectorSender(ctx, brain.config.ingest) as sender:
         for seq in range(3):
             for engine in engines:
-                sender.send(
-                    NodeVector(
-                        node_id=engine.name,
-                        host="127.0.0.1",
-                        endpoint=engine.address,
-                        seq=seq,
-                        sample_time_unix_s=time.time(),
-                        period_s=1.0,
-                        metrics=NodeMetrics(cpu_util_ratio=0.1, requests_running=0, requests_waiting=0),
-                    )
-                )
+                sender.send(idle_vector(engine.name, engine.address, seq, host="127.0.0.1"))
         brain_flags = ["--updates", brain.config.updates, "--snapshot", brain.config.snapshot]
         with gateway_process(brain_flags, tmp_path / "gateway.log", 2) as client:
             reply = client.chat.completions.create(model="m", messages=conversation(7))
