@@ -22,6 +22,10 @@ gateway drops Prism's `X-Modality-Signature` header). Contenders:
   (`--worker-url`), with no brain and no agents, as the peers are given them: what Prism's router does on its own
   placements and load, with each engine's prefill speed read from its `/metrics`, without the rest of the
   cluster's telemetry.
+- Prism as four routers in the load generator (`ROUTERS`), requests dealt among them in turn, as routers
+  embedded in four callers share one cluster: each reports its queued prefill, placements and waiting rooms' heads
+  to the brain and counts its peers'; and the same four each keeping its own room's order
+  (`Settings(share_turns=False)`).
 - SGLang Model Gateway (`sglang-router`), policies `cache_aware` and `power_of_two`.
 - vLLM router (`vllm-router`), `kv_aware` fed by the engines' KV events (`--kv-event-source`,
   `--kv-event-model`), and `cache_aware`.
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -75,7 +80,7 @@ from prismlb.demo import (
     stop,
     wait_healthy,
 )
-from prismlb.router import Router, Settings
+from prismlb.router import AsyncPrismTransport, Router, Settings
 from prismlb.service import whole_number_at_least
 from prismlb.sim import PROFILES
 from prismlb.sim._engine import MODEL_NAME
@@ -93,6 +98,24 @@ prompts (Azure's, shrunk 16 times) needs its engines about 23 times slower to be
 and a uniformly slower engine keeps its profile's ratio of prefill to decode."""
 STARTUP_LIMIT_S = 30.0
 """A router, or Prism's first routing table with every node, must be up within this."""
+ROUTERS = 4
+"""Routers of the "routers" contenders, as the replay's `4-routers` ablation deals requests to."""
+
+
+class Dealt(httpx.AsyncBaseTransport):
+    """Requests dealt in turn to several transports: callers in several processes, each with its own router."""
+
+    def __init__(self, transports: Sequence[httpx.AsyncBaseTransport]) -> None:
+        self._transports = transports
+        self._next = itertools.count()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        transport = self._transports[next(self._next) % len(self._transports)]
+        return await transport.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for transport in self._transports:
+            await transport.aclose()
 
 
 @dataclass(frozen=True)
@@ -103,7 +126,7 @@ class Contender:
     module: str = ""
     """The peer's module to run; for Prism, "gateway" runs `prism gateway` between the callers and the engines
     (a hop, as every peer is), "gateway --worker-url" the same on the engines' URLs alone (no brain, no agents),
-    "" the router inside the load generator."""
+    "routers" `ROUTERS` routers inside the load generator ("routers --own-turns": with `share_turns` off), "" one."""
     policy: str = ""
     replay: str | None = None
     """The `prism eval` policy that models this contender, if any."""
@@ -113,6 +136,10 @@ CONTENDERS = (
     Contender("prism", None, policy="expected TTFT, prefix index", replay="prism"),
     Contender("prism-gateway", None, "gateway", "expected TTFT, prefix index, as a proxy"),
     Contender("prism-gateway", None, "gateway --worker-url", "the same on worker URLs, no brain or agents"),
+    Contender("prism-routers", None, "routers", "four in the callers, one order over their rooms", "4-routers"),
+    Contender(
+        "prism-routers", None, "routers --own-turns", "the same, each its own room's order", "4-routers-own-turns"
+    ),
     Contender("sglang", "sglang-router", "sglang_router.launch_router", "cache_aware", "sglang"),
     Contender("sglang", "sglang-router", "sglang_router.launch_router", "power_of_two"),
     Contender("vllm", "vllm-router", "vllm_router.launch_router", "kv_aware", "vllm-kv-aware"),
@@ -296,14 +323,25 @@ def run_one(
                 return outcome
             client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=timeout, limits=limits)
         elif contender.package is None:
-            router = stack.enter_context(Router.connect(cluster.address, settings=Settings()))
+            several = contender.module.startswith("routers")
+            settings = Settings(share_turns=contender.module != "routers --own-turns")
+            routers = [
+                stack.enter_context(Router.connect(cluster.address, settings=settings))
+                for _ in range(ROUTERS if several else 1)
+            ]
             wanted = {n.node_id for n in cluster.nodes}
             ready_by = time.monotonic() + STARTUP_LIMIT_S
-            while {n.node_id for n in llm_nodes(router.table)} != wanted:
+            while any({n.node_id for n in llm_nodes(r.table)} != wanted for r in routers):
                 if cluster.failed() or time.monotonic() > ready_by:
                     outcome.problem = f"no routing table with every node: {cluster.failed() or 'timed out'}"
                     return outcome
                 time.sleep(0.1)
+            router = routers[0]
+            if several:
+                dealt = Dealt(
+                    [AsyncPrismTransport(r, transport=httpx.AsyncHTTPTransport(limits=limits)) for r in routers]
+                )
+                client = httpx.AsyncClient(transport=dealt, base_url="http://prism", timeout=timeout)
         else:
             port = free_port()
             log = logs / "router.log"
@@ -552,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated contenders to run (prism, prism-gateway, sglang, vllm); all by default",
+        help="comma-separated contenders to run (prism, prism-gateway, prism-routers, sglang, vllm); all by default",
     )
     parser.add_argument(
         "--peer-debug", action="store_true", help="the peers log every routing decision (in their router.log)"

@@ -21,7 +21,7 @@ def outcome(bench: ModuleType, contender: object, p99_ms: float) -> object:
 
 
 def test_agreement_names_the_pairs_ordered_differently(bench: ModuleType) -> None:
-    prism, _, _, sglang, power, kv, cache = bench.CONTENDERS
+    prism, _, _, _, _, sglang, power, kv, cache = bench.CONTENDERS
     live = [outcome(bench, prism, 900), outcome(bench, sglang, 1200), outcome(bench, kv, 700)]
     live += [outcome(bench, power, 5000), outcome(bench, cache, 1100)]
     replayed = {"prism": 1000.0, "sglang": 1500.0, "vllm-kv-aware": 800.0}
@@ -39,7 +39,7 @@ def test_agreement_names_the_pairs_ordered_differently(bench: ModuleType) -> Non
 
 def test_replay_models_run_on_the_live_cluster(bench: ModuleType) -> None:
     p99 = bench.replay_p99_ms(bench.CONTENDERS, 60, 0.6)
-    assert set(p99) == {"prism", "sglang", "vllm-kv-aware"}
+    assert set(p99) == {"prism", "4-routers", "4-routers-own-turns", "sglang", "vllm-kv-aware"}
     assert all(value > 0 for value in p99.values())
 
 
