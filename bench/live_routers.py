@@ -30,7 +30,9 @@ gateway drops Prism's `X-Modality-Signature` header). Contenders:
 - vLLM router (`vllm-router`), `kv_aware` fed by the engines' KV events (`--kv-event-source`,
   `--kv-event-model`), and `cache_aware`.
 
-Reported per contender: TTFT p50/p99 (the load generator's clock, to the first streamed chunk), the share of
+Reported per contender: the share of requests whose TTFT met their SLO (`slo_ms`: `prism eval`'s rule, on the
+engines' slowed clock; a request not answered misses it), TTFT p50/p99 (the load generator's clock, to the first
+streamed chunk), the share of
 prompt tokens the engines served from their prefix caches (`usage.prompt_tokens_details.cached_tokens`),
 errors, requests not sent or unfinished at the time bound, each engine's share of the requests (from its
 `/metrics`), and the replay's wall clock. With `--rounds N` every contender runs N times, a round of all after
@@ -81,6 +83,7 @@ from prismlb.demo import (
     wait_healthy,
 )
 from prismlb.router import AsyncPrismTransport, Router, Settings
+from prismlb.semantics import Slice, ttft_slo_s
 from prismlb.service import whole_number_at_least
 from prismlb.sim import PROFILES
 from prismlb.sim._engine import MODEL_NAME
@@ -159,6 +162,8 @@ class Outcome:
     errors: dict[str, int] = field(default_factory=dict)
     lost: int = 0
     """Requests not sent, or unfinished, at the time bound."""
+    within_slo: int = 0
+    """Requests answered with their first token within their SLO (`slo_ms`)."""
     ttft_ms: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -181,6 +186,7 @@ def pooled(runs: Sequence[Outcome]) -> Outcome:
     for o in runs:
         merged.answered += o.answered
         merged.lost += o.lost
+        merged.within_slo += o.within_slo
         merged.ttft_ms += o.ttft_ms
         merged.prompt_tokens += o.prompt_tokens
         merged.cached_tokens += o.cached_tokens
@@ -269,6 +275,14 @@ def log_tail(path: Path, lines: int = 6) -> str:
 
 
 # --- one contender ----------------------------------------------------------------------------------------
+
+
+def slo_ms(request: DemoRequest, time_scale: float, gpus: Sequence[str]) -> float:
+    """The request's TTFT SLO in wall milliseconds: `prism eval`'s (`semantics.ttft_slo_s`: the text slice's τ0, or 5
+    times its prompt's prefill alone on the slowest engine of the pool, which holds every engine here since the demo's
+    agents read no GPU class) in the engines' model seconds, times `time_scale`, as the engines run that much slower."""
+    slowest = min(gpus, key=lambda g: PROFILES[g].prefill_tokens_per_s)  # type: ignore[index]
+    return 1000 * time_scale * ttft_slo_s(Slice.LLM, prefill_work_s([request], [slowest]))
 
 
 def engine_requests(cluster: Cluster) -> dict[str, float]:
@@ -369,6 +383,10 @@ def run_one(
             outcome.errors[r.error] = outcome.errors.get(r.error, 0) + 1
     outcome.lost = demo.not_sent + sum(1 for r in demo.results if r.error == UNFINISHED)
     outcome.ttft_ms = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    by_index = {req.index: req for req in requests}
+    outcome.within_slo = sum(
+        1 for r in ok if r.ttft_ms is not None and r.ttft_ms <= slo_ms(by_index[r.index], time_scale, gpus)
+    )
     outcome.prompt_tokens = sum(r.prompt_tokens for r in ok)
     outcome.cached_tokens = sum(r.cached_tokens for r in ok)
     total = sum(counts.values())
@@ -385,7 +403,7 @@ def table(outcomes: Sequence[Outcome], nodes: Sequence[str]) -> list[str]:
     """One markdown row per contender, ranked by TTFT p99 (those that did not run last); with a column of each
     round's p99 when any contender ran more than one (`pooled`)."""
     rounds = any(o.round_p99_ms for o in outcomes)
-    head = "| router | version | policy | answered | errors | lost | TTFT p50 | TTFT p99 | "
+    head = "| router | version | policy | answered | errors | lost | within SLO | TTFT p50 | TTFT p99 | "
     head += "p99 by round | " * rounds + "cached | " + " | ".join(nodes) + " | wall |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
@@ -403,8 +421,10 @@ def table(outcomes: Sequence[Outcome], nodes: Sequence[str]) -> list[str]:
         errors = sum(o.errors.values())
         shares = " | ".join(f"{o.shares.get(n, 0.0):.0%}" for n in nodes)
         by_round = f"{', '.join(f'{v:.0f}' for v in o.round_p99_ms) or '-'} ms | " if rounds else ""
+        sent = o.answered + errors + o.lost
+        within = f"{o.within_slo / sent:.1%}" if sent else "-"
         lines.append(
-            f"| {c.name} | {o.version} | {c.policy} | {o.answered} | {errors} | {o.lost} | {p50:.0f} ms | "
+            f"| {c.name} | {o.version} | {c.policy} | {o.answered} | {errors} | {o.lost} | {within} | {p50:.0f} ms | "
             f"{p99:.0f} ms | {by_round}{cached} | {shares} | {o.wall_s or 0:.1f} s |"
         )
     return lines

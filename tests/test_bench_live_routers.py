@@ -8,6 +8,9 @@ from types import ModuleType
 
 import pytest
 
+from prismlb.sim import PROFILES
+from prismlb.sim._engine import CHARS_PER_TOKEN
+
 from .conftest import load_bench
 
 
@@ -56,7 +59,9 @@ def test_the_cluster_is_any_list_of_known_gpu_classes(bench: ModuleType) -> None
 def test_rounds_pool_their_requests_and_keep_each_rounds_p99(bench: ModuleType) -> None:
     prism = bench.CONTENDERS[0]
     fast = bench.Outcome(prism, "v", answered=100, ttft_ms=[100.0] * 100, shares={"a": 0.8, "b": 0.2}, wall_s=40.0)
+    fast.within_slo = 100
     slow = bench.Outcome(prism, "v", answered=99, lost=1, ttft_ms=[300.0] * 99, shares={"a": 0.4, "b": 0.6})
+    slow.within_slo = 80
     slow.errors, slow.wall_s, slow.prompt_tokens, slow.cached_tokens = {"HTTPStatusError": 1}, 42.0, 1000, 250
     assert bench.pooled([fast]) is fast, "one round is reported as it ran"
     both = bench.pooled([fast, slow])
@@ -65,6 +70,19 @@ def test_rounds_pool_their_requests_and_keep_each_rounds_p99(bench: ModuleType) 
     assert both.shares == pytest.approx({"a": 0.6, "b": 0.4}) and both.wall_s == 42.0
     head, _, row = bench.table([both], ["a", "b"])
     assert "| p99 by round |" in head and "| 100, 300 ms |" in row and "| 25.0% | 60% | 40% |" in row
+    assert both.within_slo == 180 and "| 1 | 1 | 89.6% |" in row, "errors and lost requests miss their SLO"
     assert "p99 by round" not in bench.table([fast], ["a", "b"])[0], "one round: the table as before"
     with pytest.raises(SystemExit):
         bench.main(["--rounds", "0"])
+
+
+def test_the_slo_is_the_replays_on_the_engines_slowed_clock(bench: ModuleType) -> None:
+    def request(tokens: int) -> object:
+        return bench.DemoRequest(0, 0.0, "x" * tokens * CHARS_PER_TOKEN, 8, "k")
+
+    l40s = PROFILES["l40s"].prefill_tokens_per_s
+    gpus = ("h100", "l40s")
+    assert bench.slo_ms(request(10), 4.0, gpus) == pytest.approx(4 * 800), "a short prompt: τ0, four times slower"
+    long = 20 * int(l40s)  # 20 s alone on the slowest engine: its SLO is five times that
+    assert bench.slo_ms(request(long), 2.0, gpus) == pytest.approx(2 * 5 * 20_000, rel=1e-3)
+    assert bench.slo_ms(request(long), 2.0, ("h100",)) < bench.slo_ms(request(long), 2.0, gpus)
