@@ -66,6 +66,12 @@ class RouterCollector:
         )
         for outcome, count in router.turns.counts.items():
             turns.add_metric([outcome], count)
+        deferred = CounterMetricFamily(
+            "prism_router_turns_deferred",
+            "Times a waiting room's head found room and left it to a peer router whose head was due sooner "
+            "(share_turns)",
+            value=router.turns.deferred,
+        )
         mismatches = CounterMetricFamily(
             "prism_router_kv_block_size_mismatches",
             "Requests placed on a node whose KV events name blocks of another size than the request's hashes: the "
@@ -74,7 +80,19 @@ class RouterCollector:
         )
         for node, count in sorted(router.kv_block_size_mismatches.items()):
             mismatches.add_metric([node], count)
-        return [*families, inflight, available, circuit, outcomes, speed, sessions, waiting, turns, mismatches]
+        return [
+            *families,
+            inflight,
+            available,
+            circuit,
+            outcomes,
+            speed,
+            sessions,
+            waiting,
+            turns,
+            deferred,
+            mismatches,
+        ]
 
     @staticmethod
     def _table_families(

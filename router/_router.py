@@ -716,11 +716,17 @@ class Router:
                 self.turns.grant(head, now)
                 continue
             spill = self._spill(target, target.group)
-            share = PEER_TURN_ROOM if self._peer_first(key, head, now) else 1.0
-            if self._room(target.group, now, share=share) or (
-                spill is not None and self._room(spill, now, target, share)
-            ):
+            first = self._peer_first(key, head, now)
+            if self._has_room(target, spill, now, PEER_TURN_ROOM if first else 1.0):
                 self.turns.grant(head, now)
+            elif first and self._has_room(target, spill, now):
+                self.turns.deferred += 1
+
+    def _has_room(self, target: SliceRoute, spill: Group | None, now: float, share: float = 1.0) -> bool:
+        """Whether `target`'s group, or the overflow entries `spill` its requests may detour to, has room (`_room`)."""
+        return self._room(target.group, now, share=share) or (
+            spill is not None and self._room(spill, now, target, share)
+        )
 
     def _peer_first(self, key: str, head: Ticket, now: float) -> bool:
         """Whether a peer router's room head for slice `key`, from the brain's last sums while they are fresh, goes

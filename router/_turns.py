@@ -156,6 +156,9 @@ class Turns:
         """Turns given for room (at once or after a wait); requests let go because they had waited `hold_max_s`;
         requests whose callers stopped waiting (cancelled) before either; and requests that took no turn, their
         prompt cached but for a few tokens (`Settings.hold_cached_tokens`)."""
+        self.deferred = 0
+        """Times a room's head found room and left it to a peer router whose head was due sooner
+        (`Settings.share_turns`)."""
 
     @property
     def waiting(self) -> int:

@@ -7,9 +7,11 @@ from collections.abc import Callable
 
 import pytest
 import zmq
+from prometheus_client import CollectorRegistry
 
 from prismlb.brain import LoadRelay
 from prismlb.router import Lease, Request, Router, Settings, block_hashes
+from prismlb.router._metrics import RouterCollector
 from prismlb.router._router import _spread, _urgency
 from prismlb.router._turns import Ticket
 from prismlb.sim._cluster import Simulation
@@ -368,7 +370,10 @@ def test_a_router_leaves_the_turn_to_a_peer_whose_head_is_due_sooner() -> None:
     peer = RoomHead(slice="llm", due_s=0.1, router_id="peer")  # due at 100.1, before this router's head
     r.apply_cluster_load({"n0": 2700.0}, heads=[peer])  # the peers have 700 tokens queued there
     busy.first_token()  # 700 queued: room (1,000), but more than half of it, so the peer's head goes first
-    assert not mine.granted
+    assert not mine.granted and r.turns.deferred == 1
+    registry = CollectorRegistry()
+    registry.register(RouterCollector(r))
+    assert registry.get_sample_value("prism_router_turns_deferred_total") == 1
     r.apply_cluster_load({"n0": 2400.0}, heads=[peer])  # 400 queued: the engine would idle before the peer acts
     assert mine.granted
     r.request(mine.request, turn=mine).end()
