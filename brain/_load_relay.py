@@ -37,7 +37,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from prismlb.service import kind_counter
-from prismlb.wire import MAX_CLUSTER_HEADS, MAX_SECONDS, ClusterLoad, Placed, RoomHead, RouterLoad
+from prismlb.wire import MAX_CLUSTER_HEADS, ClusterLoad, Placed, RoomHead, RouterLoad
 
 EXPIRY_S = 2.0
 PUBLISH_S = 0.02
@@ -180,8 +180,7 @@ class LoadRelay:
         for router_id, report in self._reports.items():
             age = max(0.0, now - report.heard)
             for head in report.heads:
-                late = None if head.late_s is None else min(MAX_SECONDS, head.late_s + age)
-                aged = RoomHead(slice=head.slice, due_s=max(0.0, head.due_s - age), late_s=late, router_id=router_id)
+                aged = RoomHead.at(head.slice, _first(head), age, router_id)
                 kept = by_slice.setdefault(head.slice, [])
                 kept.append(aged)
                 kept.sort(key=_first)

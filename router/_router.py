@@ -21,7 +21,6 @@ from prismlb.wire import (
     MAX_PLACED_BLOCKS,
     MAX_ROOM_HEADS,
     MAX_ROUTER_LOAD_NODES,
-    MAX_SECONDS,
     BrainAddress,
     ClientCurve,
     ClusterLoad,
@@ -433,12 +432,8 @@ class Router:
             now = self.clock()
             found = [(key, room.head(now)) for key, room in self.turns.rooms.items() if room.waiting]
         ranked = sorted(((_urgency(t, now), key, t) for key, t in found if t is not None), key=lambda item: item[0])
-        heads: list[RoomHead] = []
-        shown: dict[str, tuple[float, float, bool]] = {}
-        for (late, when), key, ticket in ranked[:MAX_ROOM_HEADS]:
-            seconds = min(MAX_SECONDS, max(0.0, now - when if late else when - now))
-            heads.append(RoomHead(slice=key, due_s=0.0, late_s=seconds) if late else RoomHead(slice=key, due_s=seconds))
-            shown[key] = (ticket.deadline, ticket.joined, bool(late))
+        heads = [RoomHead.at(key, urgency, now) for urgency, key, _ in ranked[:MAX_ROOM_HEADS]]
+        shown = {key: (t.deadline, t.joined, bool(urgency[0])) for urgency, key, t in ranked[:MAX_ROOM_HEADS]}
         return heads, shown
 
     def apply_cluster_load(

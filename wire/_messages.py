@@ -410,6 +410,15 @@ class RoomHead(_Message, kw_only=True):
         (1, when it became late) once late, as `Room.head` orders its own."""
         return (0, now + self.due_s) if self.late_s is None else (1, now - self.late_s)
 
+    @classmethod
+    def at(cls, slice_: str, urgency: tuple[int, float], now: float, router_id: str = "") -> RoomHead:
+        """The head whose `urgency(now)` is `urgency` (its times within the wire's bounds): what a router reports of
+        its own, and the relay of a report aged since it came."""
+        late, when = urgency
+        if late:
+            return cls(slice=slice_, late_s=min(MAX_SECONDS, max(0.0, now - when)), router_id=router_id)
+        return cls(slice=slice_, due_s=min(MAX_SECONDS, max(0.0, when - now)), router_id=router_id)
+
 
 class Placed(_Message, kw_only=True):
     """A prompt's blocks a router sent to a node, which that node will cache once it has computed them; in a
