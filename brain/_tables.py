@@ -35,7 +35,7 @@ WEIGHT_THRESHOLD = 0.05
 WEIGHT_FLOOR = 0.05
 _log = logging.getLogger("prism.brain")
 
-_Identity = tuple[str, int | None, str, str, str, int | None, float | None, bool, float | None, float | None]
+_Identity = tuple[str, int | None, str, str, str, int | None, str, float | None, bool, float | None, float | None]
 
 
 def _identity(node: TableNode) -> _Identity:
@@ -50,6 +50,7 @@ def _identity(node: TableNode) -> _Identity:
         node.zone,
         node.model_version,
         node.numa_node,
+        node.gpu_class,
         node.prefill_tokens_per_s,
         node.overflow,
         node.stall_ms,

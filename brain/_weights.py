@@ -273,6 +273,7 @@ def compute_weights(
                         admit_ms=admit,
                         gpu=entry.gpu,
                         numa_node=entry.numa_node,
+                        gpu_class=gpu_label(vector),
                         overflow=vector.node_id in spill_ids,
                     )
                 )

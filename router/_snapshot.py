@@ -213,20 +213,23 @@ class _Speeds:
 
 def _speeds(table: RoutingTable, state_for: Callable[[str], EndpointState]) -> _Speeds:
     """Every entry's prefill speed: the table's, else the router's own from its callers' first tokens on the table's
-    scale (`semantics.callers_speeds`); `fleet`, the median of these over the table (None when none is known:
-    expected times then compare tokens); `scaled`, whether the table has any speed, which sets that scale (without
-    one, the router's own measures still order the nodes, but not in the engines' seconds)."""
+    scale, pooled over the entries of its GPU class (`semantics.callers_speeds`); `fleet`, the median of these over
+    the table (None when none is known: expected times then compare tokens); `scaled`, whether the table has any
+    speed, which sets that scale (without one, the router's own measures still order the nodes, but not in the
+    engines' seconds)."""
     measured: dict[str, float] = {}
     seen: dict[str, float] = {}
+    classes: dict[str, str] = {}
     for slice_table in table.slices:
         for node in slice_table.nodes:
             name = label(node)
+            classes[name] = node.gpu_class
             if node.prefill_tokens_per_s:
                 measured[name] = node.prefill_tokens_per_s
             speed = state_for(name).first_token_speed  # of the measured nodes too: they set the scale
             if speed:
                 seen[name] = speed
-    by_label = measured | callers_speeds(measured, seen)
+    by_label = measured | callers_speeds(measured, seen, classes)
     return _Speeds(by_label, statistics.median_high(by_label.values()) if by_label else None, bool(measured))
 
 

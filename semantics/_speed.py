@@ -25,8 +25,10 @@ def held_speed(rate: float, held: float | None) -> float:
     return min(step, MAX_TABLE_VALUE)
 
 
-def callers_speeds(measured: Mapping[str, float], seen: Mapping[str, float]) -> dict[str, float]:
-    """Speeds for the nodes of `seen` that `measured` lacks, on `measured`'s scale.
+def callers_speeds(
+    measured: Mapping[str, float], seen: Mapping[str, float], classes: Mapping[str, str] | None = None
+) -> dict[str, float]:
+    """Speeds for the nodes `measured` lacks, from `seen`, on `measured`'s scale.
 
     `measured`: the speeds an engine's own counters give (an agent's or a gateway's `/metrics` measure, over at
     least 16 prefills); `seen`: what a router's callers saw, its prompt tokens over the seconds to their first
@@ -34,7 +36,23 @@ def callers_speeds(measured: Mapping[str, float], seen: Mapping[str, float]) -> 
     reads a busy engine's queue and the hop, so it is scaled by the median ratio of the two over the nodes that have
     both (1 when none has: every speed is then the callers' own, still comparable with each other). It keeps the
     nodes' order where the engines' measures are not in yet: a fleet's median in their place would take a slow
-    GPU for a typical one while its first placements stick to it."""
+    GPU for a typical one while its first placements stick to it.
+
+    `classes`: each node's GPU class ("" or absent: unknown). A node of a class is given the median of its class's
+    scaled speeds, whether its own callers saw it or not: GPUs of one class prefill alike, and what their first
+    tokens tell apart is mostly which one had a queue, which the expected time counts already. A node of no class
+    keeps its own."""
     both = [measured[k] / seen[k] for k in measured.keys() & seen.keys() if seen[k] > 0]
     scale = statistics.median(both) if both else 1.0
-    return {k: rate * scale for k, rate in seen.items() if k not in measured and rate > 0}
+    own = {k: rate * scale for k, rate in seen.items() if k not in measured and rate > 0}
+    if not classes:
+        return own
+    pooled: dict[str, list[float]] = {}
+    for k, rate in own.items():
+        if classes.get(k):
+            pooled.setdefault(classes[k], []).append(rate)
+    out = {k: rate for k, rate in own.items() if not classes.get(k)}
+    for k, gpu_class in classes.items():
+        if gpu_class in pooled and k not in measured:
+            out[k] = statistics.median(pooled[gpu_class])
+    return out

@@ -433,6 +433,34 @@ def test_a_node_the_table_gives_no_speed_takes_its_callers_first_tokens_on_the_t
     assert sent(r, prompt(4, 1_000)).node_id == "c"  # 0.4 s at 2,500 tokens/s; at its callers' 500, 2 s
 
 
+def test_a_gpu_classs_nodes_without_a_table_speed_share_their_callers_measure() -> None:
+    """Neither A100 has measured its speed yet. a's first answer came 4 times as slowly as b's, because it queued
+    behind another prompt, not because a is slower: pooled over their class both run at the median of the two, and
+    the next prompt goes where less is queued. Of two classes, each keeps its own: the L40S stays the slower."""
+
+    def classed(name: str, gpu_class: str) -> TableNode:
+        return msgspec.structs.replace(node(name), gpu_class=gpu_class)
+
+    def first_answers(r: Router, clock: Clock, seconds: dict[str, float]) -> None:
+        for n, (name, s) in enumerate(seconds.items()):
+            with r.request(prompt(20 + n, 2_000), exclude=set(seconds) - {name}) as lease:
+                clock.now += s
+                lease.first_token()
+        r.apply(msgspec.structs.replace(r.table, version=2))  # the speeds a table is built with: its next version's
+
+    r, clock = router(classed("a", "a100"), classed("b", "a100"))
+    first_answers(r, clock, {"a": 1.0, "b": 0.25})
+    assert sent(r, prompt(1, 2_000), exclude={"a"}).node_id == "b"  # b now has 2,000 tokens queued
+    assert sent(r, prompt(2, 1_000)).node_id == "a"  # alike in speed (5,000 tokens/s): 0.2 s against 0.6 s
+    r, clock = router(classed("a", "a100"), classed("b", "a100"), classed("c", "l40s"), classed("d", "l40s"))
+    first_answers(r, clock, {"a": 1.0, "b": 0.25, "c": 2.0, "d": 3.0})
+    assert sent(r, prompt(1, 1_000)).node_id in {"a", "b"}  # 5,000 tokens/s against the L40S's 800
+    r, clock = router(node("a"), node("b"))  # no class: each keeps its own measure
+    first_answers(r, clock, {"a": 1.0, "b": 0.25})
+    sent(r, prompt(1, 2_000), exclude={"a"})
+    assert sent(r, prompt(2, 1_000)).node_id == "b"  # 0.375 s at b's 8,000 tokens/s against 0.5 s at a's 2,000
+
+
 def test_a_group_no_entry_of_which_has_a_speed_takes_the_tables_median() -> None:
     """An overflow entry the brain has no measure for (none of its class has prefilled) is neither 1 token/s, which
     would keep it off for good, nor unknown: it takes the median of the table's speeds, and is worth the detour

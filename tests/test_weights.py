@@ -22,7 +22,7 @@ from prismlb.brain import (
 from prismlb.brain._registry import ALARM_DERATE
 from prismlb.brain._topology import BASE_VIRTUAL_NODES, PCIE_DERATE, virtual_nodes
 from prismlb.brain._weights import TAU0_MS, WEIGHT_FLOOR, quantise
-from prismlb.semantics import Slice
+from prismlb.semantics import Slice, callers_speeds
 from prismlb.wire import (
     Experiment,
     ExperimentArm,
@@ -225,6 +225,9 @@ def test_prefill_speed_is_the_nodes_own_else_its_gpu_classs_median_else_none() -
     cold = Cluster()
     cold.report("n1", {"gpu": "h100"})
     assert rate_of(cold.weights(), "n1") is None  # no node has measured: routers compare queued tokens alone
+    # each entry names its node's class, over which routers pool their own measures while it has no speed
+    classes = {e.node_id: e.gpu_class for e in entries[Slice.LLM]}
+    assert classes == {"h1": "h100", "h2": "h100", "h3": "h100", "h-new": "h100", "l-new": "l40s", "unlabelled": ""}
 
 
 def test_a_node_keeps_its_measured_speed_through_vectors_that_measure_none() -> None:
@@ -405,3 +408,14 @@ def test_pool_past_its_tolerance_is_weighed_against_its_median() -> None:
     assert weight_of(w, Slice.LLM, "b") == 0.5  # at the median (8 s, past τ0 = 0.8 s): 0.5, not the floor
     assert weight_of(w, Slice.LLM, "a") == quantise(sensitivity(4000.0, 8000.0)) == 0.8
     assert weight_of(w, Slice.LLM, "d") == quantise(sensitivity(16000.0, 8000.0)) == 0.2
+
+
+def test_callers_speeds_pool_over_a_class_and_reach_its_members_not_seen_yet() -> None:
+    """The callers' measures on the table's scale (the measured H100 sets it: 2x here), then per GPU class: both
+    A100s at the median of theirs, and the A100 no caller has seen yet too; a node of no class keeps its own; a
+    measured node is not stood in for."""
+    measured = {"m": 8_000.0}
+    seen = {"m": 4_000.0, "a1": 1_000.0, "a2": 3_000.0, "x": 500.0}
+    classes = {"m": "h100", "a1": "a100", "a2": "a100", "a3": "a100", "x": ""}
+    assert callers_speeds(measured, seen, classes) == {"a1": 4_000.0, "a2": 4_000.0, "a3": 4_000.0, "x": 1_000.0}
+    assert callers_speeds(measured, seen) == {"a1": 2_000.0, "a2": 6_000.0, "x": 1_000.0}  # no classes: each its own

@@ -170,6 +170,10 @@ class TableNode(_Message, kw_only=True):
     is longer: a full cache admits nothing until a request ends, however short the prefill queue."""
     gpu: Count | None = None
     numa_node: Count | None = None
+    gpu_class: Name = ""
+    """The node's GPU class (its agent's `gpu` label; empty when unlabelled): a router stands in for a speed the table
+    lacks with its callers' first tokens pooled over the nodes of one class, as the brain stands in with the class's
+    measured nodes."""
     overflow: bool = False
     """A node outside the slice's pool whose model serves the slice: routers send the slice's requests here only
     while the pool's nodes are expected to be much slower to a first token (`Settings.overflow`)."""
