@@ -51,8 +51,6 @@ def callers_speeds(
     for k, rate in own.items():
         if classes.get(k):
             pooled.setdefault(classes[k], []).append(rate)
-    out = {k: rate for k, rate in own.items() if not classes.get(k)}
-    for k, gpu_class in classes.items():
-        if gpu_class in pooled and k not in measured:
-            out[k] = statistics.median(pooled[gpu_class])
-    return out
+    medians = {gpu_class: statistics.median(rates) for gpu_class, rates in pooled.items()}
+    unclassed = {k: rate for k, rate in own.items() if not classes.get(k)}
+    return unclassed | {k: medians[c] for k, c in classes.items() if c in medians and k not in measured}
