@@ -30,12 +30,11 @@ Each table is `prism eval`'s goodput summary: a column per policy, the best base
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import time
 
 from prismlb.sim._ablations import format_ablations
-from prismlb.sim._eval import EVAL_WORKLOADS, SEARCH_LIMIT, goodput, parse_cluster, policy_factories
+from prismlb.sim._eval import EVAL_WORKLOADS, SEARCH_LIMIT, goodput, parse_cluster, policy_factories, replay_pool
 from prismlb.sim._families import PRESETS
 from prismlb.sim._report import goodput_summary
 
@@ -61,7 +60,7 @@ def main() -> None:
         parse_cluster(spec)  # a bad spec stops the bench before any run
     policies = list(policy_factories(1))
     started = time.monotonic()
-    with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+    with replay_pool(args.jobs) as pool:
         if args.part in ("seeds", "all"):
             traces = [f"{name}:{seed}" for seed in HELD_OUT_SEEDS for name in PRESETS]
             rows = goodput(traces, policies, seed=1, limit=args.limit, jobs=args.jobs, pool=pool)

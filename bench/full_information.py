@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import multiprocessing
 import os
 import time
 
@@ -40,6 +39,7 @@ from prismlb.sim._eval import (
     cases,
     goodput,
     policy_factories,
+    replay_pool,
     run_all,
 )
 from prismlb.sim._oracle import FullInformation, Lookahead, Times, deepest, quickest
@@ -248,7 +248,7 @@ def main() -> None:
     workloads = args.workload or list(EVAL_WORKLOADS)
     policies = [*policy_factories(1), *REFERENCES]
     started = time.monotonic()
-    with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+    with replay_pool(args.jobs) as pool:
         for degraded in (False,) if args.no_gray else (False, True):
             rules = [f"oracle, {name}" for name in RULES] if args.rules and not degraded else []
             ahead = [LOOKAHEAD] if args.lookahead and not degraded else []

@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import multiprocessing
 import time
 
 from prismlb.router import Settings
 from prismlb.sim._cluster import Simulation
-from prismlb.sim._eval import _levels, _workload, capacity, cluster_for
+from prismlb.sim._eval import _levels, _workload, capacity, cluster_for, replay_pool
 from prismlb.sim._families import PRESETS
 from prismlb.sim._prism import PrismPolicy
 from prismlb.sim._workload import WORKLOADS, scale_to_utilisation
@@ -75,7 +74,7 @@ def main() -> None:
     traces = [*WORKLOADS, *(f"{name}:1" for name in PRESETS)]
     todo = [(t, v, args.level[0], args.limit) for t in traces for v in VARIANTS]
     started = time.monotonic()
-    with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+    with replay_pool(args.jobs) as pool:
         results = pool.map(run, todo)
     p99 = {(w, v): ms for w, v, ms, _ in results}
     hit = {(w, v): rate for w, v, _, rate in results}

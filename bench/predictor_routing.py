@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing
 import os
 import tempfile
 import time
@@ -37,7 +36,7 @@ from prismlb.brain import Brain, BrainConfig
 from prismlb.brain._features import node_features
 from prismlb.brain._predictor import Predictor
 from prismlb.sim._ablations import VARIANTS, latency_weighted
-from prismlb.sim._eval import SEARCH_LIMIT, Case, goodput, run_all, run_case
+from prismlb.sim._eval import SEARCH_LIMIT, Case, goodput, replay_pool, run_all, run_case
 from prismlb.sim._prism import PrismPolicy
 from prismlb.sim._report import geometric_mean
 
@@ -138,7 +137,7 @@ def main() -> None:
             print(f"{trace}: {trained}", flush=True)
             os.environ[CHECKPOINT_VARIABLE] = str(path)
             measured: list[tuple[str, str, dict[str, float]]] = []  # (kind, measure, value by policy)
-            with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            with replay_pool(args.jobs) as pool:
                 for degraded in (False, True):
                     suffix = ", gray" if degraded else ""
                     found = goodput([trace], POLICIES, seed=1, limit=SEARCH_LIMIT, pool=pool, degraded=degraded)

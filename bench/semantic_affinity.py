@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import multiprocessing
 import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
@@ -30,7 +29,7 @@ from prismlb.router._router import Placement
 from prismlb.router._snapshot import Group
 from prismlb.sim._ablations import VARIANTS
 from prismlb.sim._cluster import Simulation
-from prismlb.sim._eval import PRISM, _policy, _scaled, _workload, cluster_for, goodput
+from prismlb.sim._eval import PRISM, _policy, _scaled, _workload, cluster_for, goodput, replay_pool
 from prismlb.sim._families import PRESETS
 from prismlb.sim._prism import PrismPolicy
 from prismlb.sim._report import MISSING, _md_table, format_pct, geometric_mean
@@ -280,7 +279,7 @@ def main() -> None:
     register()
     started = time.monotonic()
     policies = [PRISM, *NAMES]
-    with multiprocessing.get_context("spawn").Pool(args.jobs, initializer=register) as pool:
+    with replay_pool(args.jobs, initializer=register) as pool:
         rows = goodput(traces, policies, seed=1, limit=args.limit, jobs=args.jobs, pool=pool)
         levels = pool.map(at_level, [(t, p, args.limit) for t in traces for p in policies])
     print(

@@ -17,10 +17,12 @@ import argparse
 import dataclasses
 import logging
 import multiprocessing
-import multiprocessing.pool
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -305,19 +307,25 @@ def cases(
     return out
 
 
+def replay_pool(jobs: int, initializer: Callable[[], None] | None = None) -> ProcessPoolExecutor:
+    """`jobs` replay processes (spawned: a fresh interpreter per worker, no forked torch state), kept by callers with
+    many small batches, since each new process spends seconds importing the replay. A worker that dies (killed for
+    memory) fails every case still due with `BrokenProcessPool` instead of leaving the run waiting for it."""
+    return ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=initializer)
+
+
 def run_all(
     todo: Sequence[Case],
     jobs: int = 1,
     progress: Callable[[RunResult], None] | None = None,
-    pool: multiprocessing.pool.Pool | None = None,
+    pool: Executor | None = None,
 ) -> list[RunResult]:
-    """Every case, in `jobs` processes (or in `pool`, which a caller with many small batches keeps, since each
-    new process spends seconds importing the replay); results in the order of `todo`."""
+    """Every case, in `jobs` processes (or in `pool`, a `replay_pool`); results in the order of `todo`."""
     if pool is None and jobs > 1:
-        with multiprocessing.get_context("spawn").Pool(jobs) as own:
+        with replay_pool(jobs) as own:
             return run_all(todo, jobs, progress, own)
     results = []
-    for result in map(run_case, todo) if pool is None else pool.imap(run_case, todo):
+    for result in map(run_case, todo) if pool is None else pool.map(run_case, todo):
         results.append(result)
         if progress is not None:
             progress(result)
@@ -339,14 +347,14 @@ def goodput(
     limit: int | None,
     jobs: int = 1,
     progress: Callable[[RunResult], None] | None = None,
-    pool: multiprocessing.pool.Pool | None = None,
+    pool: Executor | None = None,
     degraded: bool = False,
     cluster: str = "",
 ) -> list[Goodput]:
     """Each policy's goodput on each trace (`_slo.search`), its probes run as cases through `run_all` (in
     `pool` when given); `degraded`: with the cluster's `gray_failure`; `cluster`: on a `--cluster` spec's nodes."""
     if pool is None and jobs > 1:
-        with multiprocessing.get_context("spawn").Pool(jobs) as own:
+        with replay_pool(jobs) as own:
             return goodput(
                 traces,
                 policies,
@@ -562,7 +570,7 @@ def _run(args: argparse.Namespace) -> int:
         traces, policies, args.levels, seed=args.seed, limit=args.limit, kill=not args.no_kill, cluster=args.cluster
     )
     todo = level_cases if levels else []
-    pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
+    pool = replay_pool(args.jobs) if args.jobs > 1 else None
     limit = SEARCH_LIMIT if args.limit is None else args.limit
 
     def search_all(names: Sequence[str], degraded: bool) -> list[Goodput]:
@@ -590,9 +598,16 @@ def _run(args: argparse.Namespace) -> int:
             if args.no_gray
             else search_all([*(policies if search else ()), *((PRISM, *GRAY_VARIANTS) if ablations else ())], True)
         )
+    except BrokenProcessPool:
+        print(
+            f"prism eval: a replay process ended abruptly after {time.monotonic() - started:.0f} s (most often the "
+            f"kernel's OOM killer: see dmesg); nothing is written. Free memory or run fewer --jobs than {args.jobs}.",
+            file=sys.stderr,
+        )
+        return 1
     finally:
         if pool is not None:
-            pool.terminate()
+            pool.shutdown(cancel_futures=True)
     results = [by_case[c] for c in level_cases] if levels else []
     rows = [r for r in found if r.policy in policies] if search else []
     gray_rows = [r for r in gray if r.policy in policies] if search else []

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pytest
 
 from prismlb.cli import main
-from prismlb.sim import resolve_workload
+from prismlb.sim import _eval, resolve_workload
 from prismlb.sim._eval import (
     MM_CLUSTER,
     TEXT_CLUSTER,
@@ -21,6 +25,8 @@ from prismlb.sim._eval import (
     cluster_for,
     parse_cluster,
     replay,
+    replay_pool,
+    run_all,
     run_case,
 )
 from prismlb.sim._families import PRESETS
@@ -183,3 +189,22 @@ def test_eval_searches_every_policy_under_the_gray_failure_too(
     assert "--cluster a100:4" in summary
     gray = summary[summary.index("## Goodput under a gray failure") : summary.index("## TTFT p99")]
     assert "| mooncake |" in gray and "prism" in gray and "least-conn" in gray and "Prism / best" in gray
+
+
+def _pool_with_a_lost_worker(jobs: int) -> ProcessPoolExecutor:
+    """A `replay_pool` whose one worker the kernel has killed (as the OOM killer does) once it started."""
+    pool = replay_pool(1)
+    os.kill(pool.submit(os.getpid).result(), signal.SIGKILL)
+    return pool
+
+
+def test_a_lost_replay_worker_ends_the_run_with_an_error_instead_of_a_wait(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with _pool_with_a_lost_worker(1) as pool, pytest.raises(BrokenProcessPool):
+        run_all([Case("mm", "round-robin", 0.8, 1, 60)], pool=pool)
+    monkeypatch.setattr(_eval, "replay_pool", _pool_with_a_lost_worker)
+    argv = ["eval", "--traces", "mm", "--levels", "80%", "--limit", "60", "--jobs", "2", "--no-goodput"]
+    assert main([*argv, "--no-ablations", "--no-kill", "--no-report"]) == 1
+    err = capsys.readouterr().err
+    assert "a replay process ended abruptly" in err and "fewer --jobs than 2" in err
