@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 from prismlb.semantics import numa_factor
 from prismlb.wire import TableNode
@@ -28,12 +28,35 @@ def entry_numa_factor(node: TableNode, caller_numa: int | None) -> float:
     return 1.0 if node.gpu is None else numa_factor(caller_numa, node.numa_node)
 
 
-@lru_cache(maxsize=1 << 18)
-def _points(entry: str, count: int) -> tuple[int, ...]:
-    """The ring positions of an entry's `count` points: the first 32 bits of blake2b(`entry#i`)."""
-    return tuple(
-        int.from_bytes(hashlib.blake2b(f"{entry}#{i}".encode(), digest_size=4).digest(), "big") for i in range(count)
-    )
+_POINTS: OrderedDict[str, array[int]] = OrderedDict()
+_POINTS_KEPT = 1 << 23
+"""Ring points `_points` keeps (32 MiB at 4 bytes a point), least recently used entries dropped first: eight
+rings of `Settings.max_ring_points`, every entry of the largest fleet a ring indexes."""
+_points_held = 0
+
+
+def _points(entry: str, count: int) -> array[int]:
+    """The ring positions of an entry's first `count` points: the first 32 bits of blake2b(`entry#i`).
+
+    An entry's points for fewer are a prefix of its points for more, so each entry keeps one array, grown when its
+    weight asks for more. Weights move with every table and entries come and go with the fleet: a cache keyed by
+    (entry, count) would keep a tuple of Python ints per weight an entry ever had, up to a gigabyte in a router
+    that runs for weeks. Called under `_LAYOUTS_LOCK`."""
+    global _points_held
+    known = _POINTS.get(entry)
+    if known is None:
+        known = _POINTS[entry] = array("I")
+    else:
+        _POINTS.move_to_end(entry)
+    if len(known) < count:
+        _points_held += count - len(known)
+        known.extend(
+            int.from_bytes(hashlib.blake2b(f"{entry}#{i}".encode(), digest_size=4).digest(), "big")
+            for i in range(len(known), count)
+        )
+    while _points_held > _POINTS_KEPT and len(_POINTS) > 1:
+        _points_held -= len(_POINTS.popitem(last=False)[1])
+    return known[:count]
 
 
 def bucket_index(points: Sequence[int], owners: Sequence[int]) -> tuple[int, list[int | None]]:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prismlb.router import Ring, position
+from prismlb.router import Ring, _ring, position
 from prismlb.router._ring import bucket_index
 from prismlb.semantics import CROSS_NUMA, SAME_NUMA
 from prismlb.wire import TableNode
@@ -117,6 +117,28 @@ def test_lookup_matches_a_linear_scan_of_the_specified_points() -> None:
         assert ring.lookup(key).node_id == expected
         assert ring.lookup(key.encode()).node_id == expected
     assert wrapped > 0
+
+
+def test_an_entry_keeps_one_array_of_points_however_its_weight_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights change with every table and entries with the fleet: the points kept stay one array per entry, at
+    most `_POINTS_KEPT` points, and a ring built after its entry's points were grown, cut or dropped is the same."""
+    monkeypatch.setattr(_ring, "_POINTS", type(_ring._POINTS)())
+    monkeypatch.setattr(_ring, "_points_held", 0)
+    monkeypatch.setattr(_ring, "_POINTS_KEPT", 4 * 128)
+    monkeypatch.setattr(_ring, "_LAYOUTS", type(_ring._LAYOUTS)())  # built anew, not taken from earlier tests
+    first = owners(Ring.build([node("a", 0.5), node("b", 0.25)]))
+    for step in range(1, 21):
+        Ring.build([node("a", step / 20), node("b", 1 - step / 40)])
+    assert set(_ring._POINTS) == {"a", "b"}
+    assert len(_ring._POINTS["a"]) == 128 and _ring._POINTS["a"].itemsize == 4
+    assert list(_ring._POINTS["a"]) == [spec_point(f"a#{i}") for i in range(128)]
+    _ring._LAYOUTS.clear()
+    assert owners(Ring.build([node("a", 0.5), node("b", 0.25)])) == first  # a prefix of the grown array
+    for name in "cdef":
+        Ring.build([node(name)])
+    assert list(_ring._POINTS) == ["c", "d", "e", "f"] and _ring._points_held == 4 * 128  # least recently used out
+    _ring._LAYOUTS.clear()
+    assert owners(Ring.build([node("a", 0.5), node("b", 0.25)])) == first  # dropped, then computed again
 
 
 def test_int_keys_are_fibonacci_hashed_so_small_ints_spread() -> None:
