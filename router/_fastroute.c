@@ -81,7 +81,9 @@ typedef struct {
 
 /* Tracked by the GC: its entries' states refer back to their router (EndpointState's peer-load callback), whose
  * snapshot holds the group that holds this table; a table hidden from the collector would keep every router it
- * ever served alive, with its brain-fed state, after the last reference to it went. */
+ * ever served alive, with its brain-fed state, after the last reference to it went. Immutable like a tuple, it has
+ * no tp_clear either: the states and the router in such a cycle are cleared, and route() never meets a table
+ * whose entries are gone. */
 typedef struct {
     PyObject_HEAD
     PyObject *entries; /* the group's tuple of (state, safe, base_load, inv_share, endpoint) */
@@ -193,7 +195,6 @@ static PyObject *pick(Table *t, uint32_t pos) {
 }
 
 static PyObject *Table_route(Table *t, PyObject *key) {
-    if (t->entries == NULL) Py_RETURN_NONE; /* cleared by the GC (a finaliser's late call): Python decides */
     uint32_t pos;
     int known = key_position(key, &pos);
     if (known < 0) return NULL;
@@ -267,16 +268,11 @@ static int Table_traverse(Table *t, visitproc visit, void *arg) {
     return 0;
 }
 
-static int Table_clear(Table *t) {
-    Py_CLEAR(t->entries); /* the Entry array borrows from it: route() checks */
-    Py_CLEAR(t->counter);
-    Py_CLEAR(t->state_type);
-    return 0;
-}
-
 static void Table_dealloc(Table *t) {
     PyObject_GC_UnTrack(t);
-    Table_clear(t);
+    Py_XDECREF(t->entries);
+    Py_XDECREF(t->counter);
+    Py_XDECREF(t->state_type);
     PyMem_Free(t->entry);
     PyMem_Free(t->points);
     PyMem_Free(t->owners);
@@ -371,7 +367,6 @@ static PyTypeObject TableType = {
     .tp_dealloc = (destructor)Table_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_traverse = (traverseproc)Table_traverse,
-    .tp_clear = (inquiry)Table_clear,
     .tp_doc = "Table(points, owners, slots, shift, entries, base_total, counter, balance): one group's ring "
               "(Ring.points, .owners, .slots, .shift), its entries and InFlight counter, and Settings.balance.",
     .tp_methods = Table_methods,
