@@ -24,6 +24,7 @@ from prismlb.service import (
     SettingTable,
     client_curve,
     parse_listen_address,
+    parse_number,
     parse_port,
     parse_positive,
     parse_text,
@@ -37,6 +38,7 @@ from prismlb.wire import BrainAddress, ClientCurve, ConfigError, NoRouteError, R
 from ._gateway import Gateway, GatewayConfig, WorkerWatch, static_table
 from ._nginx import DEFAULT_HASH, check_nginx_settings, nginx_choices, render_nginx
 from ._router import Router
+from ._settings import Settings
 
 _SETTINGS = SettingTable("route", [BRAIN_UPDATES, BRAIN_SNAPSHOT])
 """The brain's endpoints, under the brain's own flags and variables."""
@@ -48,6 +50,13 @@ def _worker_urls(raw: object) -> tuple[str, ...]:
     urls = tuple(url.strip() for item in items for url in parse_text(item).split(",") if url.strip())
     static_table(urls)
     return urls
+
+
+def _slo_scale(raw: object) -> float:
+    """A TTFT SLO scale, as `Settings.slo_scale` takes it."""
+    value = float(parse_number(raw, float, f"{raw!r} is not a number"))
+    Settings(slo_scale=value)  # its check, in one place
+    return value
 
 
 GATEWAY_SETTINGS = SettingTable(
@@ -121,6 +130,16 @@ GATEWAY_SETTINGS = SettingTable(
             flag="--connect-timeout",
             metavar="SECONDS",
             variable="PRISM_GATEWAY_CONNECT_TIMEOUT_S",
+        ),
+        Setting(
+            "slo_scale",
+            "the service's TTFT SLO as a multiple of a prompt's prefill alone (at least the slice's τ0): the order "
+            "in which requests held for room go",
+            _slo_scale,
+            Settings().slo_scale,
+            flag="--slo-scale",
+            metavar="TIMES",
+            variable="PRISM_SLO_SCALE",
         ),
         Setting(
             "upstream_timeout_s",
@@ -288,10 +307,16 @@ def gateway_config(settings: ResolvedSettings) -> GatewayConfig:
     return settings.build(GatewayConfig)
 
 
+def gateway_routing(settings: ResolvedSettings) -> Settings:
+    """The gateway's router `Settings` of resolved `GATEWAY_SETTINGS`: the library's, but for the service's SLO."""
+    return Settings(slo_scale=settings["slo_scale"])
+
+
 def _run_gateway(args: argparse.Namespace) -> int:
     try:
         settings = GATEWAY_SETTINGS.resolve(args, os.environ)
         config = gateway_config(settings)
+        routing = gateway_routing(settings)
         curve = client_curve(settings)
     except ConfigError as exc:
         return _fail_as("gateway", str(exc), 2)
@@ -305,12 +330,12 @@ def _run_gateway(args: argparse.Namespace) -> int:
         if workers and (settings.given("updates") or settings.given("snapshot") or curve is not None):
             raise ConfigError("--worker-url runs without a brain: give it, or the brain's endpoints and keys, not both")
         if workers:
-            router = Router.from_table(static_table(workers), registry=registry)
+            router = Router.from_table(static_table(workers), settings=routing, registry=registry)
             watch: WorkerWatch | None = WorkerWatch(router, workers)
         else:
             watch = None
             address = BrainAddress(settings["updates"], settings["snapshot"])
-            router = Router.connect(address, curve=curve, registry=registry)
+            router = Router.connect(address, curve=curve, settings=routing, registry=registry)
     except ConfigError as exc:
         return _fail_as("gateway", str(exc), 2)
     with router:

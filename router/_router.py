@@ -642,7 +642,7 @@ class Router:
                 slice_ = Slice(request.slice) if request.slice is not None else slice_of(request.modality)
             except ValueError:  # a slice of the table's own naming ("default"): the text slice's target
                 slice_ = slice_of(None)
-            budget = ttft_slo_s(slice_, alone_s)
+            budget = ttft_slo_s(slice_, alone_s, self.settings.slo_scale)
         late_at = now + budget - self.settings.late_margin * request.cost / quickest
         ticket = Ticket(request, target.name, now, now + budget, late_at)
         passes = self._cached_in(target, request, now)

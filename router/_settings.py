@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from prismlb.semantics import SLO_SCALE
 
 LOAD_MODES = ("requests", "prefill")
 
@@ -93,6 +96,13 @@ class Settings:
     cold start), and the one `hold_tokens` is counted at once speeds are measured: an 8B model on an A100.
     Deadlines need seconds: without a speed every prompt would get τ0 alone, and the first seconds' requests would go
     in arrival order, long prompts before short ones."""
+    slo_scale: float = SLO_SCALE
+    """The TTFT SLO the waiting room orders requests by (`hold_tokens`), as a multiple of a request's prefill alone on
+    a typical entry of its slice, floored at the slice's τ0 (`semantics.ttft_slo_s`); `Request.slo_s` overrides it per
+    request. Set it to the service's own SLO: with the replay scored against an SLO of 10 times, routers told 10
+    reach 1.036 times the goodput of routers keeping the default 5 over its 20 workloads (bursty 1.11-1.16, Azure
+    code 1.30, Azure conv 0.96), and against 3 times, 1.011 (Mooncake 0.88; docs/eval.md, "Under an SLO the routers
+    do not assume"). The default is the evaluation's, after DistServe."""
     late_margin: float = 2.0
     """A waiting request is late once its deadline is nearer than this many times its prefill alone on the slice's
     fastest entry; late requests go after every request still in time (`hold_tokens`). A request granted its turn
@@ -190,6 +200,8 @@ class Settings:
             raise ValueError(f"placed_ttl_s must not be negative, got {self.placed_ttl_s}")
         if self.max_ring_points < 1 or self.drop_hold_s < 0:
             raise ValueError("max_ring_points must be at least 1 and drop_hold_s not negative")
+        if not (1.0 <= self.slo_scale < math.inf):  # NaN included
+            raise ValueError(f"slo_scale must be a number of at least 1, got {self.slo_scale}")
         if not self.late_margin >= 0:  # NaN included
             raise ValueError(f"late_margin must not be negative, got {self.late_margin}")
         if self.hold_tokens < 0:

@@ -21,6 +21,7 @@ SLO_SCALE = 5.0
 """TTFT SLO as a multiple of the request's unloaded TTFT."""
 
 
-def ttft_slo_s(slice_: Slice, unloaded_s: float) -> float:
-    """The TTFT SLO in seconds of a request of `slice_` whose TTFT alone on an idle node is `unloaded_s`."""
-    return max(TAU0_MS[slice_] / 1000, SLO_SCALE * unloaded_s)
+def ttft_slo_s(slice_: Slice, unloaded_s: float, scale: float = SLO_SCALE) -> float:
+    """The TTFT SLO in seconds of a request of `slice_` whose TTFT alone on an idle node is `unloaded_s`; `scale` in
+    place of SLO_SCALE for a service whose SLO is another multiple (a router's `Settings.slo_scale`)."""
+    return max(TAU0_MS[slice_] / 1000, scale * unloaded_s)

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from prismlb.agent import EngineSample
 from prismlb.cli import main
 from prismlb.router import Gateway, GatewayConfig, Request, Router, Settings, WorkerWatch, static_table
-from prismlb.router._cli import GATEWAY_SETTINGS, gateway_config
+from prismlb.router._cli import GATEWAY_SETTINGS, gateway_config, gateway_routing
 from prismlb.semantics import held_speed
 from prismlb.wire import ConfigError, RoutingTable, SliceTable, TableNode, VectorSender
 
@@ -265,6 +265,21 @@ def test_the_gateway_settings_resolve_flag_over_variable_over_default_and_refuse
     assert "--curve-secret given alone" in capsys.readouterr().err
     assert main(["gateway", "--read-timeout", "0"]) == 2
     assert "--read-timeout: must be positive, got '0'" in capsys.readouterr().err
+
+
+def test_the_gateway_routes_by_the_services_slo_given_by_flag_or_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    GATEWAY_SETTINGS.add_arguments(parser)
+    assert gateway_routing(GATEWAY_SETTINGS.resolve(parser.parse_args([]), {})) == Settings()
+    given = GATEWAY_SETTINGS.resolve(parser.parse_args(["--slo-scale", "10"]), {"PRISM_SLO_SCALE": "3"})
+    assert gateway_routing(given) == Settings(slo_scale=10.0)
+    assert gateway_routing(GATEWAY_SETTINGS.resolve(parser.parse_args([]), {"PRISM_SLO_SCALE": "3"})).slo_scale == 3.0
+    with pytest.raises(ConfigError, match="PRISM_SLO_SCALE: slo_scale must be a number of at least 1"):
+        GATEWAY_SETTINGS.resolve(parser.parse_args([]), {"PRISM_SLO_SCALE": "0.5"})
+    assert main(["gateway", "--worker-url", "http://127.0.0.1:1", "--slo-scale", "nan"]) == 2
+    assert "--slo-scale: slo_scale must be a number of at least 1, got nan" in capsys.readouterr().err
 
 
 def test_a_taken_port_is_a_config_error() -> None:

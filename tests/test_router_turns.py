@@ -146,6 +146,28 @@ def test_lateness_counts_late_margin_times_the_prefill_on_the_quickest_entry() -
             Settings(late_margin=bad)
 
 
+def test_deadlines_follow_the_services_slo_scale_and_a_requests_own_slo() -> None:
+    """The room orders by the SLO the service keeps (`Settings.slo_scale` times the prefill alone, floored at τ0), so
+    the same two requests go in another order under another SLO; `Request.slo_s` overrides it."""
+    for scale, due_s in ((5.0, 5.0), (10.0, 10.0), (1.0, 1.0)):
+        r = router(1, slo_scale=scale)
+        assert r.turn(Request(cost=10_000)).deadline == pytest.approx(100.0 + due_s)  # 1 s alone at RATE
+        assert r.turn(Request(cost=100)).deadline == pytest.approx(100.0 + 0.8), "τ0 floors a short prompt's SLO"
+        assert r.turn(Request(cost=10_000, slo_s=2.0)).deadline == pytest.approx(102.0)
+    for scale, first in ((2.0, "long"), (10.0, "short")):
+        clock = Clock()
+        r = router(1, clock=clock, slo_scale=scale)
+        busy = placed(r, 2000)
+        long = r.turn(Request(cost=3000))  # 0.3 s alone: due in 0.8 s at 2 times (τ0), in 3 s at 10 times
+        clock.now += 0.2
+        short = r.turn(Request(cost=100))  # due in 0.8 s, 0.2 s later: after the long one at 2 times, before at 10
+        busy.first_token()
+        assert (long.granted, short.granted) == ((True, False) if first == "long" else (False, True))
+    for bad in (0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="slo_scale"):
+            Settings(slo_scale=bad)
+
+
 def test_one_slowed_entry_does_not_stretch_every_deadline() -> None:
     """Seven entries at 10,000 tokens/s and one throttled to a third: a request's deadline is its SLO at a typical
     entry's speed (5 x 1 s), not at the sick one's (5 x 3 s), so the room's order does not follow the sick node."""
