@@ -39,6 +39,7 @@ from ._request import (
     CLASS_HEADER,
     CONTEXT_HEADER,
     SESSION_HEADER,
+    TTFT_SLO_HEADER,
     Request,
 )
 from ._ring import Ring
@@ -55,6 +56,7 @@ __all__ = [
     "PREFIX_TOKENS",
     "SESSION_HEADER",
     "TEXT_BYTES_PER_TOKEN",
+    "TTFT_SLO_HEADER",
     "AsyncPrismTransport",
     "Circuit",
     "Endpoint",

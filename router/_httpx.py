@@ -12,8 +12,9 @@ parts stand in as digests of themselves, so they hash by content). A `tokenize` 
 leaves that request on the text fallback, counted (`tokenize` in the router's rejects); media parts' blocks carry the
 engine's extra keys, which token ids alone do not, so with media the ids match up to the first media part only.
 Session, context
-signature and request class come from their headers. The request goes to the endpoint's scheme, host and port (its
-path prefix, if any, before the request's path).
+signature, request class and the request's own TTFT SLO (`X-SLO-TTFT-Ms`, milliseconds; a bad value is counted as
+`slo` and the router's SLO applies) come from their headers. The request goes to the endpoint's scheme, host and
+port (its path prefix, if any, before the request's path).
 
 A response's status is the endpoint's outcome: a 5xx or a 429 is a failure (passive health), any other status a
 success (a 4xx is the caller's fault). A request whose connection was refused, or that got a 503 or 429 back (the
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Generic, TypeVar
@@ -40,7 +42,7 @@ from ._attempts import Attempts
 from ._health import Outcome
 from ._keys import BLOCK_SIZE, PREFIX_TOKENS
 from ._lease import Lease
-from ._request import Request
+from ._request import TTFT_SLO_HEADER, Request
 from ._router import Router
 
 _Stream = TypeVar("_Stream", httpx.SyncByteStream, httpx.AsyncByteStream)
@@ -123,12 +125,29 @@ def describe(
     tokens = _prompt_tokens(body)
     if tokens is None and tokenize is not None and text is not None:
         tokens = _tokenized(tokenize, body, rejects)
-    described = replace(described, modality=modality, block_size=block_size)
+    slo_s = _slo_s(request.headers.get(TTFT_SLO_HEADER), rejects)
+    described = replace(described, modality=modality, block_size=block_size, slo_s=slo_s)
     if tokens is not None:  # the prompt as token ids: its blocks are the ones the engine's events name
         described = described.with_prompt(tokens, prefix_tokens=prefix_tokens)
     elif text is not None:
         described = described.with_prompt(text=text, prefix_tokens=prefix_tokens)
     return described, streamed
+
+
+def _slo_s(raw: str | None, rejects: RejectCounter | None) -> float | None:
+    """The request's own TTFT SLO in seconds from its `TTFT_SLO_HEADER` (milliseconds); None without one, and None
+    (counted) for a value that is no positive, finite number: the request then goes by the router's SLO rule."""
+    if raw is None:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = math.nan
+    if math.isfinite(ms) and ms > 0:
+        return ms / 1000
+    if rejects is not None:
+        rejects.count("slo", f"{TTFT_SLO_HEADER} {raw[:32]!r} is no positive number of milliseconds; the router's SLO")
+    return None
 
 
 def _tokenized(tokenize: Tokenize, body: dict[str, Any], rejects: RejectCounter | None) -> list[int] | None:

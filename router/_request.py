@@ -14,6 +14,9 @@ SESSION_HEADER = "X-Session-Token"
 CONTEXT_HEADER = "X-Context-Signature"
 CLASS_HEADER = "X-Prism-Class"
 AFFINITY_HEADER = "X-Prism-Affinity-Key"
+TTFT_SLO_HEADER = "X-SLO-TTFT-Ms"
+"""A request's own TTFT SLO in milliseconds (`Request.slo_s`), under the name llm-d's and the Gateway API inference
+extension's SLO-aware schedulers read, so callers that already send it are understood as they are."""
 CORE_CLASS = "core"
 
 Key = str | bytes | int

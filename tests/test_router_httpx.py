@@ -15,6 +15,7 @@ from prismlb.router import (
     CONTEXT_HEADER,
     PREFIX_TOKENS,
     SESSION_HEADER,
+    TTFT_SLO_HEADER,
     AsyncPrismTransport,
     Outcome,
     PrismTransport,
@@ -288,6 +289,23 @@ def test_a_tokenize_gives_the_blocks_the_engines_kv_events_name_and_a_failing_on
         fallback, _ = describe(httpx.Request("POST", url, json=body), 16, 64, tokenize, router.rejects)
         assert fallback.blocks == by_text.blocks and fallback.cost == by_text.cost
     assert router.rejects.counts().get("tokenize") == 3
+
+
+def test_a_requests_own_ttft_slo_comes_from_its_header_and_a_bad_one_is_counted() -> None:
+    """`X-SLO-TTFT-Ms` (llm-d's `x-slo-ttft-ms`, any case) is the request's deadline in the waiting room; a value
+    that is no positive number of milliseconds is counted and leaves the router's SLO rule, the request as it was."""
+    url = "http://prism.invalid/v1/chat/completions"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello " * 40}], "stream": True}
+    router = make_router({"gpu-a": "127.0.0.1:1"})
+    plain, _ = describe(httpx.Request("POST", url, json=body), 16, 64, None, router.rejects)
+    assert plain.slo_s is None
+    given, _ = describe(httpx.Request("POST", url, json=body, headers={"x-slo-ttft-ms": "250"}), 16, 64)
+    assert given.slo_s == 0.25 and given.blocks == plain.blocks and given.cost == plain.cost
+    for bad in ("soon", "-5", "0", "nan", "inf"):
+        request = httpx.Request("POST", url, json=body, headers={TTFT_SLO_HEADER: bad})
+        described, streamed = describe(request, 16, 64, None, router.rejects)
+        assert described == plain and streamed
+    assert router.rejects.counts().get("slo") == 5
 
 
 def test_a_streamed_request_waits_for_its_turn_and_one_read_whole_does_not(servers: dict[str, NamedServer]) -> None:
