@@ -16,7 +16,7 @@ from typing import Self, TypeVar
 import zmq
 from prometheus_client import CollectorRegistry
 
-from prismlb.semantics import Slice, ttft_slo_s
+from prismlb.semantics import SLO_SCALE, Slice, ttft_slo_s
 from prismlb.wire import (
     MAX_PLACED_BLOCKS,
     MAX_ROOM_HEADS,
@@ -643,7 +643,8 @@ class Router:
             except ValueError:  # a slice of the table's own naming ("default"): the text slice's target
                 slice_ = slice_of(None)
             budget = ttft_slo_s(slice_, alone_s, self.settings.slo_scale)
-        late_at = now + budget - self.settings.late_margin * request.cost / quickest
+        margin = self.settings.late_margin * min(1.0, budget / (SLO_SCALE * alone_s))  # a tighter SLO's share
+        late_at = now + budget - margin * request.cost / quickest
         ticket = Ticket(request, target.name, now, now + budget, late_at)
         passes = self._cached_in(target, request, now)
         with self._lock:

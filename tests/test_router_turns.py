@@ -146,6 +146,27 @@ def test_lateness_counts_late_margin_times_the_prefill_on_the_quickest_entry() -
             Settings(late_margin=bad)
 
 
+def test_under_a_tighter_slo_the_late_margin_keeps_its_share_of_the_budget() -> None:
+    """Twice the prefill on the quickest entry at the default SLO (five times the prefill alone on a typical one), in
+    proportion under a tighter one, the router's (`slo_scale`) or the request's own (`slo_s`); never more than twice."""
+    entries = [
+        TableNode(node_id="fast", endpoint="http://fast:8000", weight=1.0, prefill_tokens_per_s=20_000.0),
+        TableNode(node_id="slow", endpoint="http://slow:8000", weight=1.0, prefill_tokens_per_s=2_000.0),
+    ]
+    table = RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="llm", nodes=entries)])
+    for scale, slo_s, budget_s, before_s in (
+        (5.0, None, 25.0, 1.0),  # 5 s alone on the typical entry, 0.5 s on the quickest: late 2 x 0.5 s before
+        (10.0, None, 50.0, 1.0),
+        (3.0, None, 15.0, 0.6),  # three fifths of the default's budget: three fifths of its margin
+        (5.0, 7.5, 7.5, 0.3),
+        (5.0, 100.0, 100.0, 1.0),
+    ):
+        r = Router.from_table(table, settings=Settings(hold_tokens=1000, slo_scale=scale), clock=Clock())
+        ticket = r.turn(Request(cost=10_000, slo_s=slo_s))
+        assert ticket.deadline == pytest.approx(100.0 + budget_s)
+        assert ticket.deadline - ticket.late_at == pytest.approx(before_s), (scale, slo_s)
+
+
 def test_deadlines_follow_the_services_slo_scale_and_a_requests_own_slo() -> None:
     """The room orders by the SLO the service keeps (`Settings.slo_scale` times the prefill alone, floored at τ0), so
     the same two requests go in another order under another SLO; `Request.slo_s` overrides it."""
