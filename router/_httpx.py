@@ -146,7 +146,8 @@ def _slo_s(raw: str | None, rejects: RejectCounter | None) -> float | None:
     if math.isfinite(ms) and ms > 0:
         return ms / 1000
     if rejects is not None:
-        rejects.count("slo", f"{TTFT_SLO_HEADER} {raw[:32]!r} is no positive number of milliseconds; the router's SLO")
+        problem = f"{TTFT_SLO_HEADER} {raw[:32]!r} is no positive number of milliseconds"
+        rejects.count("slo", f"{problem}; the request goes by the router's SLO")
     return None
 
 

@@ -643,7 +643,8 @@ class Router:
             except ValueError:  # a slice of the table's own naming ("default"): the text slice's target
                 slice_ = slice_of(None)
             budget = ttft_slo_s(slice_, alone_s, self.settings.slo_scale)
-        margin = self.settings.late_margin * min(1.0, budget / (SLO_SCALE * alone_s))  # a tighter SLO's share
+        # `late_margin` at the default SLO, in proportion under a tighter one (the router's or the request's own)
+        margin = self.settings.late_margin * min(1.0, budget / (SLO_SCALE * alone_s))
         late_at = now + budget - margin * request.cost / quickest
         ticket = Ticket(request, target.name, now, now + budget, late_at)
         passes = self._cached_in(target, request, now)
