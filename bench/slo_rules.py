@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from prismlb.router import Request, Settings
-from prismlb.semantics import Slice, ttft_slo_s
+from prismlb.semantics import Slice
 from prismlb.sim import _ablations, _slo
 from prismlb.sim._eval import EVAL_WORKLOADS, SEARCH_LIMIT, goodput, replay_pool
 from prismlb.sim._model import GpuClass
@@ -52,6 +52,8 @@ BATCH_S = 30.0
 
 _RULE = _slo.slo_s
 """The eval's SLO rule, before any part replaces it."""
+_TARGET = _slo.GOODPUT_TARGET
+"""The eval's attainment target, likewise."""
 
 
 def is_batch(request: SimRequest) -> bool:
@@ -70,22 +72,15 @@ class _ToldBatch(PrismPolicy):
 def score(part: str, scale: float) -> None:
     """Replace the scorer (and register `TOLD`) for `part`, in the process that calls it: each replay process
     through the pool's initializer, and this one, where the search reads the attainment."""
-    _slo.GOODPUT_TARGET = STRICT_TARGET if part == "target" else 0.9
+    _slo.GOODPUT_TARGET = STRICT_TARGET if part == "target" else _TARGET
     if part == "scale":
-        _slo.slo_s = functools.partial(_scaled_rule, scale)
+        _slo.slo_s = functools.partial(_RULE, scale=scale)
         _ablations.VARIANTS[TOLD] = lambda b: PrismPolicy(block_tokens=b, settings=Settings(slo_scale=scale))
     elif part == "classes":
         _slo.slo_s = _classes_rule
         _ablations.VARIANTS[TOLD] = lambda b: _ToldBatch(block_tokens=b)
     else:
         _slo.slo_s = _RULE
-
-
-def _scaled_rule(scale: float, request: SimRequest, classes: Classes) -> float:
-    """The eval's rule (`sim._slo.slo_s`) at `scale` times the unloaded TTFT."""
-    slice_ = _slo.slice_of(request)
-    slowest = max((_slo.unloaded_ttft_s(request, c) for c in classes[slice_]), default=0.0)
-    return ttft_slo_s(slice_, slowest, scale)
 
 
 def _classes_rule(request: SimRequest, classes: Classes) -> float:

@@ -118,11 +118,12 @@ def ttft_floors_s(workload: Workload, nodes: Sequence[NodeSpec]) -> dict[int, fl
     return floors
 
 
-def slo_s(request: SimRequest, classes: Mapping[Slice, frozenset[GpuClass]]) -> float:
-    """The request's TTFT SLO in seconds, given the pool classes of the cluster (`pool_classes`)."""
+def slo_s(request: SimRequest, classes: Mapping[Slice, frozenset[GpuClass]], scale: float = SLO_SCALE) -> float:
+    """The request's TTFT SLO in seconds, given the pool classes of the cluster (`pool_classes`); `scale` in place of
+    SLO_SCALE scores against another multiple of the unloaded TTFT (`bench/slo_rules.py`)."""
     slice_ = slice_of(request)
     slowest = max((unloaded_ttft_s(request, c) for c in classes[slice_]), default=0.0)
-    return ttft_slo_s(slice_, slowest)
+    return ttft_slo_s(slice_, slowest, scale)
 
 
 def attainment(workload: Workload, ttft_s: Mapping[int, float], nodes: Sequence[NodeSpec]) -> float:
