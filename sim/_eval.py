@@ -462,8 +462,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         type=Path,
         metavar="FILE",
-        help="a Mooncake-format JSON-lines file (docs/sim-workloads.md), named after its stem, repeatable; "
-        "the shared traces then run only if --traces names them",
+        help="a trace file, named after its stem, repeatable: Mooncake-format JSON lines, or a .csv in Azure's or "
+        "BurstGPT's columns (docs/sim-workloads.md); the shared traces then run only if --traces names them",
     )
     parser.add_argument("--no-kill", action="store_true", help="skip the node-kill runs")
     parser.add_argument(

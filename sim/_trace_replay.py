@@ -30,13 +30,11 @@ token came in the window under the latency key "engine" (as the agent's engine s
 from __future__ import annotations
 
 import bisect
-import csv
 import heapq
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 from prismlb.agent._node import NodeState, to_vector
@@ -101,20 +99,10 @@ class _Served:
     cached_blocks: int
 
 
-def _azure_time(text: str) -> float:
-    whole, _, fraction = text.partition(".")
-    return datetime.fromisoformat(whole).timestamp() + float(f"0.{fraction or 0}")
-
-
 def read_azure(path: Path = AZURE_CONV, limit: int | None = None) -> list[TraceRequest]:
-    """Azure LLM inference trace (`TIMESTAMP, ContextTokens, GeneratedTokens`), arrivals from 0 s."""
-    with path.open(newline="") as f:
-        rows = [
-            (_azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)
-        ]
-    rows = rows[:limit]
-    t0 = min(t for t, _, _ in rows)
-    return sorted((TraceRequest(t - t0, max(1, i), max(1, o)) for t, i, o in rows), key=lambda r: r.arrival_s)
+    """Azure LLM inference trace (`TIMESTAMP, ContextTokens, GeneratedTokens`), arrivals from 0 s, read by the
+    cluster replay's loader; without blocks, since the trace has no prefix information."""
+    return [TraceRequest(r.arrival_s, r.input_tokens, r.output_tokens) for r in load_trace(path, limit=limit).requests]
 
 
 def read_mooncake(path: Path = MOONCAKE_CONVERSATION, limit: int | None = None, seed: int = 0) -> list[TraceRequest]:

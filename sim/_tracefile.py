@@ -1,21 +1,37 @@
-"""Request traces from any file in Mooncake's JSON-lines format, for `prism eval --trace`.
+"""Request traces from files, for `prism eval --trace`: Mooncake's JSON-lines format, and the CSV formats of the
+public LLM serving traces that record arrivals and token counts only.
 
-One request per line, prefix blocks chained as Mooncake's `hash_ids` are, with optional session ids and
-modalities. The shared Mooncake conversation trace is read by the same loader. Media costs follow the rules
-of the ServeGen multimodal mix (`_workload`). The format and its rules are written down in
-docs/sim-workloads.md ("Your own traces").
+Mooncake's format has one request per line, prefix blocks chained as Mooncake's `hash_ids` are, with optional
+session ids and modalities; media costs follow the rules of the ServeGen multimodal mix (`_workload`). A `.csv`
+file is one of `CSV_FORMATS` (Azure's LLM inference traces, BurstGPT), known by its header; its prompts share
+no blocks, since those traces do not say what prompts have in common. The shared Mooncake and Azure traces are
+read by the same loader. The formats and their rules are written down in docs/sim-workloads.md ("Your own
+traces").
 """
 
 from __future__ import annotations
 
+import csv
+import itertools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
 from ._types import SimRequest, Workload
-from ._workload import AUDIO_CLIP_MS, BLOCK_TOKENS, IMAGE_TOKENS_MAX, _ordered, audio_tokens, spread_over_resolution
+from ._workload import (
+    AUDIO_CLIP_MS,
+    BLOCK_TOKENS,
+    IMAGE_TOKENS_MAX,
+    _ordered,
+    _unique_blocks,
+    audio_tokens,
+    spread_over_resolution,
+)
 
 MODALITIES = ("text", "image+text", "audio+text", "video+text", "rag+text")
 """The `modality` values a line may carry; each is the request's `X-Modality-Signature`."""
@@ -60,12 +76,58 @@ class _BadLine(Exception):
     """What is wrong with the line being read; `load_trace` adds the file and line number."""
 
 
+@dataclass(frozen=True, slots=True)
+class CsvFormat:
+    """A CSV trace format: the columns that give each request's arrival and token counts (others are ignored)."""
+
+    name: str
+    time: str
+    """The arrival's column, read by `parse_time`."""
+    input: str
+    """The prompt's tokens."""
+    output: str
+    """The reply's tokens."""
+    parse_time: Callable[[str], Any]
+    """A cell of `time` to a value whose differences `seconds` measures."""
+    seconds: Callable[[Any, Any], float]
+    """Seconds from the second parsed time to the first."""
+
+    def columns(self) -> str:
+        """The format's name and the columns it needs, for the error of a header that has none."""
+        return f"{self.name} ({self.time}, {self.input}, {self.output})"
+
+
+CSV_FORMATS = (
+    CsvFormat(
+        "Azure LLM inference",
+        "TIMESTAMP",
+        "ContextTokens",
+        "GeneratedTokens",
+        lambda text: _utc(datetime.fromisoformat(text)),
+        lambda t, t0: (t - t0).total_seconds(),
+    ),
+    CsvFormat("BurstGPT", "Timestamp", "Request tokens", "Response tokens", float, lambda t, t0: t - t0),
+)
+"""The CSV formats `load_trace` knows, by header: Azure's LLM inference traces (Splitwise, 2023 and 2024; a datetime
+per request) and BurstGPT's (seconds from the trace's start; its failed requests, 0 response tokens, arrive like
+the others)."""
+
+
+def _utc(moment: datetime) -> datetime:
+    """A datetime as naive UTC: a file may write some times with their offset and others without, and the
+    differences between them must still be defined (a naive time is taken as UTC)."""
+    return moment if moment.tzinfo is None else moment.astimezone(timezone.utc).replace(tzinfo=None)
+
+
 def load_trace(path: Path, *, limit: int | None = None, seed: int = 0) -> Workload:
     """The first `limit` requests of the file (all when None), in arrival order: a workload named after the
     file's stem, each arrival drawn (`seed`) within the resolution of the file's timestamps
-    (`spread_over_resolution`). Blank lines are skipped; line numbers in errors count every line of the file."""
+    (`spread_over_resolution`). A `.csv` file is read as one of `CSV_FORMATS`, any other as Mooncake-format JSON
+    lines. Blank lines are skipped; line numbers in errors count every line of the file."""
     if limit is not None and limit < 0:
         raise ValueError(f"limit must not be negative, not {limit}")
+    if path.suffix.lower() == ".csv":
+        return _load_csv(path, limit, seed)
     requests: list[SimRequest] = []
     lines: list[int] = []
     parents: dict[int, int] = {}
@@ -84,6 +146,50 @@ def load_trace(path: Path, *, limit: int | None = None, seed: int = 0) -> Worklo
             lines.append(number)
     source = f"{path}; Mooncake-format JSON lines, hash_ids as blocks"
     return Workload(path.stem, _ordered(spread_over_resolution(requests, seed)), BLOCK_TOKENS, source)
+
+
+def _load_csv(path: Path, limit: int | None, seed: int) -> Workload:
+    """`load_trace` for a CSV file: its format from the header, then one request per row, each prompt in blocks
+    of its own (`_unique_blocks`), arrivals in seconds from the first row's."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        header = reader.fieldnames or []
+        form = next((c for c in CSV_FORMATS if {c.time, c.input, c.output} <= set(header)), None)
+        if form is None:
+            known = "; ".join(c.columns() for c in CSV_FORMATS)
+            raise TraceFormatError(path, 1, f"the header names no known CSV format's columns: {known}")
+        times: list[Any] = []
+        counts: list[tuple[int, ...]] = []
+        for row in itertools.islice(reader, limit):
+            try:
+                times.append(_cell(row, form.time, form.parse_time, f"a time as {form.name} writes it"))
+                counts.append(tuple(_cell(row, c, _count, "a whole number ≥ 0") for c in (form.input, form.output)))
+            except _BadLine as bad:
+                raise TraceFormatError(path, reader.line_num, str(bad)) from None
+    inputs = [max(1, n) for n, _ in counts]
+    requests = [
+        SimRequest(0, form.seconds(t, times[0]), n, max(1, out), blocks)
+        for t, n, (_, out), blocks in zip(times, inputs, counts, _unique_blocks(inputs), strict=True)
+    ]
+    source = f"{path}; {form.name} CSV, no prefix information: unique blocks per request"
+    return Workload(path.stem, _ordered(spread_over_resolution(requests, seed)), BLOCK_TOKENS, source)
+
+
+def _cell(row: dict[str | Any, str | Any], column: str, parse: Callable[[str], Any], what: str) -> Any:
+    """A row's cell parsed; a missing, unreadable or non-finite one is the line's error, naming `what` it should be."""
+    text = row.get(column)
+    try:
+        value = parse(text.strip()) if isinstance(text, str) else None
+    except (ValueError, OverflowError):
+        value = None
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        raise _BadLine(f"{column} is {text!r}, not {what}")
+    return value
+
+
+def _count(text: str) -> int | None:
+    """A token count's cell: a whole number ≥ 0 in ASCII digits, else None."""
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def _request(row: _Line) -> SimRequest:

@@ -14,7 +14,6 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
@@ -94,20 +93,16 @@ def mooncake_tokens(hash_ids: Sequence[int], length: int) -> list[int]:
 
 def azure(kind: Literal["code", "conv"], limit: int | None = None, *, seed: int = 0) -> Workload:
     """Azure LLM inference trace (Splitwise, ISCA'24), code or conv; each request gets prefix blocks of its own.
-    Its timestamps are to the microsecond, one request each, and are kept (`spread_over_resolution`)."""
+    Its timestamps are to the microsecond, one request each, and are kept (`spread_over_resolution`).
+
+    It goes through the loader of `prism eval --trace` files, as Mooncake's does."""
+    from ._tracefile import load_trace  # imported here: the loader builds on this module's constants and rules
+
     if kind not in ("code", "conv"):
         raise ValueError(f"Azure trace kind must be 'code' or 'conv', not {kind!r}")
     path = traces_dir() / "azure" / f"AzureLLMInferenceTrace_{kind}.csv"
-    with path.open(newline="") as f:
-        rows = list(itertools.islice(csv.DictReader(f), limit))
-    times = [datetime.fromisoformat(r["TIMESTAMP"]) for r in rows]
-    inputs = [max(1, int(r["ContextTokens"])) for r in rows]
-    requests = [
-        SimRequest(0, (t - times[0]).total_seconds(), n, max(1, int(r["GeneratedTokens"])), blocks)
-        for t, n, r, blocks in zip(times, inputs, rows, _unique_blocks(inputs), strict=True)
-    ]
     source = f"Azure/AzurePublicDataset data/{path.name}; no prefix information: unique blocks per request"
-    return Workload(f"azure-{kind}", _ordered(spread_over_resolution(requests, seed)), BLOCK_TOKENS, source)
+    return replace(load_trace(path, limit=limit, seed=seed), name=f"azure-{kind}", source=source)
 
 
 def servegen_mm(seed: int, count: int = MM_DEFAULT_COUNT, *, start_s: float = MM_START_S) -> Workload:

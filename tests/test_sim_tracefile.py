@@ -1,5 +1,5 @@
-"""Mooncake-format trace files (`prism eval --trace`): fields, media costs, errors by line, the shared Mooncake
-trace through the same loader, and an eval run on a file."""
+"""Trace files (`prism eval --trace`): Mooncake's format (fields, media costs, errors by line), the CSV formats of
+Azure's and BurstGPT's traces, the shared traces through the same loader, and an eval run on a file."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from prismlb.cli import main
-from prismlb.sim import SimRequest, mooncake_conversation, traces_dir
+from prismlb.sim import SimRequest, azure, mooncake_conversation, traces_dir
 from prismlb.sim._eval import MM_CLUSTER, TEXT_CLUSTER, cluster_for
 from prismlb.sim._tracefile import TraceFormatError, load_trace
 from prismlb.sim._workload import AUDIO_TOKENS_PER_CLIP, BLOCK_TOKENS, IMAGE_TOKENS_MAX, audio_tokens
 
 _MOONCAKE = traces_dir() / "mooncake" / "conversation_trace.jsonl"
+_AZURE_CODE = traces_dir() / "azure" / "AzureLLMInferenceTrace_code.csv"
 
 _GOOD = {"timestamp": 0, "input_length": 1000, "output_length": 20, "hash_ids": [0, 1]}
 
@@ -151,6 +152,83 @@ def test_the_shared_mooncake_trace_loads_as_it_did_before_the_loader() -> None:
     assert len({s.arrival_s for s in w.requests}) == 400 > 8 * len({r.arrival_s for r in before})
 
 
+_BURSTGPT = """Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type
+118,GPT-4,417,276,693,API log
+5,ChatGPT,472,18,490,Conversation log
+
+45,ChatGPT,1087,0,1087,Conversation log
+"""
+
+
+def test_a_burstgpt_csv_loads_by_its_header(tmp_path: Path) -> None:
+    path = tmp_path / "burst.csv"
+    path.write_text(_BURSTGPT)
+    w = load_trace(path)
+    assert w.name == "burst" and "BurstGPT CSV" in w.source
+    # Sorted by arrival from 0 s; a failed request (0 response tokens) still arrives, with one token out.
+    assert [(r.arrival_s, r.input_tokens, r.output_tokens) for r in w.requests] == [
+        (0.0, 472, 18),
+        (40.0, 1087, 1),
+        (113.0, 417, 276),
+    ]
+    blocks = [b for r in w.requests for b in r.blocks]
+    assert len(blocks) == len(set(blocks)) and [len(r.blocks) for r in w.requests] == [1, 3, 1]
+    assert len(load_trace(path, limit=2).requests) == 2
+
+
+def test_an_azure_csv_loads_with_its_datetimes(tmp_path: Path) -> None:
+    path = tmp_path / "week.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2024-05-10 00:00:00.0087240,2048,13\n"
+        "2024-05-10 00:00:01.5087240,0,0\n"
+        "2024-05-09 23:59:59.0087240,10,5\n"
+        "2024-05-10T02:00:03.0087240+02:00,7,7\n"
+    )
+    w = load_trace(path)
+    assert "Azure LLM inference CSV" in w.source
+    assert [(r.arrival_s, r.input_tokens, r.output_tokens) for r in w.requests] == [
+        (0.0, 10, 5),
+        (1.0, 2048, 13),
+        (2.5, 1, 1),
+        (4.0, 7, 7),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "problem"),
+    [
+        ("a,b\n1,2\n", 1, "the header names no known CSV format's columns: Azure LLM inference (TIMESTAMP"),
+        ("", 1, "BurstGPT (Timestamp, Request tokens, Response tokens)"),
+        (_BURSTGPT + "50,GPT-4,12x,3,15,API log\n", 6, "Request tokens is '12x', not a whole number ≥ 0"),
+        (_BURSTGPT + "50,GPT-4,-12,3,15,API log\n", 6, "Request tokens is '-12', not a whole number ≥ 0"),
+        (_BURSTGPT + "50,GPT-4,12\n", 6, "Response tokens is None, not a whole number ≥ 0"),
+        (_BURSTGPT + "nan,GPT-4,12,3,15,API log\n", 6, "Timestamp is 'nan', not a time as BurstGPT writes it"),
+        (
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2024-13-01 00:00:00,1,1\n",
+            2,
+            "TIMESTAMP is '2024-13-01 00:00:00', not a time as Azure LLM inference writes it",
+        ),
+    ],
+)
+def test_a_bad_csv_row_names_the_file_and_its_line(tmp_path: Path, text: str, line: int, problem: str) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(TraceFormatError) as caught:
+        load_trace(path)
+    assert caught.value.line == line and str(caught.value).startswith(f"{path}, line {line}: ")
+    assert problem in str(caught.value)
+
+
+@pytest.mark.skipif(not _AZURE_CODE.exists(), reason=f"traces not found in {traces_dir()}")
+def test_the_shared_azure_trace_is_read_by_the_same_loader() -> None:
+    w = azure("code", 300, seed=1)
+    assert w.name == "azure-code" and list(w.requests) == list(load_trace(_AZURE_CODE, limit=300, seed=1).requests)
+    with _AZURE_CODE.open() as f:
+        first = f.readlines()[1].strip().split(",")
+    assert (w.requests[0].input_tokens, w.requests[0].output_tokens) == (int(first[1]), int(first[2]))
+
+
 def test_the_cluster_is_the_multimodal_one_only_for_media(tmp_path: Path) -> None:
     text = load_trace(_write(tmp_path / "text.jsonl", _GOOD, {**_GOOD, "modality": "rag+text"}))
     mixed = load_trace(_write(tmp_path / "mixed.jsonl", _GOOD, {**_GOOD, "modality": "image+text", "image_tokens": 9}))
@@ -177,6 +255,17 @@ def test_eval_replays_a_trace_file_end_to_end(tmp_path: Path, capsys: pytest.Cap
     printed = capsys.readouterr().out
     assert "## tiny · 80% utilisation" in printed and "| prism |" in printed and "| least-conn |" in printed
     assert "mooncake" not in printed  # a file alone replaces the default traces
+
+
+def test_eval_replays_a_csv_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "burst.csv"
+    path.write_text(
+        _BURSTGPT.splitlines()[0] + "\n" + "".join(f"{i / 2},GPT-4,{300 + 50 * i},40,0,API log\n" for i in range(40))
+    )
+    argv = ["eval", "--trace", str(path), "--levels", "50%", "--policies", "prism,round-robin", "--jobs", "1"]
+    assert main([*argv, "--no-kill", "--no-report", "--no-gray"]) == 0
+    printed = capsys.readouterr().out
+    assert "## burst · 50% utilisation" in printed and "| round-robin |" in printed
 
 
 def test_eval_stops_on_a_bad_file_before_any_run(tmp_path: Path) -> None:
