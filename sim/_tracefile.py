@@ -151,21 +151,25 @@ def load_trace(path: Path, *, limit: int | None = None, seed: int = 0) -> Worklo
 def _load_csv(path: Path, limit: int | None, seed: int) -> Workload:
     """`load_trace` for a CSV file: its format from the header, then one request per row, each prompt in blocks
     of its own (`_unique_blocks`), arrivals in seconds from the first row's."""
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        header = reader.fieldnames or []
-        form = next((c for c in CSV_FORMATS if {c.time, c.input, c.output} <= set(header)), None)
-        if form is None:
-            known = "; ".join(c.columns() for c in CSV_FORMATS)
-            raise TraceFormatError(path, 1, f"the header names no known CSV format's columns: {known}")
-        times: list[Any] = []
-        counts: list[tuple[int, ...]] = []
-        for row in itertools.islice(reader, limit):
-            try:
+    with path.open("rb") as f:
+        # Decoded line by line, so that a byte that is not UTF-8 is found on its line; -sig: a spreadsheet's
+        # byte-order mark is no part of the first column's name.
+        reader = csv.DictReader(line.decode("utf-8-sig") for line in f)
+        try:
+            header = reader.fieldnames or []
+            form = next((c for c in CSV_FORMATS if {c.time, c.input, c.output} <= set(header)), None)
+            if form is None:
+                known = "; ".join(c.columns() for c in CSV_FORMATS)
+                raise _BadLine(f"the header names no known CSV format's columns: {known}")
+            times: list[Any] = []
+            counts: list[tuple[int, ...]] = []
+            for row in itertools.islice(reader, limit):
                 times.append(_cell(row, form.time, form.parse_time, f"a time as {form.name} writes it"))
                 counts.append(tuple(_cell(row, c, _count, "a whole number ≥ 0") for c in (form.input, form.output)))
-            except _BadLine as bad:
-                raise TraceFormatError(path, reader.line_num, str(bad)) from None
+        except UnicodeDecodeError as bad:
+            raise TraceFormatError(path, reader.line_num + 1, f"not UTF-8 text ({bad.reason})") from None
+        except (_BadLine, csv.Error) as bad:
+            raise TraceFormatError(path, max(1, reader.line_num), str(bad)) from None
     inputs = [max(1, n) for n, _ in counts]
     requests = [
         SimRequest(0, form.seconds(t, times[0]), n, max(1, out), blocks)

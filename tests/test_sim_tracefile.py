@@ -220,6 +220,15 @@ def test_a_bad_csv_row_names_the_file_and_its_line(tmp_path: Path, text: str, li
     assert problem in str(caught.value)
 
 
+def test_a_csv_from_a_spreadsheet_and_a_byte_that_is_not_text(tmp_path: Path) -> None:
+    path = tmp_path / "excel.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + _BURSTGPT.replace("\n", "\r\n").encode())  # a byte-order mark, CRLF lines
+    assert [r.input_tokens for r in load_trace(path).requests] == [472, 1087, 417]
+    path.write_bytes(_BURSTGPT.encode() + b"50,GPT-\xff,12,3,15,API log\n")
+    with pytest.raises(TraceFormatError, match=r"excel\.csv, line 6: not UTF-8 text"):
+        load_trace(path)
+
+
 @pytest.mark.skipif(not _AZURE_CODE.exists(), reason=f"traces not found in {traces_dir()}")
 def test_the_shared_azure_trace_is_read_by_the_same_loader() -> None:
     w = azure("code", 300, seed=1)
