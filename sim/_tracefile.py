@@ -11,6 +11,7 @@ traces").
 
 from __future__ import annotations
 
+import codecs
 import csv
 import itertools
 import math
@@ -135,6 +136,8 @@ def load_trace(path: Path, *, limit: int | None = None, seed: int = 0) -> Worklo
         for number, line in enumerate(f, 1):
             if limit is not None and len(requests) >= limit:
                 break
+            if number == 1:
+                line = line.removeprefix(codecs.BOM_UTF8)  # written by some editors; no part of the first request
             if not line.strip():
                 continue
             try:

@@ -128,6 +128,12 @@ def test_a_bad_line_names_the_file_and_its_line_number(
     assert str(caught.value).startswith(f"{path}, line 3: ") and problem in str(caught.value)
 
 
+def test_a_byte_order_mark_before_the_first_line_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(_GOOD).encode() + b"\n")
+    assert [r.input_tokens for r in load_trace(path).requests] == [1000]
+
+
 def test_a_limit_stops_before_a_bad_line(tmp_path: Path) -> None:
     path = _write(tmp_path / "t.jsonl", _GOOD, "{not json")
     assert len(load_trace(path, limit=1).requests) == 1
