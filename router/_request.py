@@ -44,6 +44,9 @@ class Request:
     prefix index to expect each node's time to first token (`Settings.prefix_index`)."""
     block_size: int = BLOCK_SIZE
     """Tokens per block of `blocks`: the engines' KV block size."""
+    engine_blocks: bool = True
+    """Whether `blocks` are the engines' (from the prompt's token ids), which their KV events confirm and clear; False
+    for `text_block_hashes`, which only routers' placements name, so no event says whether a node still holds them."""
     slo_s: float | None = None
     """The caller's TTFT target in seconds, which orders the requests the router holds back (`Settings.hold_tokens`);
     None: the project's rule (`semantics.ttft_slo_s`) over the slice's τ0 and the prompt's prefill on a typical node
@@ -102,12 +105,11 @@ class Request:
             else prefix_key(tokens, text=text, block_size=size, prefix_tokens=prefix_tokens)
         )
         if tokens is not None:
-            return replace(
-                self, key=key, cost=max(1, len(tokens)), blocks=tuple(block_hashes(tokens, size, extra=extra))
-            )
+            blocks = tuple(block_hashes(tokens, size, extra=extra))
+            return replace(self, key=key, cost=max(1, len(tokens)), blocks=blocks, engine_blocks=True)
         assert text is not None
         blocks = tuple(text_block_hashes(text, size)) if text else ()
-        return replace(self, key=key, cost=prompt_cost(text), blocks=blocks)
+        return replace(self, key=key, cost=prompt_cost(text), blocks=blocks, engine_blocks=False)
 
 
 @lru_cache(maxsize=512)

@@ -908,16 +908,19 @@ class Router:
     ) -> tuple[Group, int | None]:
         """Where the prompt's prefix is cached, or is worth computing. A keyed request being sent whose blocks no
         node is known to hold, and that has no session entry (`held`), goes where the prefix memory last sent its key
-        (it outlives the index's claims of this router's own placements), unless that node's engine reports its KV
-        events (`apply_kv`): the index then knows the prefix is no longer cached there, and the prompt is placed as
-        any uncached one, not onto a node whose cache others may be waiting for. A request with blocks takes the
-        expected-TTFT choice (`_by_ttft`, its session's entry weighed as its prefix's holder), which goes to the
-        slice's overflow entries while they are `Settings.overflow` times faster and no other slice whose pool holds
-        the entry has requests waiting (`Settings.overflow_yields`). Else (`home`, None): the ring decides."""
+        (it outlives the index's claims of this router's own placements), unless its blocks are the engines'
+        (`Request.engine_blocks`) and that node's engine reports its KV events (`apply_kv`): the index then knows the
+        prefix is no longer cached there, and the prompt is placed as any uncached one, not onto a node whose cache
+        others may be waiting for. Text blocks no event names, so for them the memory stands. A request with blocks
+        takes the expected-TTFT choice (`_by_ttft`, its session's entry weighed as its prefix's holder), which goes to
+        the slice's overflow entries while they are `Settings.overflow` times faster and no other slice whose pool
+        holds the entry has requests waiting (`Settings.overflow_yields`). Else (`home`, None): the ring decides."""
         memory = self._memory if remember else None
         if memory is not None and key is not None and not depths and held is None:
             index = self._remembered(home, memory, key, request.cost, exclude, now)
-            if index is not None and not (blocks and home.entries[index][4].node_id in self._reporting):
+            if index is not None and not (
+                blocks and request.engine_blocks and home.entries[index][4].node_id in self._reporting
+            ):
                 return home, index
         if not blocks:
             return home, None

@@ -249,6 +249,30 @@ def test_the_prefix_memory_stands_in_only_for_nodes_whose_cache_the_index_cannot
     assert r.request(request(key=9)).node_id == (other if events == "evicted" else home)
 
 
+def test_for_text_blocks_the_prefix_memory_stands_on_nodes_that_report_events() -> None:
+    """A caller without the model's tokenizer sends text blocks, which no KV event names: a node's events (of token
+    blocks) say nothing of them, so once the placement's claim has expired the conversation's next turn still goes
+    where its key last went. The same turn as token blocks the events cleared goes where it starts soonest."""
+    r, clock = router(node("a"), node("b"), load="prefill")
+    opening = "You are a careful assistant. " * 160  # past the key's 1,024-token window
+    text = Request(block_size=BLOCK).with_prompt(text=opening + "First question?")
+    tokens = request(key=text.key)
+    assert not text.engine_blocks and tokens.engine_blocks
+    first = sent(r, text)
+    first.first_token()
+    first.end()
+    home, other = first.node_id, "b" if first.node_id == "a" else "a"
+    clock.now += r.settings.placed_ttl_s + 1
+    r.apply_kv(home, False, (), BLOCKS[:1])  # home's engine reports events: it evicted some token block
+    busy = r.request(Request(key=1, cost=COST), exclude=[other])
+    busy.begin()
+    assert busy.node_id == home
+    follow_up = Request(block_size=BLOCK).with_prompt(text=opening + "First question? An answer. Second question?")
+    assert follow_up.key == text.key and r.index.match(follow_up.blocks, clock.now) == {}
+    assert r.request(follow_up).node_id == home
+    assert r.request(tokens).node_id == other
+
+
 def test_excluded_and_open_holders_are_passed_over() -> None:
     r, _ = router(node("a"), node("b"))
     r.index.stored("a", BLOCKS)
