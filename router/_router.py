@@ -92,6 +92,21 @@ def _key_bytes(key: Key) -> bytes:
     return key
 
 
+def _presumed(session: Session, request: Request, depths: dict[str, int]) -> dict[str, int]:
+    """`depths` with a session's node taken to hold the blocks of the session's last prompt there (all but its last,
+    which may have been partial, when only those match) that this turn's prompt begins with, for a turn in text
+    blocks, which no KV event names (the index knows them only while the placements' claims last), where the index
+    knows fewer."""
+    held, blocks = session.blocks, request.blocks
+    if not (held and len(blocks) >= held and blocks[held - 1] == session.last_block):
+        held -= 1
+        if not (held > 0 and len(blocks) >= held and blocks[held - 1] == session.before_last):
+            return depths
+    if held <= depths.get(session.node_id, 0):
+        return depths
+    return {**depths, session.node_id: held}
+
+
 def _spread(expected: Mapping[int, tuple[float, float]], copies: int, draw: int) -> int:
     """One of the entries that `copies` requests like this one would fill, the least expected time first (a copy
     on an entry adds its own part there: `expected` holds (expected time, own part) per entry), picked by `draw`
@@ -820,6 +835,8 @@ class Router:
         held = self._sticky(home, spill, session, exclude, now)
         blocks = request.blocks if self.settings.prefix_index else ()
         depths = self.index.match(blocks, now) if blocks else {}
+        if session is not None and held is not None and blocks and not request.engine_blocks:
+            depths = _presumed(session, request, depths)
         if held is not None and not blocks:
             group, index = held
         else:
@@ -1011,7 +1028,7 @@ class Router:
                 moved_from = session.node_id
             context = context or session.context
         if request.session:
-            self._sessions.put(request.session, label, endpoint.node_id, endpoint.model_version, context, now)
+            self._sessions.put(request.session, label, endpoint.node_id, endpoint.model_version, context, now, blocks)
         memory = self._memory if remember else None
         if memory is not None and key is not None:
             memory.put(key, label, request.cost)

@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
 class Session:
-    """Where a session went last, on which model version, and its context signature (so a new node can load it)."""
+    """Where a session went last, on which model version, its context signature (so a new node can load it), and the
+    prompt its last request there began with."""
 
     label: str
     node_id: str
     model_version: str
     context: str | None
     expires: float
+    blocks: int = 0
+    """Block hashes of the last request's prompt: what the node computed of the conversation, for turns whose blocks
+    no KV event names (text blocks), which the index knows only while the placements' claims last."""
+    last_block: int = 0
+    """The last of those hashes: a prompt whose block at the same place has it begins with all of them (chained)."""
+    before_last: int = 0
+    """The one before it: where a caller's last block is partial (as Mooncake's `hash_ids` are), the next turn's
+    block at its place differs, and the turn begins with all blocks but that one."""
 
 
 class SessionTable:
@@ -36,10 +46,20 @@ class SessionTable:
         session = self._sessions.get(token)
         return session if session is not None and session.expires > now else None
 
-    def put(self, token: str, label: str, node_id: str, model_version: str, context: str | None, now: float) -> None:
+    def put(
+        self,
+        token: str,
+        label: str,
+        node_id: str,
+        model_version: str,
+        context: str | None,
+        now: float,
+        blocks: Sequence[int] = (),
+    ) -> None:
         sessions = self._sessions
         sessions.pop(token, None)  # re-insert, so dict order is least recently written first
-        sessions[token] = Session(label, node_id, model_version, context, now + self.ttl_s)
+        last, before = blocks[-1] if blocks else 0, blocks[-2] if len(blocks) > 1 else 0
+        sessions[token] = Session(label, node_id, model_version, context, now + self.ttl_s, len(blocks), last, before)
         if len(sessions) > self.capacity and self._trim_lock.acquire(blocking=False):
             try:
                 self._trim(now)

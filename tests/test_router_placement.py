@@ -273,6 +273,33 @@ def test_for_text_blocks_the_prefix_memory_stands_on_nodes_that_report_events() 
     assert r.request(tokens).node_id == other
 
 
+@pytest.mark.parametrize("text", [True, False])
+def test_a_sessions_turn_in_text_blocks_finds_its_last_prompt_held_once_the_claims_expired(text: bool) -> None:
+    """No event names text blocks, so once the placement's claims have expired the index knows nothing of a text
+    conversation: its session's node is taken to hold the session's last prompt, and the turn stays there behind a
+    queue within the affinity factor. A token turn the index knows nothing of (its engine evicted it, or never
+    reported it) is an uncached prompt and goes where it starts soonest."""
+    r, clock = router(node("a"), node("b"), load="prefill")
+    opening = "You are a careful assistant. " * 160
+    described = Request(session="s1", block_size=BLOCK)
+    if text:
+        first_turn = described.with_prompt(text=opening + "First question?")
+        turn = described.with_prompt(text=opening + "First question? Yes. Second?")
+    else:
+        first_turn = described.with_prompt(PROMPT)
+        turn = described.with_prompt([*PROMPT, *range(5000, 5000 + 2 * BLOCK)])
+    first = sent(r, first_turn)
+    first.first_token()
+    first.end()
+    home, other = first.node_id, "b" if first.node_id == "a" else "a"
+    clock.now += r.settings.placed_ttl_s + 1
+    busy = r.request(Request(key=1, cost=first_turn.cost * 3 // 2), exclude=[other])  # 1.5 prompts queued at home
+    busy.begin()
+    assert busy.node_id == home
+    assert r.index.match(turn.blocks, clock.now) == {}
+    assert r.request(turn).node_id == (home if text else other)
+
+
 def test_excluded_and_open_holders_are_passed_over() -> None:
     r, _ = router(node("a"), node("b"))
     r.index.stored("a", BLOCKS)
