@@ -250,6 +250,12 @@ def no_sessions(block_tokens: int) -> Policy:
     return PrismPolicy(block_tokens=block_tokens, sessions=False)
 
 
+def text_callers(block_tokens: int) -> Policy:
+    """Callers without the model's tokenizer: every prompt's blocks as text blocks (`Request.engine_blocks` False),
+    which the engines' KV events never name, so the prefix index knows them only from placements."""
+    return PrismPolicy(block_tokens=block_tokens, text_blocks=True)
+
+
 def no_kv_index(block_tokens: int) -> Policy:
     """No prefix index (`Settings(prefix_index=False)`): requests go by their prefix key on the ring and the
     prefix memory, as before the engines' KV events reached the routers."""
@@ -304,6 +310,7 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
     "class-rate": class_rate,
     "fleet-rate": fleet_rate,
     "no-sessions": no_sessions,
+    "text-callers": text_callers,
     "4-routers": routers_4,
     "4-routers-own-turns": routers_4_own_turns,
     "4-routers-no-share": routers_4_no_share,

@@ -53,6 +53,16 @@ def caller_blocks(request: SimRequest, block_tokens: int) -> tuple[int, ...]:
     return request.blocks[:whole] + tuple(range(base, base + rest))
 
 
+TEXT_BLOCK_IDS = 1 << 63
+"""Where the ids of `text_ids` start: above every id the replay's engines publish (`caller_blocks`' included)."""
+
+
+def text_ids(blocks: tuple[int, ...]) -> tuple[int, ...]:
+    """A prompt's blocks as a caller without the model's tokenizer names them (`text_block_hashes`): chained as the
+    engine's are (equal prefixes, equal ids), in an id space no KV event names."""
+    return tuple(TEXT_BLOCK_IDS | block for block in blocks)
+
+
 def affinity_key(request: SimRequest, block_tokens: int) -> int:
     """The chained id of the last prefix block within the router's `PREFIX_TOKENS`, as `prefix_key` computes
     it from token ids (over `caller_blocks`); a request without blocks gets its own id (no affinity)."""
@@ -67,9 +77,10 @@ class PrismPolicy(Policy):
     """The brain and `gateways` routers, on simulated time; the routers take the library's `Settings()` unless
     `settings` says otherwise (`bench/knobs.py` sweeps them).
 
-    `brain` builds the brain (default: the library's `Brain`) and `sessions=False` sends every request without
-    its session: the seams the ablations (`_ablations`) switch parts of Prism off with. `train_steps=0` skips
-    training, for a brain whose predictor has nothing to train."""
+    `brain` builds the brain (default: the library's `Brain`), `sessions=False` sends every request without its
+    session, and `text_blocks=True` describes every prompt as a caller without the model's tokenizer would (its
+    blocks `text_ids`, which no KV event names): the seams the ablations (`_ablations`) switch parts of Prism off
+    with. `train_steps=0` skips training, for a brain whose predictor has nothing to train."""
 
     name = "prism"
 
@@ -83,6 +94,7 @@ class PrismPolicy(Policy):
         train_steps: int = 4,
         brain: Callable[[BrainConfig], Brain] | None = None,
         sessions: bool = True,
+        text_blocks: bool = False,
     ) -> None:
         from prismlb.brain import Brain
 
@@ -99,6 +111,7 @@ class PrismPolicy(Policy):
         self.train_interval_s = train_interval_s
         self.train_steps = train_steps
         self.sessions = sessions
+        self.text_blocks = text_blocks
         self._next_train = train_interval_s
         self._leases: dict[int, Lease] = {}
         self._tickets: dict[int, Ticket] = {}  # request id -> its turn, until it is placed
@@ -149,13 +162,15 @@ class PrismPolicy(Policy):
 
     def _request(self, request: SimRequest) -> Request:
         """The request as the library's helpers describe it to the router."""
+        blocks = caller_blocks(request, self.block_tokens)
         return Request(
             key=affinity_key(request, self.block_tokens),
             modality=request.signature,
             session=request.session if self.sessions else None,
             cost=max(1, request.input_tokens),
-            blocks=caller_blocks(request, self.block_tokens),
+            blocks=text_ids(blocks) if self.text_blocks else blocks,
             block_size=self.block_tokens,
+            engine_blocks=not self.text_blocks,
         )
 
     def admit(self, request: SimRequest, now: float) -> bool:

@@ -8,7 +8,7 @@ import pytest
 
 from prismlb.brain import Brain, BrainConfig
 from prismlb.cli import main
-from prismlb.router import Settings
+from prismlb.router import Request, Settings
 from prismlb.sim._ablations import (
     GRAY_VARIANTS,
     VARIANTS,
@@ -23,6 +23,7 @@ from prismlb.sim._ablations import (
     NoStallBrain,
     format_ablations,
     no_sessions,
+    text_callers,
 )
 from prismlb.sim._cluster import Simulation
 from prismlb.sim._eval import PRISM, TEXT_CLUSTER, capacity, policy_factories
@@ -75,6 +76,7 @@ def test_every_variant_is_listed_with_a_docstring() -> None:
         "class-rate",
         "fleet-rate",
         "no-sessions",
+        "text-callers",
         "4-routers",
         "4-routers-own-turns",
         "4-routers-no-share",
@@ -236,6 +238,28 @@ def test_no_sessions_sends_no_session_to_the_router() -> None:
         Simulation(scaled, policy, TEXT_CLUSTER, utilisation=0.5, seed=1).run()
         remembered[name] = len(policy.routers[0]._sessions)
     assert remembered["full"] > 0 and remembered["ablated"] == 0
+
+
+def test_text_callers_send_blocks_no_engine_event_names() -> None:
+    workload = family_workload("tenants", 40)
+    scaled = scale_to_utilisation(workload, 0.5, capacity(TEXT_CLUSTER)[0])
+    sent: dict[str, list[Request]] = {}
+    for name, policy in (
+        ("full", policy_factories(workload.block_tokens)["prism"]()),
+        ("text", text_callers(workload.block_tokens)),
+    ):
+        assert isinstance(policy, PrismPolicy)
+        sent[name] = [policy._request(r) for r in scaled.requests]
+    for full, text in zip(sent["full"], sent["text"], strict=True):
+        assert full.engine_blocks and not text.engine_blocks and len(full.blocks) == len(text.blocks)
+        assert full.key == text.key and full.cost == text.cost
+    engine = {b for r in scaled.requests for b in r.blocks}
+    text_blocks = [b for r in sent["text"] for b in r.blocks]
+    assert not engine & set(text_blocks) and all(0 <= b < 2**64 for b in text_blocks)
+    # Chained as the engine's: two prompts share a text block exactly where they share the engine's.
+    pairs = list(zip(sent["full"], sent["text"], strict=True))
+    for (f1, t1), (f2, t2) in zip(pairs, pairs[1:]):
+        assert [a == b for a, b in zip(f1.blocks, f2.blocks)] == [a == b for a, b in zip(t1.blocks, t2.blocks)]
 
 
 def test_eval_ablations_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
