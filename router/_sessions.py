@@ -18,8 +18,8 @@ class Session:
     context: str | None
     expires: float
     blocks: int = 0
-    """Block hashes of the last request's prompt: what the node computed of the conversation, for turns whose blocks
-    no KV event names (text blocks), which the index knows only while the placements' claims last."""
+    """How many block hashes the last request's prompt had: what the node computed of the conversation, for turns whose
+    blocks no KV event names (text blocks), which the index knows only while the placements' claims last."""
     last_block: int = 0
     """The last of those hashes: a prompt whose block at the same place has it begins with all of them (chained)."""
     before_last: int = 0
