@@ -165,18 +165,19 @@ def _load_csv(path: Path, limit: int | None, seed: int) -> Workload:
                 known = "; ".join(c.columns() for c in CSV_FORMATS)
                 raise _BadLine(f"the header names no known CSV format's columns: {known}")
             times: list[Any] = []
-            counts: list[tuple[int, ...]] = []
+            inputs: list[int] = []
+            outputs: list[int] = []
             for row in itertools.islice(reader, limit):
                 times.append(_cell(row, form.time, form.parse_time, f"a time as {form.name} writes it"))
-                counts.append(tuple(_cell(row, c, _count, "a whole number ≥ 0") for c in (form.input, form.output)))
+                inputs.append(max(1, _cell(row, form.input, _count, "a whole number ≥ 0")))
+                outputs.append(max(1, _cell(row, form.output, _count, "a whole number ≥ 0")))
         except UnicodeDecodeError as bad:
             raise TraceFormatError(path, reader.line_num + 1, f"not UTF-8 text ({bad.reason})") from None
         except (_BadLine, csv.Error) as bad:
             raise TraceFormatError(path, max(1, reader.line_num), str(bad)) from None
-    inputs = [max(1, n) for n, _ in counts]
     requests = [
-        SimRequest(0, form.seconds(t, times[0]), n, max(1, out), blocks)
-        for t, n, (_, out), blocks in zip(times, inputs, counts, _unique_blocks(inputs), strict=True)
+        SimRequest(0, form.seconds(t, times[0]), n, out, blocks)
+        for t, n, out, blocks in zip(times, inputs, outputs, _unique_blocks(inputs), strict=True)
     ]
     source = f"{path}; {form.name} CSV, no prefix information: unique blocks per request"
     return Workload(path.stem, _ordered(spread_over_resolution(requests, seed)), BLOCK_TOKENS, source)
