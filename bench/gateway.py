@@ -4,10 +4,11 @@ through nginx's reverse proxy and through `prism gateway`, in one run.
 Run: .venv/bin/python bench/gateway.py [--requests 400] [--concurrency 1,16]
 
 The engine is a stand-in (no GPU here, and the hop's cost does not depend on what answers): a threading HTTP/1.1
-server that streams eight OpenAI-style chunks at once for every POST, in its own process. nginx (Debian's, one
-worker, upstream keep-alive, `proxy_buffering off` so chunks pass as they come) and the gateway (`Gateway` on a
-table of that one engine: every request is described and placed, leased and relayed as in production) each run in
-their own process too, and the load generator (httpx, asyncio) in this one, each proxy's turn after the other's on
+server that streams eight OpenAI-style chunks at once for every chat POST and answers `/tokenize` as vLLM does, in
+its own process. nginx (Debian's, one worker, upstream keep-alive, `proxy_buffering off` so chunks pass as they
+come) and the gateway (`Gateway` on a table of that one engine: every request is described, tokenized by the
+engine, placed, leased and relayed as in production; and again with `--tokenize text`) each run in their own
+process too, and the load generator (httpx, asyncio) in this one, each proxy's turn after the other's on
 the same engine. Reported per route and concurrency: p50 and p99 of the time to the first chunk and to the end,
 requests per second, and each proxy's p50 added to the direct route's.
 """
@@ -29,9 +30,12 @@ from pathlib import Path
 import httpx
 
 from prismlb.demo import free_port, percentile, spawn, stop, wait_healthy
-from prismlb.service import NoDelayHandler
+from prismlb.service import NoDelayHandler, reply_json
 
 CHUNKS = 8
+GATEWAYS = {"prism gateway": "engine", "prism gateway, text blocks": "text"}
+"""The gateway's routes by `--tokenize`: its default, a round trip to the engine's `/tokenize` before each request
+is placed, and the text blocks alone."""
 BODY = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "What does the report say? " * 40}]}
 
 
@@ -48,7 +52,10 @@ class _Engine(NoDelayHandler):
         self.wfile.write(b"ok")
 
     def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        if self.path == "/tokenize":  # vLLM's answer: an id per 4 bytes of the body, as a tokenizer's count goes
+            reply_json(self, 200, {"count": len(body) // 4, "tokens": list(range(len(body) // 4))})
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
@@ -68,13 +75,15 @@ def serve_engine(port: int) -> None:
     server.serve_forever()
 
 
-def serve_gateway(port: int, engine: str) -> None:
+def serve_gateway(port: int, engine: str, tokenize: str) -> None:
     from prismlb.router import Gateway, GatewayConfig, Router
     from prismlb.wire import RoutingTable, SliceTable, TableNode
 
     node = TableNode(node_id="engine", endpoint=engine, weight=1.0)
     table = RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="llm", nodes=[node])])
-    with Gateway(Router.from_table(table), GatewayConfig(port=port)):
+    router = Router.from_table(table)
+    router.apply_kv("engine", False, (), ())  # its KV events reach the router, as through a brain: the ids are asked
+    with Gateway(router, GatewayConfig(port=port, tokenize=tokenize)):  # type: ignore[arg-type]
         threading.Event().wait()  # until the bench terminates this process
 
 
@@ -135,18 +144,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=400, help="requests per route and concurrency")
     parser.add_argument("--concurrency", default="1,16", help="comma-separated numbers of requests at once")
     parser.add_argument("--serve-engine", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    parser.add_argument("--serve-gateway", nargs=2, metavar=("PORT", "ENGINE"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve-gateway", nargs=3, metavar=("PORT", "ENGINE", "TOKENIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_engine:
         serve_engine(args.serve_engine)
         return 0
     if args.serve_gateway:
-        serve_gateway(int(args.serve_gateway[0]), args.serve_gateway[1])
+        serve_gateway(int(args.serve_gateway[0]), args.serve_gateway[1], args.serve_gateway[2])
         return 0
     levels = [int(c) for c in args.concurrency.split(",") if c]
     nginx = shutil.which("nginx", path="/usr/sbin:/usr/bin")
     logs = Path(tempfile.mkdtemp(prefix="prism-bench-gateway-"))
-    engine_port, nginx_port, gateway_port = free_port(), free_port(), free_port()
+    engine_port, nginx_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     routes: dict[str, str] = {"direct": engine_url}
     rows: list[str] = []
@@ -168,12 +177,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(f"nginx did not start: {(logs / 'error.log').read_text()[-300:]}")
         else:
             rows.append("nginx is not installed (Debian: apt-get install -y nginx): its row is left out")
-        gateway = spawn([__file__, "--serve-gateway", str(gateway_port), engine_url], logs / "gateway.log")
-        procs.append(gateway)
-        if not wait_healthy(f"http://127.0.0.1:{gateway_port}/health", gateway, time.monotonic() + 30):
-            print(f"the gateway did not start: {(logs / 'gateway.log').read_text()[-500:]}", file=sys.stderr)
-            return 1
-        routes["prism gateway"] = f"http://127.0.0.1:{gateway_port}"
+        for route, tokenize in GATEWAYS.items():
+            port, log = free_port(), logs / f"gateway-{tokenize}.log"
+            gateway = spawn([__file__, "--serve-gateway", str(port), engine_url, tokenize], log)
+            procs.append(gateway)
+            if not wait_healthy(f"http://127.0.0.1:{port}/health", gateway, time.monotonic() + 30):
+                print(f"the gateway did not start: {log.read_text()[-500:]}", file=sys.stderr)
+                return 1
+            routes[route] = f"http://127.0.0.1:{port}"
         print(f"{args.requests} streamed completions of {CHUNKS} chunks per route and concurrency; logs in {logs}")
         print("| concurrency | route | first chunk p50 | p99 | end p50 | p99 | requests/s | p50 added to direct |")
         print("|---|---|---|---|---|---|---|---|")

@@ -18,7 +18,8 @@ gateway drops Prism's `X-Modality-Signature` header). Contenders:
   library's default settings as every peer runs with its own (not the demo's 0.3 s slow first token, which
   opens a busy node's circuit under a burst of long prompts).
 - Prism as a gateway (`prism gateway`, its own process, the same brain and agents): the load generator sends to
-  it as to a peer, so Prism pays the proxy hop every peer pays; and the gateway given the engines' URLs alone
+  it as to a peer, so Prism pays the proxy hop every peer pays; the same with `--tokenize text` (the requests'
+  text blocks, no round trip to an engine's `/tokenize` first); and the gateway given the engines' URLs alone
   (`--worker-url`), with no brain and no agents, as the peers are given them: what Prism's router does on its own
   placements and load, with each engine's prefill speed read from its `/metrics`, without the rest of the
   cluster's telemetry.
@@ -128,7 +129,8 @@ class Contender:
     """The peer's wheel; None for Prism."""
     module: str = ""
     """The peer's module to run; for Prism, "gateway" runs `prism gateway` between the callers and the engines
-    (a hop, as every peer is), "gateway --worker-url" the same on the engines' URLs alone (no brain, no agents),
+    (a hop, as every peer is; the words after it are its flags), "gateway --worker-url" the same on the engines'
+    URLs alone (no brain, no agents),
     "routers" `ROUTERS` routers inside the load generator ("routers --own-turns": with `share_turns` off), "" one."""
     policy: str = ""
     replay: str | None = None
@@ -138,6 +140,7 @@ class Contender:
 CONTENDERS = (
     Contender("prism", None, policy="expected TTFT, prefix index", replay="prism"),
     Contender("prism-gateway", None, "gateway", "expected TTFT, prefix index, as a proxy"),
+    Contender("prism-gateway", None, "gateway --tokenize text", "the same on text blocks, no engine /tokenize"),
     Contender("prism-gateway", None, "gateway --worker-url", "the same on worker URLs, no brain or agents"),
     Contender("prism-routers", None, "routers", "four in the callers, one order over their rooms", "4-routers"),
     Contender(
@@ -313,7 +316,7 @@ def run_one(
     procs: list[subprocess.Popen[bytes]] = []
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: stop([*procs, *cluster.procs()]))
-        cluster.start(prism=contender.package is None and contender.module != "gateway --worker-url")
+        cluster.start(prism=contender.package is None and "--worker-url" not in contender.module)
         for node in cluster.nodes:
             if not wait_healthy(f"{node.url}/health", node.engine, time.monotonic() + STARTUP_LIMIT_S):
                 outcome.problem = f"engine {node.node_id} did not start: {cluster.log_tail(4)}"
@@ -326,10 +329,13 @@ def run_one(
             port = free_port()
             log = logs / "router.log"
             args = ["-m", "prismlb.cli", "gateway", "--port", str(port)]
-            if contender.module == "gateway":
-                args += ["--updates", cluster.address.updates, "--snapshot", cluster.address.snapshot]
-            else:
+            flags = contender.module.split()[1:]
+            if "--worker-url" in flags:
+                flags.remove("--worker-url")
                 args += [f"--worker-url={node.url}" for node in cluster.nodes]
+            else:
+                args += ["--updates", cluster.address.updates, "--snapshot", cluster.address.snapshot]
+            args += flags
             proc = spawn(args, log)
             procs.append(proc)
             if not gateway_ready(port, proc, len(cluster.nodes), time.monotonic() + STARTUP_LIMIT_S):

@@ -5,9 +5,10 @@
 arm, its session's endpoint, else bounded-load consistent hashing on the weighted `Ring`.
 `with router.request(...) as lease:` also counts the request in flight and reports its outcome to passive
 health and the circuit breaker. `prefix_key` computes affinity keys from token ids or text. `PrismTransport`
-and `AsyncPrismTransport` route an httpx client; `Gateway` (`prism gateway`) relays HTTP requests through a router
-for callers that cannot embed one; `render_nginx` writes a table as nginx upstreams; `add_parser` registers the
-`prism route` and `prism gateway` subcommands.
+and `AsyncPrismTransport` route an httpx client (`EngineTokenizer` gives them the engines' token ids for text);
+`Gateway` (`prism gateway`) relays HTTP requests through a router for callers that cannot embed one;
+`render_nginx` writes a table as nginx upstreams; `add_parser` registers the `prism route` and `prism gateway`
+subcommands.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ._ring import Ring
 from ._router import Router
 from ._settings import Settings
 from ._snapshot import Endpoint
+from ._tokenize import EngineTokenizer
 from ._turns import Ticket
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "Circuit",
     "Endpoint",
     "EndpointStatus",
+    "EngineTokenizer",
     "ExtraKey",
     "Gateway",
     "GatewayConfig",

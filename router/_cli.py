@@ -35,7 +35,7 @@ from prismlb.service import (
 )
 from prismlb.wire import BrainAddress, ClientCurve, ConfigError, NoRouteError, RoutingTable
 
-from ._gateway import Gateway, GatewayConfig, WorkerWatch, static_table
+from ._gateway import TOKENIZE_SOURCES, Gateway, GatewayConfig, WorkerWatch, static_table, tokenize_problem
 from ._nginx import DEFAULT_HASH, check_nginx_settings, nginx_choices, render_nginx
 from ._router import Router
 from ._settings import Settings
@@ -56,6 +56,14 @@ def _slo_scale(raw: object) -> float:
     """A TTFT SLO scale, as `Settings.slo_scale` takes it."""
     value = float(parse_number(raw, float, f"{raw!r} is not a number"))
     Settings(slo_scale=value)  # its check, in one place
+    return value
+
+
+def _tokenize_source(raw: object) -> str:
+    """`GatewayConfig.tokenize`: engine or text."""
+    value = parse_text(raw).lower()
+    if value not in TOKENIZE_SOURCES:
+        raise ValueError(tokenize_problem(raw))
     return value
 
 
@@ -140,6 +148,16 @@ GATEWAY_SETTINGS = SettingTable(
             flag="--slo-scale",
             metavar="TIMES",
             variable="PRISM_SLO_SCALE",
+        ),
+        Setting(
+            "tokenize",
+            "where a text request's block hashes come from: engine (the token ids an engine's /tokenize gives, which "
+            "match the engines' KV events) or text (its text blocks, no round trip first)",
+            _tokenize_source,
+            GatewayConfig.tokenize,
+            flag="--tokenize",
+            metavar="SOURCE",
+            variable="PRISM_GATEWAY_TOKENIZE",
         ),
         Setting(
             "upstream_timeout_s",

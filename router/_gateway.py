@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 import httpx
@@ -45,6 +45,7 @@ from ._errors import ShedError
 from ._httpx import PrismTransport
 from ._ring import label
 from ._router import Router
+from ._tokenize import EngineTokenizer
 
 _log = logging.getLogger("prism.gateway")
 
@@ -68,6 +69,15 @@ _MAX_CHUNK_LINE = 1024
 """Longest chunk-size line of a chunked request body (size, extensions) accepted."""
 
 
+TokenizeSource = Literal["engine", "text"]
+TOKENIZE_SOURCES: tuple[TokenizeSource, ...] = get_args(TokenizeSource)
+
+
+def tokenize_problem(value: object) -> str:
+    """What is wrong with `value` as `GatewayConfig.tokenize`."""
+    return f"tokenize must be 'engine' or 'text', got {value!r}"
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """Where the gateway listens and what it bounds; checked when it is made (ConfigError)."""
@@ -85,6 +95,10 @@ class GatewayConfig:
     """Connecting to an engine; past it the attempt fails and the next endpoint is tried."""
     upstream_timeout_s: float = 600.0
     """Longest wait for an engine's next bytes: a long prompt's prefill comes before its first chunk."""
+    tokenize: TokenizeSource = "engine"
+    """Where a text request's block hashes come from: `engine`, the token ids an engine's `/tokenize` gives
+    (`EngineTokenizer`), which match the engines' KV events, and the text blocks where it gives none; `text`,
+    the text blocks alone, which match the routers' own placements for `placed_ttl_s` (no round trip first)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -92,6 +106,8 @@ class GatewayConfig:
         for name in ("max_connections", "max_body_bytes"):
             if not getattr(self, name) >= 1:
                 raise ConfigError(f"gateway: {name} must be at least 1, got {getattr(self, name)!r}")
+        if self.tokenize not in TOKENIZE_SOURCES:
+            raise ConfigError(f"gateway: {tokenize_problem(self.tokenize)}")
         for name in ("read_timeout_s", "connect_timeout_s", "upstream_timeout_s"):
             if not getattr(self, name) > 0:  # NaN included
                 raise ConfigError(f"gateway: {name} must be positive, got {getattr(self, name)!r}")
@@ -272,7 +288,9 @@ class Gateway:
             max_connections=self.config.max_connections, max_keepalive_connections=self.config.max_connections
         )
         inner = transport if transport is not None else httpx.HTTPTransport(limits=limits)
-        self.transport = PrismTransport(router, transport=inner)
+        self.tokenizer = EngineTokenizer(router) if self.config.tokenize == "engine" else None
+        """Asks the engines for each text request's token ids (`GatewayConfig.tokenize`)."""
+        self.transport = PrismTransport(router, transport=inner, tokenize=self.tokenizer)
         """Sends each request through the router; shared by every connection's thread. Called directly, not through
         an `httpx.Client`: a proxy wants none of a client's cookies, redirects or default headers, nor its cost."""
         timeout = httpx.Timeout(self.config.upstream_timeout_s, connect=self.config.connect_timeout_s, pool=None)
@@ -281,7 +299,7 @@ class Gateway:
         try:
             self._server = _GatewayServer(self)
         except OSError as exc:
-            self.transport.close()
+            self._close_upstream()
             raise ConfigError(f"gateway: cannot listen on {self.config.host}:{self.config.port}: {exc}") from None
         self.port = self._server.server_port
         """The port listened on (the kernel's pick when the config's is 0)."""
@@ -305,7 +323,15 @@ class Gateway:
             self._server.server_close()
             self._server.close_connections()
         finally:
+            self._close_upstream()
+
+    def _close_upstream(self) -> None:
+        """Close the connections to the engines: the relay's and the tokenizer's."""
+        try:
             self.transport.close()
+        finally:
+            if self.tokenizer is not None:
+                self.tokenizer.close()
 
     def __enter__(self) -> Gateway:
         self.start()

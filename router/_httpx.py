@@ -6,12 +6,13 @@ The affinity key is the `X-Prism-Affinity-Key` header, else `prefix_key` of the 
 the messages' content parts; the cost (what `load="prefill"` balances) is the prompt's tokens, or the conversation's
 estimated tokens; the block hashes (`Request.blocks`, which the router matches against its prefix index; all three
 from `Request.with_prompt`) are `block_hashes` of a prompt given as token ids, or of the ids the transport's
-`tokenize` gives for the body (the model's tokenizer and chat template, as the engine applies them), which match the
-engines' KV events; else `text_block_hashes` of the conversation, which match this router's own placements (media
-parts stand in as digests of themselves, so they hash by content). A `tokenize` that raises or gives no token ids
-leaves that request on the text fallback, counted (`tokenize` in the router's rejects); media parts' blocks carry the
-engine's extra keys, which token ids alone do not, so with media the ids match up to the first media part only.
-Session, context
+`tokenize` gives for the body (the model's tokenizer and chat template, as the engine applies them; `EngineTokenizer`
+asks the engines themselves), which match the engines' KV events; else `text_block_hashes` of the conversation, which
+match this router's own placements (media parts stand in as digests of themselves, so they hash by content). A
+`tokenize` that raises or gives no token ids leaves that request on the text fallback, counted (`tokenize` in the
+router's rejects), one that gives None leaves it there uncounted; media parts' blocks carry the engine's extra keys,
+which token ids alone do not, so with media the ids match up to the first media part only. The async transport
+calls `tokenize` on a worker thread. Session, context
 signature, request class and the request's own TTFT SLO (`X-SLO-TTFT-Ms`, milliseconds; a bad value is counted as
 `slo` and the router's SLO applies) come from their headers. The request goes to the endpoint's scheme, host and
 port (its path prefix, if any, before the request's path).
@@ -27,6 +28,7 @@ that is not streamed has no first token, so its whole time is not judged and its
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
@@ -99,8 +101,9 @@ def _conversation(body: Any) -> tuple[str | None, set[str]]:
     return "".join(pieces), kinds
 
 
-Tokenize = Callable[[dict[str, Any]], Sequence[int]]
-"""A JSON request body's prompt token ids as the engine computes them."""
+Tokenize = Callable[[dict[str, Any]], Sequence[int] | None]
+"""A JSON request body's prompt token ids as the engine computes them; None for a body it leaves on its text
+blocks (not a failure: nothing is counted)."""
 
 
 def describe(
@@ -154,7 +157,10 @@ def _slo_s(raw: str | None, rejects: RejectCounter | None) -> float | None:
 def _tokenized(tokenize: Tokenize, body: dict[str, Any], rejects: RejectCounter | None) -> list[int] | None:
     """`tokenize(body)` as a list of token ids; None (counted) when it raises or gives anything else."""
     try:
-        tokens = list(tokenize(body))
+        given = tokenize(body)
+        if given is None:
+            return None
+        tokens = list(given)
         if tokens and all(type(t) is int and 0 <= t < 2**32 for t in tokens):
             return tokens
         problem = "no token ids" if not tokens else "ids that are not 32-bit unsigned integers"
@@ -196,10 +202,14 @@ def outcome_of_status(status: int) -> Outcome:
     return Outcome.ERROR if status >= 500 or status == 429 else Outcome.OK
 
 
+def endpoint_url(address: str) -> httpx.URL:
+    """A table entry's endpoint as a URL (`host:port` is taken as http)."""
+    return httpx.URL(address if "://" in address else f"http://{address}")
+
+
 def _forward(request: httpx.Request, lease: Lease) -> httpx.Request:
     """The request re-addressed to the lease's endpoint, with the lease's session headers."""
-    address = lease.address if "://" in lease.address else f"http://{lease.address}"
-    target = httpx.URL(address)
+    target = endpoint_url(lease.address)
     url = request.url.copy_with(
         scheme=target.scheme, host=target.host, port=target.port, path=target.path.rstrip("/") + request.url.path
     )
@@ -356,6 +366,13 @@ class _Routing(Generic[_Transport]):
         )
         return Attempts(self._router, described, self._tries, first_tokens=streamed), streamed
 
+    async def _aattempts(self, request: httpx.Request) -> tuple[Attempts, bool]:
+        """`_attempts` for a coroutine: with a `tokenize` (a round trip to an engine, or a tokenizer's CPU time),
+        on a worker thread, so that the event loop goes on meanwhile."""
+        if self._tokenize is None:
+            return self._attempts(request)
+        return await asyncio.to_thread(self._attempts, request)
+
 
 class PrismTransport(_Routing[httpx.BaseTransport], httpx.BaseTransport):
     """Sends each request of a sync httpx client to the endpoint `router` picks (see the module docstring;
@@ -396,7 +413,7 @@ class AsyncPrismTransport(_Routing[httpx.AsyncBaseTransport], httpx.AsyncBaseTra
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await request.aread()
-        attempts, streamed = self._attempts(request)
+        attempts, streamed = await self._aattempts(request)
         run = _Run(request, attempts, streamed, await attempts.afirst())
         while True:
             run.lease.begin()

@@ -1183,6 +1183,12 @@ class Router:
         return {} if self._subscriber is None else self._subscriber.brains()
 
     @property
+    def hears_kv(self) -> bool:
+        """Whether some node's engine KV events reach this router (`apply_kv`): only then do a request's engine
+        blocks find more in the prefix index than its text blocks would."""
+        return bool(self._reporting)
+
+    @property
     def sessions(self) -> int:
         """Sessions remembered now (expired ones included until trimmed)."""
         return len(self._sessions)

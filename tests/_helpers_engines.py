@@ -7,19 +7,27 @@ from __future__ import annotations
 import json
 import threading
 
+from prismlb.sim import request_tokens
+
 from ._helpers_http import LoopbackServer, QuietHandler
 
 
 class Handler(QuietHandler):
     """POST /v1/chat/completions as an engine answers it: `status` other than 200 with an OpenAI error body;
     else, once `gate` is set, a completion naming the server, or, streamed, the head at once and the chunks once
-    `gate` is set."""
+    `gate` is set. POST /tokenize as vLLM answers it, with the emulated engine's tokenizer, counted apart."""
 
     server: Engine
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         engine = self.server
+        if self.path == "/tokenize":
+            with engine.lock:
+                engine.tokenized += 1
+            tokens = request_tokens(body)
+            self.reply(200, json.dumps({"count": len(tokens), "tokens": tokens}).encode(), "application/json")
+            return
         with engine.lock:
             engine.requests += 1
         if engine.status != 200:
@@ -63,6 +71,8 @@ class Engine(LoopbackServer):
         self.name = name
         self.status = status
         self.requests = 0
+        """Completions asked for (tokenize calls are `tokenized`)."""
+        self.tokenized = 0
         self.lock = threading.Lock()
         self.gate = threading.Event()
         self.gate.set()

@@ -24,7 +24,10 @@ def outcome(bench: ModuleType, contender: object, p99_ms: float) -> object:
 
 
 def test_agreement_names_the_pairs_ordered_differently(bench: ModuleType) -> None:
-    prism, _, _, _, _, sglang, power, kv, cache = bench.CONTENDERS
+    by_name = {(c.name, c.policy): c for c in bench.CONTENDERS}
+    prism = by_name["prism", "expected TTFT, prefix index"]
+    sglang, power = by_name["sglang", "cache_aware"], by_name["sglang", "power_of_two"]
+    kv, cache = by_name["vllm", "kv_aware"], by_name["vllm", "cache_aware"]
     live = [outcome(bench, prism, 900), outcome(bench, sglang, 1200), outcome(bench, kv, 700)]
     live += [outcome(bench, power, 5000), outcome(bench, cache, 1100)]
     replayed = {"prism": 1000.0, "sglang": 1500.0, "vllm-kv-aware": 800.0}

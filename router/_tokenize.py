@@ -1,0 +1,156 @@
+"""Prompt token ids from the engines' own tokenizer, for callers that send text (`prism gateway`, an OpenAI SDK).
+
+The prefix index matches block hashes of the engine's token ids: the ids vLLM's KV events carry, which only the
+model's tokenizer and chat template give. A caller that sends chat text has neither, and without them its blocks
+are text blocks, which match this router's own placements (and its peers') for `placed_ttl_s` and never an
+engine's event: a conversation back after that, a prefix another caller's request left cached, an eviction the
+engine reported, are all unknown to it. `EngineTokenizer` asks an engine of the router's table to tokenize the
+body, as vLLM's router does for its KV-aware policy: vLLM's `POST /tokenize` takes the chat `messages` (the
+template applied as for the chat request) or a completion `prompt`, and answers `{"tokens": [...]}`.
+
+What it costs: one round trip to an engine's API server before the request is placed, and the tokenizing the
+engine would do anyway, done twice. What it does not do:
+- ask while no engine's KV events reach the router (a gateway on worker URLs alone): the ids would match only the
+  router's own placements, as the text blocks do;
+- ask anything of a conversation with media parts (their placeholder tokens need the media fetched and
+  processed): it answers None, and the request keeps its text blocks;
+- wait long: a tokenize not answered within `timeout_s` leaves the request on its text blocks;
+- ask an endpoint that failed again (refused, timed out, an error status, an answer without ids) before
+  `retry_s` has passed: an engine without the route (a 404) costs one round trip per `retry_s`, not one per
+  request.
+Its failures raise, and the transport counts them (`tokenize` in the router's rejects) and goes on with the
+text blocks: tokenizing never stops a request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+import httpx
+
+from prismlb.wire import RoutingTable
+
+from ._httpx import endpoint_url
+from ._router import Router
+
+TOKENIZE_PATH: Final = "/tokenize"
+"""vLLM's tokenize route (SGLang's server answers the same body at `/tokenize` too)."""
+CHAT_FIELDS: Final = (
+    "model",
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+)
+"""A chat body's fields that decide its prompt's tokens, passed on as the chat request has them."""
+PROMPT_FIELDS: Final = ("model", "prompt", "add_special_tokens")
+"""A completion body's fields that decide its prompt's tokens."""
+
+
+def tokenize_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The `/tokenize` request for a chat or completion body: None for one with media parts, or with neither
+    text messages nor a text prompt (nothing the engine can tokenize without fetching something)."""
+    if isinstance(body.get("prompt"), str):
+        return {k: body[k] for k in PROMPT_FIELDS if k in body}
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") in ("text", "input_text") for p in content):
+                return None
+        elif content is not None and not isinstance(content, str):
+            return None
+    return {k: body[k] for k in CHAT_FIELDS if k in body}
+
+
+class EngineTokenizer:
+    """A `PrismTransport(tokenize=...)` that asks the engines of `router`'s table: each call the next endpoint in
+    turn of those not benched (see the module docstring). Thread-safe; `close` ends its connections.
+
+    `timeout_s`: the bound on connecting, sending and each wait for the answer's bytes. `retry_s`: how long an
+    endpoint that failed is passed over. `transport`: what reaches the engines (httpx's own by default)."""
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        timeout_s: float = 0.5,
+        retry_s: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not timeout_s > 0 or not retry_s >= 0:
+            raise ValueError(f"timeout_s must be positive and retry_s at least 0, got {timeout_s!r}, {retry_s!r}")
+        self._router = router
+        self._timeout_s = timeout_s
+        self._retry_s = retry_s
+        self._clock = clock
+        self._client = httpx.Client(transport=transport, timeout=timeout_s)
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+        self._table: RoutingTable | None = None
+        self._endpoints: list[str] = []
+        self._benched: dict[str, float] = {}
+
+    def __call__(self, body: dict[str, Any]) -> list[int] | None:
+        """The engine's token ids for `body`'s prompt; None for a body it does not send (media parts, no prompt),
+        and for every body while no engine's KV events reach the router (`Router.hears_kv`: a gateway on worker URLs
+        alone), where the ids would match nothing the text blocks do not.
+        Raises LookupError when every endpoint is benched or there is no table, httpx's errors for a failed round
+        trip, ValueError for an answer without token ids."""
+        request = tokenize_body(body)
+        if request is None or not self._router.hears_kv:
+            return None
+        endpoint = self._next()
+        try:
+            url = endpoint_url(endpoint)
+            response = self._client.post(url.copy_with(path=url.path.rstrip("/") + TOKENIZE_PATH), json=request)
+            response.raise_for_status()
+            tokens = response.json().get("tokens")
+            if not isinstance(tokens, list):
+                raise ValueError(f"{endpoint}{TOKENIZE_PATH} answered without a tokens list")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            with self._lock:
+                self._benched[endpoint] = self._clock() + self._retry_s
+            raise
+        return tokens
+
+    def _next(self) -> str:
+        """The next endpoint in turn that is not benched."""
+        table = self._router.table
+        now = self._clock()
+        with self._lock:
+            if table is not self._table:
+                self._table = table
+                seen = {} if table is None else {n.endpoint: None for s in table.slices for n in s.nodes}
+                self._endpoints = list(seen)
+            endpoints = self._endpoints
+            if not endpoints:
+                raise LookupError("no table to find an engine to tokenize at")
+            start = next(self._turn)
+            for i in range(len(endpoints)):
+                endpoint = endpoints[(start + i) % len(endpoints)]
+                if self._benched.get(endpoint, 0.0) <= now:
+                    self._benched.pop(endpoint, None)
+                    return endpoint
+        raise LookupError(f"all {len(endpoints)} engines failed to tokenize within the last {self._retry_s:g} s")
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> EngineTokenizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
