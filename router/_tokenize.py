@@ -17,7 +17,7 @@ engine would do anyway, done twice. What it does not do:
 - wait long: a tokenize not answered within `timeout_s` leaves the request on its text blocks;
 - ask an endpoint that failed again (refused, timed out, an error status, an answer without ids) before
   `retry_s` has passed: an engine without the route (a 404) costs one round trip per `retry_s`, not one per
-  request.
+  request. A body the engine refuses (400, 413, 422) is that body's fault, and benches nothing.
 Its failures raise, and the transport counts them (`tokenize` in the router's rejects) and goes on with the
 text blocks: tokenizing never stops a request.
 """
@@ -38,7 +38,8 @@ from ._httpx import endpoint_url
 from ._router import Router
 
 TOKENIZE_PATH: Final = "/tokenize"
-"""vLLM's tokenize route (SGLang's server answers the same body at `/tokenize` too)."""
+"""vLLM's tokenize route. SGLang's server has one of the name for a completion's `prompt`; where an engine's
+route refuses chat `messages`, those requests keep their text blocks."""
 CHAT_FIELDS: Final = (
     "model",
     "messages",
@@ -52,6 +53,9 @@ CHAT_FIELDS: Final = (
 """A chat body's fields that decide its prompt's tokens, passed on as the chat request has them."""
 PROMPT_FIELDS: Final = ("model", "prompt", "add_special_tokens")
 """A completion body's fields that decide its prompt's tokens."""
+CALLERS_FAULT: Final = frozenset({400, 413, 422})
+"""Statuses with which an engine refuses one body (malformed, too long, invalid): the body's fault, not the
+engine's, so the engine is not passed over for them; a hostile caller cannot bench every engine."""
 
 
 def tokenize_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -93,7 +97,6 @@ class EngineTokenizer:
         if not timeout_s > 0 or not retry_s >= 0:
             raise ValueError(f"timeout_s must be positive and retry_s at least 0, got {timeout_s!r}, {retry_s!r}")
         self._router = router
-        self._timeout_s = timeout_s
         self._retry_s = retry_s
         self._clock = clock
         self._client = httpx.Client(transport=transport, timeout=timeout_s)
@@ -113,18 +116,28 @@ class EngineTokenizer:
         if request is None or not self._router.hears_kv:
             return None
         endpoint = self._next()
+        url = endpoint_url(endpoint)
         try:
-            url = endpoint_url(endpoint)
             response = self._client.post(url.copy_with(path=url.path.rstrip("/") + TOKENIZE_PATH), json=request)
+        except Exception:
+            self._bench(endpoint)
+            raise
+        if response.status_code in CALLERS_FAULT:
+            raise ValueError(f"{endpoint}{TOKENIZE_PATH} refused the body: {response.status_code}")
+        try:
             response.raise_for_status()
             tokens = response.json().get("tokens")
             if not isinstance(tokens, list):
                 raise ValueError(f"{endpoint}{TOKENIZE_PATH} answered without a tokens list")
-        except (httpx.HTTPError, ValueError, AttributeError):
-            with self._lock:
-                self._benched[endpoint] = self._clock() + self._retry_s
+        except Exception:
+            self._bench(endpoint)
             raise
         return tokens
+
+    def _bench(self, endpoint: str) -> None:
+        """Pass `endpoint` over for `retry_s`."""
+        with self._lock:
+            self._benched[endpoint] = self._clock() + self._retry_s
 
     def _next(self) -> str:
         """The next endpoint in turn that is not benched."""
@@ -135,6 +148,7 @@ class EngineTokenizer:
                 self._table = table
                 seen = {} if table is None else {n.endpoint: None for s in table.slices for n in s.nodes}
                 self._endpoints = list(seen)
+                self._benched = {e: until for e, until in self._benched.items() if e in seen}
             endpoints = self._endpoints
             if not endpoints:
                 raise LookupError("no table to find an engine to tokenize at")

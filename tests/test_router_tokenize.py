@@ -138,6 +138,23 @@ class NoRoute(QuietHandler):
         self.reply(404, b'{"detail": "Not Found"}', "application/json")
 
 
+class Refusing(QuietHandler):
+    """An engine that refuses every body it is asked to tokenize as invalid."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.reply(400, b'{"error": {"message": "invalid messages"}}', "application/json")
+
+
+def test_a_body_the_engine_refuses_raises_without_benching_the_engine() -> None:
+    """A 400 is the body's fault: a caller sending bad bodies cannot have every engine passed over."""
+    with serving_http(LoopbackServer(Refusing)) as (refusing,):
+        with EngineTokenizer(table_router(refusing.address)) as tokenize:
+            for _ in range(3):
+                with pytest.raises(ValueError, match="refused the body: 400"):
+                    tokenize(CHAT)
+
+
 def test_an_engine_without_the_route_is_an_error_and_the_request_goes_on_with_its_text_blocks_counted(
     engines: tuple[Engine, Engine],
 ) -> None:
