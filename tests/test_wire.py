@@ -286,17 +286,23 @@ def test_clone_pattern_late_joiner_follows_the_leading_brain(ctx: zmq.Context) -
     subscriber = TableSubscriber(ctx, addresses, lambda t: got.append(t) is None, RejectCounter("router", LOG))
     subscriber.start()
 
-    def served() -> bool:
-        for p in publishers:
-            p.serve_snapshots()
-            p.heartbeat()
-        return subscriber.current_order == (5, 3)
+    def served(order: tuple[int, int]) -> Callable[[], bool]:
+        """Both brains serving as live brains do (snapshots answered, heartbeats sent) until `order` is followed:
+        a snapshot asked again on a loaded host is answered, not left to hold the updates back."""
 
-    wait_for(served, 3)
+        def check() -> bool:
+            for p in publishers:
+                p.serve_snapshots()
+                p.heartbeat()
+            return subscriber.current_order == order
+
+        return check
+
+    wait_for(served((5, 3)), 10, "the leader's table")
     assert subscriber.current_order == (5, 3) and subscriber.following == "brain-b"
     publishers[1].publish(named(table(6, 2, ("new", "newer")), "brain-a"))
     publishers[0].publish(named(table(5, 4, ("old", "older")), "brain-b"))
-    wait_for(lambda: subscriber.current_order == (5, 4), 3)
+    wait_for(served((5, 4)), 10, "the leader's next table")
     subscriber.stop()
     orders = [(t.brain_id, t.order) for t in got]
     # Before it has heard the leader, a late joiner may take the other brain's table (it is all it knows);
