@@ -17,8 +17,8 @@ gateway drops Prism's `X-Modality-Signature` header). Contenders:
 - Prism: brain, one agent per engine (eBPF off) and the router in-process, as the demo runs them, with the
   library's default settings as every peer runs with its own (not the demo's 0.3 s slow first token, which
   opens a busy node's circuit under a burst of long prompts).
-- The same router with `tokenize=EngineTokenizer(router)`: each text request's token ids from an engine's
-  `/tokenize`, as the gateway asks by default.
+- The same router with `tokenize=None`: its transport keys each text request by its text blocks, where by default
+  it asks an engine's `/tokenize` for the token ids.
 - Prism as a gateway (`prism gateway`, its own process, the same brain and agents): the load generator sends to
   it as to a peer, so Prism pays the proxy hop every peer pays; the same with `--tokenize text` (the requests'
   text blocks, no round trip to an engine's `/tokenize` first); and the gateway given the engines' URLs alone
@@ -85,7 +85,7 @@ from prismlb.demo import (
     stop,
     wait_healthy,
 )
-from prismlb.router import AsyncPrismTransport, EngineTokenizer, Router, Settings
+from prismlb.router import AsyncPrismTransport, Router, Settings
 from prismlb.semantics import Slice, ttft_slo_s
 from prismlb.service import whole_number_at_least
 from prismlb.sim import PROFILES
@@ -134,7 +134,7 @@ class Contender:
     (a hop, as every peer is; the words after it are its flags), "gateway --worker-url" the same on the engines'
     URLs alone (no brain, no agents),
     "routers" `ROUTERS` routers inside the load generator ("routers --own-turns": with `share_turns` off),
-    "engine-ids" one whose transport asks the engines for token ids (`EngineTokenizer`), "" one."""
+    "text-blocks" one whose transport asks the engines for no token ids (`tokenize=None`), "" one."""
     policy: str = ""
     replay: str | None = None
     """The `prism eval` policy that models this contender, if any."""
@@ -142,7 +142,7 @@ class Contender:
 
 CONTENDERS = (
     Contender("prism", None, policy="expected TTFT, prefix index", replay="prism"),
-    Contender("prism", None, "engine-ids", "the same, token ids from the engines' /tokenize"),
+    Contender("prism", None, "text-blocks", "the same on text blocks, no engine /tokenize"),
     Contender("prism-gateway", None, "gateway", "expected TTFT, prefix index, as a proxy"),
     Contender("prism-gateway", None, "gateway --tokenize text", "the same on text blocks, no engine /tokenize"),
     Contender("prism-gateway", None, "gateway --worker-url", "the same on worker URLs, no brain or agents"),
@@ -361,10 +361,9 @@ def run_one(
                     return outcome
                 time.sleep(0.1)
             router = routers[0]
-            if contender.module == "engine-ids":
-                tokenize = stack.enter_context(EngineTokenizer(router))
+            if contender.module == "text-blocks":
                 inner = httpx.AsyncHTTPTransport(limits=limits)
-                transport = AsyncPrismTransport(router, transport=inner, tokenize=tokenize)
+                transport = AsyncPrismTransport(router, transport=inner, tokenize=None)
                 client = httpx.AsyncClient(transport=transport, base_url="http://prism", timeout=timeout)
             elif several:
                 dealt = Dealt(

@@ -45,7 +45,6 @@ from ._errors import ShedError
 from ._httpx import PrismTransport
 from ._ring import label
 from ._router import Router
-from ._tokenize import EngineTokenizer
 
 _log = logging.getLogger("prism.gateway")
 
@@ -288,9 +287,8 @@ class Gateway:
             max_connections=self.config.max_connections, max_keepalive_connections=self.config.max_connections
         )
         inner = transport if transport is not None else httpx.HTTPTransport(limits=limits)
-        self.tokenizer = EngineTokenizer(router) if self.config.tokenize == "engine" else None
-        """Asks the engines for each text request's token ids (`GatewayConfig.tokenize`)."""
-        self.transport = PrismTransport(router, transport=inner, tokenize=self.tokenizer)
+        tokenize = "engine" if self.config.tokenize == "engine" else None
+        self.transport = PrismTransport(router, transport=inner, tokenize=tokenize)
         """Sends each request through the router; shared by every connection's thread. Called directly, not through
         an `httpx.Client`: a proxy wants none of a client's cookies, redirects or default headers, nor its cost."""
         timeout = httpx.Timeout(self.config.upstream_timeout_s, connect=self.config.connect_timeout_s, pool=None)
@@ -299,7 +297,7 @@ class Gateway:
         try:
             self._server = _GatewayServer(self)
         except OSError as exc:
-            self._close_upstream()
+            self.transport.close()
             raise ConfigError(f"gateway: cannot listen on {self.config.host}:{self.config.port}: {exc}") from None
         self.port = self._server.server_port
         """The port listened on (the kernel's pick when the config's is 0)."""
@@ -323,15 +321,7 @@ class Gateway:
             self._server.server_close()
             self._server.close_connections()
         finally:
-            self._close_upstream()
-
-    def _close_upstream(self) -> None:
-        """Close the connections to the engines: the relay's and the tokenizer's."""
-        try:
             self.transport.close()
-        finally:
-            if self.tokenizer is not None:
-                self.tokenizer.close()
 
     def __enter__(self) -> Gateway:
         self.start()

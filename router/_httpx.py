@@ -34,7 +34,7 @@ import json
 import math
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import httpx
 
@@ -46,6 +46,7 @@ from ._keys import BLOCK_SIZE, PREFIX_TOKENS
 from ._lease import Lease
 from ._request import TTFT_SLO_HEADER, Request
 from ._router import Router
+from ._tokenize import EngineTokenizer, endpoint_url
 
 _Stream = TypeVar("_Stream", httpx.SyncByteStream, httpx.AsyncByteStream)
 _Transport = TypeVar("_Transport", httpx.BaseTransport, httpx.AsyncBaseTransport)
@@ -202,11 +203,6 @@ def outcome_of_status(status: int) -> Outcome:
     return Outcome.ERROR if status >= 500 or status == 429 else Outcome.OK
 
 
-def endpoint_url(address: str) -> httpx.URL:
-    """A table entry's endpoint as a URL (`host:port` is taken as http)."""
-    return httpx.URL(address if "://" in address else f"http://{address}")
-
-
 def _forward(request: httpx.Request, lease: Lease) -> httpx.Request:
     """The request re-addressed to the lease's endpoint, with the lease's session headers."""
     target = endpoint_url(lease.address)
@@ -335,8 +331,9 @@ class _Routing(Generic[_Transport]):
     """What both transports hold, and how they start a request's attempts.
 
     `tries`: attempts per request at most (None: the router's `Settings.connect_tries`). `tokenize`: a JSON
-    body's prompt token ids as the engines compute them (see the module docstring); None keys text by its text
-    blocks."""
+    body's prompt token ids as the engines compute them (see the module docstring); "engine" (the default), an
+    `EngineTokenizer` of `router`, which asks the engines while their KV events reach the router, closed with the
+    transport; None keys text by its text blocks alone."""
 
     _default: Callable[[], _Transport]
     """Makes the transport that sends when none is given."""
@@ -349,14 +346,16 @@ class _Routing(Generic[_Transport]):
         block_size: int = BLOCK_SIZE,
         prefix_tokens: int = PREFIX_TOKENS,
         tries: int | None = None,
-        tokenize: Tokenize | None = None,
+        tokenize: Tokenize | Literal["engine"] | None = "engine",
     ) -> None:
         self._router = router
         self._transport: _Transport = transport or self._default()
         self._block_size = block_size
         self._prefix_tokens = prefix_tokens
         self._tries = tries
-        self._tokenize = tokenize
+        self._engines = EngineTokenizer(router) if tokenize == "engine" else None
+        """The transport's own tokenizer (`tokenize="engine"`), closed with it."""
+        self._tokenize: Tokenize | None = self._engines if tokenize == "engine" else tokenize  # type: ignore[assignment]
 
     def _attempts(self, request: httpx.Request) -> tuple[Attempts, bool]:
         """The attempts of `request`, its body read, and whether it is streamed: a streamed request reports its
@@ -369,9 +368,13 @@ class _Routing(Generic[_Transport]):
     async def _aattempts(self, request: httpx.Request) -> tuple[Attempts, bool]:
         """`_attempts` for a coroutine: with a `tokenize` (a round trip to an engine, or a tokenizer's CPU time),
         on a worker thread, so that the event loop goes on meanwhile."""
-        if self._tokenize is None:
-            return self._attempts(request)
+        if self._tokenize is None or (self._engines is not None and not self._router.hears_kv):
+            return self._attempts(request)  # nothing to ask: no hop to a thread
         return await asyncio.to_thread(self._attempts, request)
+
+    def _close_tokenizer(self) -> None:
+        if self._engines is not None:
+            self._engines.close()
 
 
 class PrismTransport(_Routing[httpx.BaseTransport], httpx.BaseTransport):
@@ -402,7 +405,10 @@ class PrismTransport(_Routing[httpx.BaseTransport], httpx.BaseTransport):
                 finished.end()
 
     def close(self) -> None:
-        self._transport.close()
+        try:
+            self._transport.close()
+        finally:
+            self._close_tokenizer()
 
 
 class AsyncPrismTransport(_Routing[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport):
@@ -433,4 +439,7 @@ class AsyncPrismTransport(_Routing[httpx.AsyncBaseTransport], httpx.AsyncBaseTra
                 finished.end()
 
     async def aclose(self) -> None:
-        await self._transport.aclose()
+        try:
+            await self._transport.aclose()
+        finally:
+            self._close_tokenizer()

@@ -34,7 +34,6 @@ import httpx
 
 from prismlb.wire import RoutingTable
 
-from ._httpx import endpoint_url
 from ._router import Router
 
 TOKENIZE_PATH: Final = "/tokenize"
@@ -78,9 +77,15 @@ def tokenize_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
     return {k: body[k] for k in CHAT_FIELDS if k in body}
 
 
+def endpoint_url(address: str) -> httpx.URL:
+    """A table entry's endpoint as a URL (`host:port` is taken as http)."""
+    return httpx.URL(address if "://" in address else f"http://{address}")
+
+
 class EngineTokenizer:
     """A `PrismTransport(tokenize=...)` that asks the engines of `router`'s table: each call the next endpoint in
-    turn of those not benched (see the module docstring). Thread-safe; `close` ends its connections.
+    turn of those not benched (see the module docstring). The transports' default (`tokenize="engine"`) is one of
+    these, closed with the transport. Thread-safe; `close` ends its connections.
 
     `timeout_s`: the bound on connecting, sending and each wait for the answer's bytes. `retry_s`: how long an
     endpoint that failed is passed over. `transport`: what reaches the engines (httpx's own by default)."""

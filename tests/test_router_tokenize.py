@@ -254,3 +254,32 @@ def test_the_gateways_tokenize_setting_resolves_and_refuses_anything_but_engine_
         GatewayConfig(tokenize="words")  # type: ignore[arg-type]
     assert main(["gateway", "--worker-url", "http://127.0.0.1:1", "--tokenize", "both"]) == 2
     assert "--tokenize: tokenize must be 'engine' or 'text', got 'both'" in capsys.readouterr().err
+
+
+def test_the_transports_ask_the_engines_by_default_once_kv_events_reach_the_router(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """`tokenize="engine"` is the default: no engine is asked while no KV events are heard, then each text request
+    is; `tokenize=None` asks none. The async transport asks the same way."""
+    router = make_router(engines)
+    url = "http://prism.invalid/v1/chat/completions"
+
+    def send(transport: PrismTransport) -> None:
+        with httpx.Client(transport=transport) as client, client.stream("POST", url, json=CHAT) as response:
+            assert response.status_code == 200 and b"Hello" in response.read()
+
+    send(PrismTransport(router))
+    assert sum(e.tokenized for e in engines) == 0
+    hearing(router)
+    send(PrismTransport(router))
+    send(PrismTransport(router, tokenize=None))
+    assert sum(e.tokenized for e in engines) == 1
+
+    async def send_async() -> None:
+        async with httpx.AsyncClient(transport=AsyncPrismTransport(router)) as client:
+            async with client.stream("POST", url, json=CHAT) as response:
+                assert response.status_code == 200 and b"Hello" in await response.aread()
+
+    asyncio.run(send_async())
+    assert sum(e.tokenized for e in engines) == 2 and sum(e.requests for e in engines) == 4
+    assert "tokenize" not in router.rejects.counts()
