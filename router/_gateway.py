@@ -287,7 +287,7 @@ class Gateway:
             max_connections=self.config.max_connections, max_keepalive_connections=self.config.max_connections
         )
         inner = transport if transport is not None else httpx.HTTPTransport(limits=limits)
-        tokenize = "engine" if self.config.tokenize == "engine" else None
+        tokenize: Literal["engine"] | None = "engine" if self.config.tokenize == "engine" else None
         self.transport = PrismTransport(router, transport=inner, tokenize=tokenize)
         """Sends each request through the router; shared by every connection's thread. Called directly, not through
         an `httpx.Client`: a proxy wants none of a client's cookies, redirects or default headers, nor its cost."""

@@ -6,15 +6,15 @@ The affinity key is the `X-Prism-Affinity-Key` header, else `prefix_key` of the 
 the messages' content parts; the cost (what `load="prefill"` balances) is the prompt's tokens, or the conversation's
 estimated tokens; the block hashes (`Request.blocks`, which the router matches against its prefix index; all three
 from `Request.with_prompt`) are `block_hashes` of a prompt given as token ids, or of the ids the transport's
-`tokenize` gives for the body (the model's tokenizer and chat template, as the engine applies them; `EngineTokenizer`
-asks the engines themselves), which match the engines' KV events; else `text_block_hashes` of the conversation, which
-match this router's own placements (media parts stand in as digests of themselves, so they hash by content). A
-`tokenize` that raises or gives no token ids leaves that request on the text fallback, counted (`tokenize` in the
-router's rejects), one that gives None leaves it there uncounted; media parts' blocks carry the engine's extra keys,
-which token ids alone do not, so with media the ids match up to the first media part only. The async transport
-calls `tokenize` on a worker thread. Session, context
-signature, request class and the request's own TTFT SLO (`X-SLO-TTFT-Ms`, milliseconds; a bad value is counted as
-`slo` and the router's SLO applies) come from their headers. The request goes to the endpoint's scheme, host and
+`tokenize` gives for the body (the model's tokenizer and chat template, as the engine applies them; by default an
+`EngineTokenizer` asks the engines themselves), which match the engines' KV events; else `text_block_hashes` of
+the conversation, which match this router's own placements (media parts stand in as digests of themselves, so they
+hash by content). A `tokenize` that raises or gives no token ids leaves that request on the text fallback, counted
+(`tokenize` in the router's rejects), one that gives None leaves it there uncounted; media parts' blocks carry the
+engine's extra keys, which token ids alone do not, so with media the ids match up to the first media part only. The
+async transport calls `tokenize` on a worker thread. Session, context signature, request class and the request's
+own TTFT SLO (`X-SLO-TTFT-Ms`, milliseconds; a bad value is counted as `slo` and the router's SLO applies) come from
+their headers. The request goes to the endpoint's scheme, host and
 port (its path prefix, if any, before the request's path).
 
 A response's status is the endpoint's outcome: a 5xx or a 429 is a failure (passive health), any other status a
@@ -353,9 +353,9 @@ class _Routing(Generic[_Transport]):
         self._block_size = block_size
         self._prefix_tokens = prefix_tokens
         self._tries = tries
-        self._engines = EngineTokenizer(router) if tokenize == "engine" else None
+        self._engines = EngineTokenizer(router) if isinstance(tokenize, str) else None
         """The transport's own tokenizer (`tokenize="engine"`), closed with it."""
-        self._tokenize: Tokenize | None = self._engines if tokenize == "engine" else tokenize  # type: ignore[assignment]
+        self._tokenize: Tokenize | None = self._engines if isinstance(tokenize, str) else tokenize
 
     def _attempts(self, request: httpx.Request) -> tuple[Attempts, bool]:
         """The attempts of `request`, its body read, and whether it is streamed: a streamed request reports its
