@@ -251,8 +251,9 @@ def no_sessions(block_tokens: int) -> Policy:
 
 
 def text_callers(block_tokens: int) -> Policy:
-    """Callers without the model's tokenizer: every prompt's blocks as text blocks (`Request.engine_blocks` False),
-    which the engines' KV events never name, so the prefix index knows them only from placements."""
+    """Callers without token ids (a transport with `tokenize=None`, `prism gateway --tokenize text`, a failed
+    `/tokenize`): every prompt's blocks as text blocks (`Request.engine_blocks` False), which the engines' KV events
+    never name, so the prefix index knows them only from placements."""
     return PrismPolicy(block_tokens=block_tokens, text_blocks=True)
 
 
