@@ -432,6 +432,36 @@ def test_deltas_carry_only_what_changed_and_rebuild_the_same_table() -> None:
     assert repaired.slices[0] == second.slices[0]
 
 
+def test_a_snapshot_answered_after_the_stream_moved_on_is_dropped_until_the_brain_goes_back() -> None:
+    """A snapshot asked for at version 3 and read after the stream's update to 4 would set the copy back to 3, and
+    the stream's next head would find a gap: it is dropped. After the brain goes back (restarted without its state,
+    versions starting again) its lower versions are taken."""
+    encoder, assembler = TableEncoder(), TableAssembler()
+
+    def feed(frames: list[list[bytes]], *, snapshot: bool = False) -> RoutingTable | None:
+        built = None
+        for message in frames:
+            msg = decode(message, (SliceUpdate, TableHead), 1 << 24)
+            if isinstance(msg, SliceUpdate):
+                assembler.slice_update(msg, snapshot=snapshot)
+            else:
+                built = assembler.head(msg)
+        return built
+
+    third, fourth, again = table(1, 3, ("a",)), table(1, 4, ("a", "b")), table(1, 1, ("c",))
+    assert feed(encoder.update(third)) == third
+    late = encoder.snapshot(None)[:-1]  # its slice parts, the head left out
+    *parts, head = encoder.update(fourth)
+    feed(parts)
+    feed(late, snapshot=True)
+    assert feed([head]) == fourth and assembler.gaps == 0
+    restarted = TableEncoder()
+    restarted.update(again)
+    assert feed(restarted.snapshot(None), snapshot=True) is None, "older than the copy: dropped"
+    assembler.forget_after(again.order)
+    assert feed(restarted.snapshot(None), snapshot=True) == again
+
+
 def test_a_table_the_callback_refuses_is_not_taken(ctx: zmq.Context) -> None:
     address = BrainAddress(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     publisher = TablePublisher(ctx, address.updates, address.snapshot, RejectCounter("brain", LOG))

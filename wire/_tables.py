@@ -229,9 +229,16 @@ class TableAssembler:
     def wants(self, name: str) -> bool:
         return self.wanted is None or name in self.wanted
 
-    def slice_update(self, update: SliceUpdate) -> None:
-        """Take one part of a slice update; the update applies when its last part has come."""
+    def slice_update(self, update: SliceUpdate, *, snapshot: bool = False) -> None:
+        """Take one part of a slice update; the update applies when its last part has come. A `snapshot` answer's
+        full state older than the copy held (same epoch, lower version) is dropped: it was asked for before the
+        stream brought the copy past it, and taking it would set the copy back, so that the stream's next head
+        would find a gap. (A brain restarted without its state starts its versions again: the subscriber has the
+        copies past its new order forgotten when it sees the restart, `forget_after`.)"""
         if not self.wants(update.slice):
+            return
+        held = self._copies.get(update.slice)
+        if snapshot and held is not None and held.epoch == update.epoch and held.version > update.version:
             return
         if update.parts == 1:
             self._apply([update])
@@ -246,6 +253,12 @@ class TableAssembler:
         if len(pending.received) == pending.parts:
             del self._pending[key]
             self._apply([pending.received[i] for i in range(pending.parts)])
+
+    def forget_after(self, order: tuple[int, int]) -> None:
+        """Drop the copies newer than (epoch, version) `order`: the brain went back to it (restarted without its
+        state), so what it said after it is void, and its snapshots of lower versions are to be taken again."""
+        for name in [n for n, c in self._copies.items() if (c.epoch, c.version) > order]:
+            del self._copies[name]
 
     def _apply(self, parts: list[SliceUpdate]) -> None:
         first = parts[0]

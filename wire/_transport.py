@@ -731,6 +731,8 @@ class TableSubscriber:
                 *order,
             )
             view.restarted, view.latest = True, None
+            if view.assembler is not None:
+                view.assembler.forget_after(order)
         view.announced = order
 
     def _receive(self, sock: zmq.Socket) -> bool:
@@ -765,7 +767,7 @@ class TableSubscriber:
                 if view is None:
                     view = self._view(msg.brain_id, 0, now)
                 assert view.assembler is not None
-                view.assembler.slice_update(msg)
+                view.assembler.slice_update(msg, snapshot=dealer)
                 continue
             view = self._view(msg.brain_id, msg.priority, now)
             if not dealer:
