@@ -368,7 +368,7 @@ class _Routing(Generic[_Transport]):
     async def _aattempts(self, request: httpx.Request) -> tuple[Attempts, bool]:
         """`_attempts` for a coroutine: with a `tokenize` (a round trip to an engine, or a tokenizer's CPU time),
         on a worker thread, so that the event loop goes on meanwhile."""
-        if self._tokenize is None or (self._engines is not None and not self._router.hears_kv):
+        if self._tokenize is None or (self._engines is not None and not self._engines.asks):
             return self._attempts(request)  # nothing to ask: no hop to a thread
         return await asyncio.to_thread(self._attempts, request)
 

@@ -117,8 +117,10 @@ class EngineTokenizer:
         alone), where the ids would match nothing the text blocks do not.
         Raises LookupError when every endpoint is benched or there is no table, httpx's errors for a failed round
         trip, ValueError for an answer without token ids."""
+        if not self.asks:
+            return None
         request = tokenize_body(body)
-        if request is None or not self._router.hears_kv:
+        if request is None:
             return None
         endpoint = self._next()
         url = endpoint_url(endpoint)
@@ -138,6 +140,11 @@ class EngineTokenizer:
             self._bench(endpoint)
             raise
         return tokens
+
+    @property
+    def asks(self) -> bool:
+        """Whether a call may ask an engine now: only while some engine's KV events reach the router."""
+        return self._router.hears_kv
 
     def _bench(self, endpoint: str) -> None:
         """Pass `endpoint` over for `retry_s`."""
