@@ -12,6 +12,7 @@ What it costs: one round trip to an engine's API server before the request is pl
 engine would do anyway, done twice. What it does not do:
 - ask while no engine's KV events reach the router (a gateway on worker URLs alone): the ids would match only the
   router's own placements, as the text blocks do;
+- ask an engine of another slice (audio, image): it may run another model, with another tokenizer;
 - ask anything of a conversation with media parts (their placeholder tokens need the media fetched and
   processed): it answers None, and the request keeps its text blocks;
 - wait long: a tokenize not answered within `timeout_s` leaves the request on its text blocks;
@@ -32,7 +33,7 @@ from typing import Any, Final
 
 import httpx
 
-from prismlb.wire import RoutingTable
+from prismlb.wire import NoRouteError, RoutingTable
 
 from ._router import Router
 
@@ -83,9 +84,10 @@ def endpoint_url(address: str) -> httpx.URL:
 
 
 class EngineTokenizer:
-    """A `PrismTransport(tokenize=...)` that asks the engines of `router`'s table: each call the next endpoint in
-    turn of those not benched (see the module docstring). The transports' default (`tokenize="engine"`) is one of
-    these, closed with the transport. Thread-safe; `close` ends its connections.
+    """A `PrismTransport(tokenize=...)` that asks the engines of `router`'s table that take text requests (the
+    LLM slice's): each call the next endpoint in turn of those not benched (see the module docstring). The
+    transports' default (`tokenize="engine"`) is one of these, closed with the transport. Thread-safe; `close` ends
+    its connections.
 
     `timeout_s`: the bound on connecting, sending and each wait for the answer's bytes. `retry_s`: how long an
     endpoint that failed is passed over. `transport`: what reaches the engines (httpx's own by default)."""
@@ -158,7 +160,7 @@ class EngineTokenizer:
         with self._lock:
             if table is not self._table:
                 self._table = table
-                seen = {} if table is None else {n.endpoint: None for s in table.slices for n in s.nodes}
+                seen = self._text_endpoints(table)
                 self._endpoints = list(seen)
                 self._benched = {e: until for e, until in self._benched.items() if e in seen}
             endpoints = self._endpoints
@@ -171,6 +173,18 @@ class EngineTokenizer:
                     self._benched.pop(endpoint, None)
                     return endpoint
         raise LookupError(f"all {len(endpoints)} engines failed to tokenize within the last {self._retry_s:g} s")
+
+    def _text_endpoints(self, table: RoutingTable | None) -> dict[str, None]:
+        """The endpoints of the slice text requests go to (the LLM slice, or its fallback while it is empty), in
+        table order: only those run the model whose ids the request's blocks must be. An audio or image slice's
+        engine may run another model, whose tokenizer would answer with ids no text engine's events name."""
+        if table is None:
+            return {}
+        try:
+            name = self._router.slice_of()
+        except NoRouteError:
+            return {}
+        return {n.endpoint: None for s in table.slices if s.name == name for n in s.nodes}
 
     def close(self) -> None:
         self._client.close()

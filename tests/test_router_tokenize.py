@@ -130,6 +130,21 @@ def test_a_failing_engine_is_passed_over_for_retry_s_and_with_every_engine_faili
             tokenize(CHAT)
 
 
+def test_only_the_engines_text_requests_go_to_are_asked_not_another_slices(engines: tuple[Engine, Engine]) -> None:
+    """An audio slice's engine may run another model: its ids would name blocks no text engine's events name."""
+    text, audio = (TableNode(node_id=e.name, endpoint=e.address, weight=1.0) for e in engines)
+    slices = [SliceTable(name="audio", nodes=[audio]), SliceTable(name="llm", nodes=[text])]
+    router = hearing(Router.from_table(RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=slices)))
+    with EngineTokenizer(router) as tokenize:
+        for _ in range(4):
+            assert tokenize(CHAT) == request_tokens(CHAT)
+        assert [e.tokenized for e in engines] == [4, 0]
+        empty = [SliceTable(name="audio", nodes=[audio]), SliceTable(name="llm", nodes=[], fallback="audio")]
+        router.apply(RoutingTable(epoch=1, version=2, issued_unix_s=time.time(), slices=empty))
+        assert tokenize(CHAT) == request_tokens(CHAT)  # the empty LLM slice's fallback takes text requests now
+        assert [e.tokenized for e in engines] == [4, 1]
+
+
 class NoRoute(QuietHandler):
     """A server without a `/tokenize` route."""
 
