@@ -1,5 +1,5 @@
 """What the gateway's hop costs: time to the first streamed chunk and to the answer's end, straight to an engine,
-through nginx's reverse proxy and through `prism gateway`, in one run.
+through nginx's reverse proxy, through `prism gateway` and through the in-process async transport, in one run.
 
 Run: .venv/bin/python bench/gateway.py [--requests 400] [--concurrency 1,16]
 
@@ -9,8 +9,10 @@ its own process. nginx (Debian's, one worker, upstream keep-alive, `proxy_buffer
 come) and the gateway (`Gateway` on a table of that one engine: every request is described, tokenized by the
 engine, placed, leased and relayed as in production; and again with `--tokenize text`) each run in their own
 process too, and the load generator (httpx, asyncio) in this one, each proxy's turn after the other's on
-the same engine. Reported per route and concurrency: p50 and p99 of the time to the first chunk and to the end,
-requests per second, and each proxy's p50 added to the direct route's.
+the same engine. The in-process routes are the load generator's own client through `AsyncPrismTransport` (its
+default, which asks the engine's `/tokenize` over the event loop; and with `tokenize=None`): the router's cost
+where it is embedded, on the caller's CPU. Reported per route and concurrency: p50 and p99 of the time to the
+first chunk and to the end, requests per second, and each proxy's p50 added to the direct route's.
 """
 
 from __future__ import annotations
@@ -26,16 +28,21 @@ import time
 from collections.abc import Sequence
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import Literal
 
 import httpx
 
 from prismlb.demo import free_port, percentile, spawn, stop, wait_healthy
+from prismlb.router import AsyncPrismTransport, Gateway, GatewayConfig, Router
 from prismlb.service import NoDelayHandler, reply_json
+from prismlb.wire import RoutingTable, SliceTable, TableNode
 
 CHUNKS = 8
 GATEWAYS = {"prism gateway": "engine", "prism gateway, text blocks": "text"}
 """The gateway's routes by `--tokenize`: its default, a round trip to the engine's `/tokenize` before each request
 is placed, and the text blocks alone."""
+IN_PROCESS = {"prism transport, in-process": "engine", "prism transport, in-process, text blocks": None}
+"""The in-process routes by the async transport's `tokenize`, as `GATEWAYS`."""
 BODY = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "What does the report say? " * 40}]}
 
 
@@ -69,21 +76,30 @@ class _Engine(NoDelayHandler):
         pass
 
 
+class _EngineServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 2048
+    """The listen backlog uvicorn (vLLM's and SGLang's API servers) asks for: with socketserver's 5, a burst of new
+    connections (the proxies' pools filling, the tokenize client's) overflows it and waits a second for the SYN to
+    be sent again, which no real engine would cost."""
+
+
 def serve_engine(port: int) -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", port), _Engine)
-    server.daemon_threads = True
+    server = _EngineServer(("127.0.0.1", port), _Engine)
     server.serve_forever()
 
 
-def serve_gateway(port: int, engine: str, tokenize: str) -> None:
-    from prismlb.router import Gateway, GatewayConfig, Router
-    from prismlb.wire import RoutingTable, SliceTable, TableNode
-
+def one_engine_router(engine: str) -> Router:
+    """A router on a table of the one engine, whose KV events reach it as through a brain: the ids are asked."""
     node = TableNode(node_id="engine", endpoint=engine, weight=1.0)
     table = RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="llm", nodes=[node])])
     router = Router.from_table(table)
-    router.apply_kv("engine", False, (), ())  # its KV events reach the router, as through a brain: the ids are asked
-    with Gateway(router, GatewayConfig(port=port, tokenize=tokenize)):  # type: ignore[arg-type]
+    router.apply_kv("engine", False, (), ())
+    return router
+
+
+def serve_gateway(port: int, engine: str, tokenize: str) -> None:
+    with Gateway(one_engine_router(engine), GatewayConfig(port=port, tokenize=tokenize)):  # type: ignore[arg-type]
         threading.Event().wait()  # until the bench terminates this process
 
 
@@ -108,13 +124,22 @@ http {{
 """
 
 
-async def load(url: str, requests: int, concurrency: int) -> tuple[list[float], list[float], float]:
+async def load(
+    url: str, requests: int, concurrency: int, tokenize: str | None = None
+) -> tuple[list[float], list[float], float]:
     """`requests` streamed completions to `url`, `concurrency` at a time: seconds to each one's first chunk and to
-    its end, and the wall time of them all."""
+    its end, and the wall time of them all. With `tokenize` ("engine" or "text"), `url` is the engine's, reached
+    through an `AsyncPrismTransport` of the client's own that tokenizes so."""
     first: list[float] = []
     whole: list[float] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
+    transport: httpx.AsyncBaseTransport | None = None
+    if tokenize is not None:
+        inner = httpx.AsyncHTTPTransport(limits=limits)
+        chosen: Literal["engine"] | None = "engine" if tokenize == "engine" else None
+        transport = AsyncPrismTransport(one_engine_router(url), transport=inner, tokenize=chosen)
+        url = "http://prism.invalid"
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30, transport=transport) as client:
         queue = list(range(requests))
 
         async def worker() -> None:
@@ -188,10 +213,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.requests} streamed completions of {CHUNKS} chunks per route and concurrency; logs in {logs}")
         print("| concurrency | route | first chunk p50 | p99 | end p50 | p99 | requests/s | p50 added to direct |")
         print("|---|---|---|---|---|---|---|---|")
+        routed: dict[str, tuple[str, str | None]] = {name: (url, None) for name, url in routes.items()}
+        routed.update({name: (engine_url, tokenize or "text") for name, tokenize in IN_PROCESS.items()})
         for level in levels:
             direct_p50 = None
-            for name, url in routes.items():
-                first, whole, wall = asyncio.run(load(url, args.requests, level))
+            for name, (url, transported) in routed.items():
+                first, whole, wall = asyncio.run(load(url, args.requests, level, transported))
                 p50, p99 = percentile(first, 0.5) or 0.0, percentile(first, 0.99) or 0.0
                 e50, e99 = percentile(whole, 0.5) or 0.0, percentile(whole, 0.99) or 0.0
                 direct_p50 = p50 if direct_p50 is None else direct_p50

@@ -12,10 +12,10 @@ the conversation, which match this router's own placements (media parts stand in
 hash by content). A `tokenize` that raises or gives no token ids leaves that request on the text fallback, counted
 (`tokenize` in the router's rejects), one that gives None leaves it there uncounted; media parts' blocks carry the
 engine's extra keys, which token ids alone do not, so with media the ids match up to the first media part only. The
-async transport calls `tokenize` on a worker thread. Session, context signature, request class and the request's
-own TTFT SLO (`X-SLO-TTFT-Ms`, milliseconds; a bad value is counted as `slo` and the router's SLO applies) come from
-their headers. The request goes to the endpoint's scheme, host and
-port (its path prefix, if any, before the request's path).
+async transport asks the engines over its event loop and calls any other `tokenize` on a worker thread. Session,
+context signature, request class and the request's own TTFT SLO (`X-SLO-TTFT-Ms`, milliseconds; a bad value is
+counted as `slo` and the router's SLO applies) come from their headers. The request goes to the endpoint's scheme,
+host and port (its path prefix, if any, before the request's path).
 
 A response's status is the endpoint's outcome: a 5xx or a 429 is a failure (passive health), any other status a
 success (a 4xx is the caller's fault). A request whose connection was refused, or that got a 503 or 429 back (the
@@ -32,8 +32,8 @@ import asyncio
 import hashlib
 import json
 import math
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import replace
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Generic, Literal, TypeVar
 
 import httpx
@@ -107,6 +107,46 @@ Tokenize = Callable[[dict[str, Any]], Sequence[int] | None]
 blocks (not a failure: nothing is counted)."""
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """What a request's headers and JSON body say before any tokenizing: the router's view without the prompt,
+    the body, its conversation as text and the token ids it gives itself (a completion's prompt as ids)."""
+
+    described: Request
+    body: Any
+    text: str | None
+    tokens: list[int] | None
+    streamed: bool
+
+    @classmethod
+    def of(cls, request: httpx.Request, block_size: int, rejects: RejectCounter | None) -> _Prompt:
+        body: Any = None
+        if request.content and "json" in request.headers.get("content-type", ""):
+            try:
+                body = json.loads(request.content)
+            except ValueError:
+                body = None
+        described = Request.from_headers(request.headers)
+        text, kinds = _conversation(body)
+        modality = described.modality or ("+".join(sorted(kinds)) if kinds else None)
+        slo_s = _slo_s(request.headers.get(TTFT_SLO_HEADER), rejects)
+        described = replace(described, modality=modality, block_size=block_size, slo_s=slo_s)
+        streamed = isinstance(body, dict) and body.get("stream") is True
+        return cls(described, body, text, _prompt_tokens(body), streamed)
+
+    def asks(self, tokenize: object) -> bool:
+        """Whether `tokenize` is asked for this prompt's ids: a conversation without ids of its own."""
+        return tokenize is not None and self.tokens is None and self.text is not None
+
+    def request(self, tokens: list[int] | None, prefix_tokens: int) -> Request:
+        """The router's view, its key, cost and blocks from `tokens` (the engines' ids) or else the text."""
+        if tokens is not None:  # the prompt as token ids: its blocks are the ones the engine's events name
+            return self.described.with_prompt(tokens, prefix_tokens=prefix_tokens)
+        if self.text is not None:
+            return self.described.with_prompt(text=self.text, prefix_tokens=prefix_tokens)
+        return self.described
+
+
 def describe(
     request: httpx.Request,
     block_size: int,
@@ -116,26 +156,11 @@ def describe(
 ) -> tuple[Request, bool]:
     """The router's view of an HTTP request (body already read), and whether it asks for a streamed response;
     `tokenize` failures are counted in `rejects`."""
-    body: Any = None
-    if request.content and "json" in request.headers.get("content-type", ""):
-        try:
-            body = json.loads(request.content)
-        except ValueError:
-            body = None
-    described = Request.from_headers(request.headers)
-    streamed = isinstance(body, dict) and body.get("stream") is True
-    text, kinds = _conversation(body)
-    modality = described.modality or ("+".join(sorted(kinds)) if kinds else None)
-    tokens = _prompt_tokens(body)
-    if tokens is None and tokenize is not None and text is not None:
-        tokens = _tokenized(tokenize, body, rejects)
-    slo_s = _slo_s(request.headers.get(TTFT_SLO_HEADER), rejects)
-    described = replace(described, modality=modality, block_size=block_size, slo_s=slo_s)
-    if tokens is not None:  # the prompt as token ids: its blocks are the ones the engine's events name
-        described = described.with_prompt(tokens, prefix_tokens=prefix_tokens)
-    elif text is not None:
-        described = described.with_prompt(text=text, prefix_tokens=prefix_tokens)
-    return described, streamed
+    prompt = _Prompt.of(request, block_size, rejects)
+    tokens = prompt.tokens
+    if tokenize is not None and prompt.asks(tokenize):
+        tokens = _token_ids(_outcome(tokenize, prompt.body), rejects)
+    return prompt.request(tokens, prefix_tokens), prompt.streamed
 
 
 def _slo_s(raw: str | None, rejects: RejectCounter | None) -> float | None:
@@ -155,18 +180,37 @@ def _slo_s(raw: str | None, rejects: RejectCounter | None) -> float | None:
     return None
 
 
-def _tokenized(tokenize: Tokenize, body: dict[str, Any], rejects: RejectCounter | None) -> list[int] | None:
-    """`tokenize(body)` as a list of token ids; None (counted) when it raises or gives anything else."""
+def _outcome(tokenize: Tokenize, body: Any) -> Sequence[int] | None | Exception:
+    """What `tokenize(body)` gives, or the exception it raises (the caller's tokenizer: whatever it raises, the
+    request goes on as text)."""
     try:
-        given = tokenize(body)
-        if given is None:
-            return None
+        return tokenize(body)
+    except Exception as exc:
+        return exc
+
+
+async def _aoutcome(
+    tokenize: Callable[[Any], Awaitable[Sequence[int] | None]], body: Any
+) -> Sequence[int] | None | Exception:
+    """`_outcome` for a coroutine tokenize."""
+    try:
+        return await tokenize(body)
+    except Exception as exc:
+        return exc
+
+
+def _token_ids(given: Sequence[int] | None | Exception, rejects: RejectCounter | None) -> list[int] | None:
+    """A tokenize's outcome as a list of token ids; None (counted unless it gave None) for anything else. The one
+    rule for the sync transport's call, the async one's worker thread and its engine round trip."""
+    if given is None:
+        return None
+    if isinstance(given, Exception):
+        problem = f"{type(given).__name__}: {given}"
+    else:
         tokens = list(given)
         if tokens and all(type(t) is int and 0 <= t < 2**32 for t in tokens):
             return tokens
         problem = "no token ids" if not tokens else "ids that are not 32-bit unsigned integers"
-    except Exception as exc:  # the caller's tokenizer: whatever it raises, the request goes on as text
-        problem = f"{type(exc).__name__}: {exc}"
     if rejects is not None:
         rejects.count("tokenize", f"the transport's tokenize gave {problem}; the request's blocks are its text's")
     return None
@@ -363,18 +407,23 @@ class _Routing(Generic[_Transport]):
         described, streamed = describe(
             request, self._block_size, self._prefix_tokens, self._tokenize, self._router.rejects
         )
+        return self._started(described, streamed)
+
+    def _started(self, described: Request, streamed: bool) -> tuple[Attempts, bool]:
         return Attempts(self._router, described, self._tries, first_tokens=streamed), streamed
 
     async def _aattempts(self, request: httpx.Request) -> tuple[Attempts, bool]:
-        """`_attempts` for a coroutine: with a `tokenize` (a round trip to an engine, or a tokenizer's CPU time),
-        on a worker thread, so that the event loop goes on meanwhile."""
-        if self._tokenize is None or (self._engines is not None and not self._engines.asks):
-            return self._attempts(request)  # nothing to ask: no hop to a thread
-        return await asyncio.to_thread(self._attempts, request)
-
-    def _close_tokenizer(self) -> None:
-        if self._engines is not None:
-            self._engines.close()
+        """`_attempts` for a coroutine: the engines asked over the event loop's own connections, another
+        `tokenize` (a tokenizer's CPU time) on a worker thread, so that the event loop goes on meanwhile."""
+        rejects = self._router.rejects
+        prompt = _Prompt.of(request, self._block_size, rejects)
+        tokens = prompt.tokens
+        if self._tokenize is not None and prompt.asks(self._tokenize):
+            if self._engines is not None:
+                tokens = _token_ids(await _aoutcome(self._engines.acall, prompt.body), rejects)
+            else:
+                tokens = _token_ids(await asyncio.to_thread(_outcome, self._tokenize, prompt.body), rejects)
+        return self._started(prompt.request(tokens, self._prefix_tokens), prompt.streamed)
 
 
 class PrismTransport(_Routing[httpx.BaseTransport], httpx.BaseTransport):
@@ -408,7 +457,8 @@ class PrismTransport(_Routing[httpx.BaseTransport], httpx.BaseTransport):
         try:
             self._transport.close()
         finally:
-            self._close_tokenizer()
+            if self._engines is not None:
+                self._engines.close()
 
 
 class AsyncPrismTransport(_Routing[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport):
@@ -442,4 +492,5 @@ class AsyncPrismTransport(_Routing[httpx.AsyncBaseTransport], httpx.AsyncBaseTra
         try:
             await self._transport.aclose()
         finally:
-            self._close_tokenizer()
+            if self._engines is not None:
+                self._engines.close()

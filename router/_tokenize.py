@@ -25,6 +25,7 @@ text blocks: tokenizing never stops a request.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -32,9 +33,11 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import httpx
+import msgspec
 
 from prismlb.wire import NoRouteError, RoutingTable
 
+from ._post import JsonPoster, Target
 from ._router import Router
 
 TOKENIZE_PATH: Final = "/tokenize"
@@ -56,6 +59,12 @@ PROMPT_FIELDS: Final = ("model", "prompt", "add_special_tokens")
 CALLERS_FAULT: Final = frozenset({400, 413, 422})
 """Statuses with which an engine refuses one body (malformed, too long, invalid): the body's fault, not the
 engine's, so the engine is not passed over for them; a hostile caller cannot bench every engine."""
+
+
+class _Tokens(msgspec.Struct):
+    """What is read of a `/tokenize` answer."""
+
+    tokens: list[int]
 
 
 def tokenize_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -90,7 +99,8 @@ class EngineTokenizer:
     its connections.
 
     `timeout_s`: the bound on connecting, sending and each wait for the answer's bytes. `retry_s`: how long an
-    endpoint that failed is passed over. `transport`: what reaches the engines (httpx's own by default)."""
+    endpoint that failed is passed over. The round trips go over kept-alive connections of a lean client of their
+    own (`_post.JsonPoster`): through httpx they cost the caller as much CPU as the request they precede."""
 
     def __init__(
         self,
@@ -98,7 +108,6 @@ class EngineTokenizer:
         *,
         timeout_s: float = 0.5,
         retry_s: float = 30.0,
-        transport: httpx.BaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not timeout_s > 0 or not retry_s >= 0:
@@ -106,40 +115,67 @@ class EngineTokenizer:
         self._router = router
         self._retry_s = retry_s
         self._clock = clock
-        self._client = httpx.Client(transport=transport, timeout=timeout_s)
+        self._poster = JsonPoster(timeout_s)
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self._table: RoutingTable | None = None
-        self._endpoints: list[str] = []
+        self._endpoints: list[tuple[str, Target]] = []
         self._benched: dict[str, float] = {}
 
     def __call__(self, body: dict[str, Any]) -> list[int] | None:
         """The engine's token ids for `body`'s prompt; None for a body it does not send (media parts, no prompt),
         and for every body while no engine's KV events reach the router (`Router.hears_kv`: a gateway on worker URLs
         alone), where the ids would match nothing the text blocks do not.
-        Raises LookupError when every endpoint is benched or there is no table, httpx's errors for a failed round
-        trip, ValueError for an answer without token ids."""
+        Raises LookupError when every endpoint is benched or there is no table, OSError for a failed round trip,
+        ValueError for an answer that is an error or has no token ids."""
+        asked = self._ask(body)
+        if asked is None:
+            return None
+        endpoint, target, payload = asked
+        try:
+            status, answer = self._poster.post(target, payload)
+        except Exception:
+            self._bench(endpoint)
+            raise
+        return self._tokens(endpoint, status, answer)
+
+    async def acall(self, body: dict[str, Any]) -> list[int] | None:
+        """`self(body)` for a coroutine, over connections of the event loop's own (the async transport's way: no
+        worker thread per request)."""
+        asked = self._ask(body)
+        if asked is None:
+            return None
+        endpoint, target, payload = asked
+        try:
+            status, answer = await self._poster.apost(target, payload)
+        except Exception:
+            self._bench(endpoint)
+            raise
+        return self._tokens(endpoint, status, answer)
+
+    def _ask(self, body: dict[str, Any]) -> tuple[str, Target, bytes] | None:
+        """(endpoint, its tokenize target, what to post) for `body`; None where nothing is asked (see `__call__`)."""
         if not self.asks:
             return None
         request = tokenize_body(body)
         if request is None:
             return None
-        endpoint = self._next()
-        url = endpoint_url(endpoint)
+        endpoint, target = self._next()
+        return endpoint, target, msgspec.json.encode(request)
+
+    def _tokens(self, endpoint: str, status: int, answer: bytes) -> list[int]:
+        """The ids `endpoint` answered with; an answer that is an error of the engine's, or has no ids, benches it
+        and raises, a refusal of the body (`CALLERS_FAULT`) raises alone."""
+        if status in CALLERS_FAULT:
+            raise ValueError(f"{endpoint}{TOKENIZE_PATH} refused the body: {status}")
         try:
-            response = self._client.post(url.copy_with(path=url.path.rstrip("/") + TOKENIZE_PATH), json=request)
-        except Exception:
+            if not 200 <= status < 300:
+                raise ValueError(f"{endpoint}{TOKENIZE_PATH} answered {status}")
+            tokens = msgspec.json.decode(answer, type=_Tokens).tokens
+        except Exception as exc:
             self._bench(endpoint)
-            raise
-        if response.status_code in CALLERS_FAULT:
-            raise ValueError(f"{endpoint}{TOKENIZE_PATH} refused the body: {response.status_code}")
-        try:
-            response.raise_for_status()
-            tokens = response.json().get("tokens")
-            if not isinstance(tokens, list):
-                raise ValueError(f"{endpoint}{TOKENIZE_PATH} answered without a tokens list")
-        except Exception:
-            self._bench(endpoint)
+            if isinstance(exc, msgspec.DecodeError):
+                raise ValueError(f"{endpoint}{TOKENIZE_PATH} answered without a tokens list: {exc}") from None
             raise
         return tokens
 
@@ -153,41 +189,47 @@ class EngineTokenizer:
         with self._lock:
             self._benched[endpoint] = self._clock() + self._retry_s
 
-    def _next(self) -> str:
-        """The next endpoint in turn that is not benched."""
+    def _next(self) -> tuple[str, Target]:
+        """The next endpoint in turn that is not benched, and its tokenize target."""
         table = self._router.table
         now = self._clock()
         with self._lock:
             if table is not self._table:
                 self._table = table
                 seen = self._text_endpoints(table)
-                self._endpoints = list(seen)
+                self._endpoints = list(seen.items())
                 self._benched = {e: until for e, until in self._benched.items() if e in seen}
             endpoints = self._endpoints
             if not endpoints:
                 raise LookupError("no table to find an engine to tokenize at")
             start = next(self._turn)
             for i in range(len(endpoints)):
-                endpoint = endpoints[(start + i) % len(endpoints)]
+                endpoint, target = endpoints[(start + i) % len(endpoints)]
                 if self._benched.get(endpoint, 0.0) <= now:
                     self._benched.pop(endpoint, None)
-                    return endpoint
+                    return endpoint, target
         raise LookupError(f"all {len(endpoints)} engines failed to tokenize within the last {self._retry_s:g} s")
 
-    def _text_endpoints(self, table: RoutingTable | None) -> dict[str, None]:
+    def _text_endpoints(self, table: RoutingTable | None) -> dict[str, Target]:
         """The endpoints of the slice text requests go to (the LLM slice, or its fallback while it is empty), in
-        table order: only those run the model whose ids the request's blocks must be. An audio or image slice's
-        engine may run another model, whose tokenizer would answer with ids no text engine's events name."""
+        table order, with their tokenize targets: only those run the model whose ids the request's blocks must be.
+        An audio or image slice's engine may run another model, whose tokenizer would answer with ids no text
+        engine's events name. An endpoint that is no http(s) URL is left out."""
         if table is None:
             return {}
         try:
             name = self._router.slice_of()
         except NoRouteError:
             return {}
-        return {n.endpoint: None for s in table.slices if s.name == name for n in s.nodes}
+        targets: dict[str, Target] = {}
+        for node in (n for s in table.slices if s.name == name for n in s.nodes):
+            url = endpoint_url(node.endpoint)
+            with contextlib.suppress(ValueError):
+                targets[node.endpoint] = Target.of(url.copy_with(path=url.path.rstrip("/") + TOKENIZE_PATH))
+        return targets
 
     def close(self) -> None:
-        self._client.close()
+        self._poster.close()
 
     def __enter__(self) -> EngineTokenizer:
         return self

@@ -114,17 +114,17 @@ def test_a_failing_engine_is_passed_over_for_retry_s_and_with_every_engine_faili
     clock = Clock()
     router = table_router(refused_address(), engines[0].address)
     with EngineTokenizer(router, retry_s=30, clock=clock) as tokenize:
-        with pytest.raises(httpx.ConnectError):
+        with pytest.raises(ConnectionRefusedError):
             tokenize(CHAT)  # the refused one's turn comes first
         for _ in range(4):
             assert tokenize(CHAT) == request_tokens(CHAT)
         assert engines[0].tokenized == 4, "the refused engine was not asked again within retry_s"
         clock.now += 31
-        with pytest.raises(httpx.ConnectError):
+        with pytest.raises(ConnectionRefusedError):
             for _ in range(2):
                 tokenize(CHAT)
     with EngineTokenizer(table_router(refused_address()), retry_s=30, clock=clock) as tokenize:
-        with pytest.raises(httpx.ConnectError):
+        with pytest.raises(ConnectionRefusedError):
             tokenize(CHAT)
         with pytest.raises(LookupError, match="all 1 engines failed to tokenize"):
             tokenize(CHAT)
@@ -177,7 +177,7 @@ def test_an_engine_without_the_route_is_an_error_and_the_request_goes_on_with_it
     the transport counts (`tokenize`) and the request is relayed on its text blocks, answered as before."""
     with serving_http(LoopbackServer(NoRoute)) as (no_route,):
         with EngineTokenizer(table_router(f"{no_route.address}/")) as tokenize:
-            with pytest.raises(httpx.HTTPStatusError):
+            with pytest.raises(ValueError, match="answered 404"):
                 tokenize(CHAT)
     router = make_router(engines)
     no_table, refused = EngineTokenizer(hearing(Router(), "n0")), EngineTokenizer(table_router(refused_address()))
@@ -251,6 +251,39 @@ def test_the_async_transport_tokenizes_off_the_event_loop_and_places_by_the_kv_e
 
     assert asyncio.run(run()) not in loop_threads and len(loop_threads) == 1
     assert [e.requests for e in engines] == [0, 1]
+
+
+def test_the_async_transport_asks_the_engines_over_its_event_loop_and_counts_a_failed_ask(
+    engines: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No worker thread per request: the round trip is the event loop's, and a failed one leaves the request on its
+    text blocks, counted, as the sync transport's does."""
+
+    def no_thread(*args: object) -> None:
+        raise AssertionError("the engines were asked from a worker thread")
+
+    monkeypatch.setattr(asyncio, "to_thread", no_thread)
+    blocks = block_hashes(request_tokens(CHAT), BLOCK_SIZE)
+    nodes = [TableNode(node_id=e.name, endpoint=e.address, weight=1.0) for e in engines]
+    refused = TableNode(node_id="gone", endpoint=refused_address(), weight=1.0)
+    table = RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="llm", nodes=nodes)])
+    router = hearing(Router.from_table(table))
+    router.apply_kv(engines[1].name, False, blocks, (), block_size=BLOCK_SIZE)
+    url = "http://prism.invalid/v1/chat/completions"
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=AsyncPrismTransport(router)) as client:
+            for _ in range(3):
+                async with client.stream("POST", url, json=CHAT) as response:
+                    assert response.status_code == 200 and b"gpu-b" in await response.aread()
+            slices = [SliceTable(name="llm", nodes=[refused, *nodes])]
+            router.apply(RoutingTable(epoch=1, version=2, issued_unix_s=time.time(), slices=slices))
+            async with client.stream("POST", url, json=CHAT) as response:  # the refused one's turn
+                assert response.status_code == 200
+
+    asyncio.run(run())
+    assert sum(e.tokenized for e in engines) == 3 and engines[1].requests >= 3 and sum(e.requests for e in engines) == 4
+    assert router.rejects.counts().get("tokenize") == 1
 
 
 def test_the_gateways_tokenize_setting_resolves_and_refuses_anything_but_engine_or_text(
