@@ -140,6 +140,26 @@ class _Stale(Exception):
     """A kept connection the server had closed: nothing of the answer came back."""
 
 
+class _Answer:
+    """One answer as it is read off a connection, by either driver; `reused`: over a kept connection, which the
+    server may have closed meanwhile."""
+
+    def __init__(self, reused: bool) -> None:
+        self._reused = reused
+        self._buffer = bytearray()
+
+    def take(self, data: bytes) -> tuple[int, bytes, bool] | None:
+        """`parse` with `data` added (b"": the connection's end); _Stale for a kept connection that gave nothing."""
+        if not data and self._reused and not self._buffer:
+            raise _Stale
+        self._buffer += data
+        return parse(self._buffer, eof=not data)
+
+    def lost(self, exc: OSError) -> Exception:
+        """What a reset or broken pipe means: a stale kept connection while nothing came back, else `exc`."""
+        return _Stale() if self._reused and not self._buffer else exc
+
+
 class JsonPoster:
     """POSTs JSON payloads to targets and returns (status, body); thread-safe for `post`, and `apost` for the one
     event loop that first calls it. Raises OSError (refused, reset, `TimeoutError`) or ReplyError."""
@@ -205,26 +225,14 @@ class JsonPoster:
 
     @staticmethod
     def _exchange(sock: socket.socket, request: bytes, reused: bool) -> tuple[int, bytes, bool]:
-        buffer = bytearray()
+        answer = _Answer(reused)
         try:
             sock.sendall(request)
-        except (BrokenPipeError, ConnectionResetError):
-            if reused:
-                raise _Stale from None
-            raise
-        while True:
-            try:
-                data = sock.recv(_READ_BYTES)
-            except ConnectionResetError:
-                if reused and not buffer:
-                    raise _Stale from None
-                raise
-            if not data and reused and not buffer:
-                raise _Stale
-            buffer += data
-            parsed = parse(buffer, eof=not data)
-            if parsed is not None:
-                return parsed
+            while (parsed := answer.take(sock.recv(_READ_BYTES))) is None:
+                pass
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise answer.lost(exc) from None
+        return parsed
 
     async def _apost(self, target: Target, request: bytes) -> tuple[int, bytes]:
         loop = asyncio.get_running_loop()
@@ -263,29 +271,18 @@ class JsonPoster:
     async def _aexchange(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes, reused: bool
     ) -> tuple[int, bytes, bool]:
-        buffer = bytearray()
+        answer = _Answer(reused)
         try:
             writer.write(request)
             async with asyncio.timeout(self._timeout_s):
                 await writer.drain()
-        except (BrokenPipeError, ConnectionResetError):
-            if reused:
-                raise _Stale from None
-            raise
-        while True:
-            try:
+            while True:
                 async with asyncio.timeout(self._timeout_s):
-                    data = await reader.read(_READ_BYTES)
-            except ConnectionResetError:
-                if reused and not buffer:
-                    raise _Stale from None
-                raise
-            if not data and reused and not buffer:
-                raise _Stale
-            buffer += data
-            parsed = parse(buffer, eof=not data)
-            if parsed is not None:
-                return parsed
+                    parsed = answer.take(await reader.read(_READ_BYTES))
+                if parsed is not None:
+                    return parsed
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise answer.lost(exc) from None
 
     def close(self) -> None:
         """Close the idle connections of `post` and `apost` (an async stream closes without waiting for the loop)."""
