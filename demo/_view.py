@@ -162,6 +162,13 @@ def summary(demo: Demo, wall_s: float, time_scale: float, load: float) -> list[s
             f"   brain: routing tables {first.epoch}.{first.version} to {last.epoch}.{last.version} "
             f"({len(demo.tables)} distinct seen by the router)"
         )
+    trips = demo.router.round_trips if demo.router is not None else None
+    asked = sum(trips.buckets) if trips is not None else 0
+    if trips is not None and asked:
+        lines.append(
+            f"   router: {asked} round trips to the engines' /tokenize for a request's token ids, mean "
+            f"{trips.seconds / asked * 1e3:.1f} ms, {trips.failed} failed (those requests kept their text blocks)"
+        )
     for node_id, counts in sorted(demo.agent_counts.items()):
         server, joined = counts.get("server_spans"), counts.get("joined")
         join = ""

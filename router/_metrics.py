@@ -2,12 +2,56 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import bisect
+import threading
+from typing import TYPE_CHECKING, Final
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 if TYPE_CHECKING:
     from ._router import Router
+
+
+ROUND_TRIP_BUCKETS_S: Final = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+"""Upper bounds of the tokenize round trip's histogram: from a loopback hop to the tokenizer's timeout."""
+
+
+class RoundTrips:
+    """The engines' `/tokenize` round trips made for this router's requests (`EngineTokenizer`): their seconds, in
+    a histogram, and how many failed. Any thread records; the collector reads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.buckets = [0] * (len(ROUND_TRIP_BUCKETS_S) + 1)
+        """Round trips per bucket of `ROUND_TRIP_BUCKETS_S`, the last past them all (not cumulative)."""
+        self.seconds = 0.0
+        self.failed = 0
+
+    def record(self, seconds: float, ok: bool) -> None:
+        with self._lock:
+            self.buckets[bisect.bisect_left(ROUND_TRIP_BUCKETS_S, seconds)] += 1
+            self.seconds += seconds
+            self.failed += not ok
+
+    def families(self) -> list[Metric]:
+        with self._lock:
+            counts, seconds, failed = list(self.buckets), self.seconds, self.failed
+        cumulative, running = [], 0
+        for bound, count in zip((*map(str, ROUND_TRIP_BUCKETS_S), "+Inf"), counts, strict=True):
+            running += count
+            cumulative.append((bound, running))
+        trips = HistogramMetricFamily(
+            "prism_router_tokenize_seconds",
+            "Round trips to an engine's /tokenize for a text request's token ids, answered or failed",
+            buckets=cumulative,
+            sum_value=seconds,
+        )
+        failures = CounterMetricFamily(
+            "prism_router_tokenize_failures",
+            "Of those round trips, the ones that gave no ids (the request kept its text blocks; rejects say why)",
+            value=failed,
+        )
+        return [trips, failures]
 
 
 class RouterCollector:
@@ -82,6 +126,7 @@ class RouterCollector:
             mismatches.add_metric([node], count)
         return [
             *families,
+            *router.round_trips.families(),
             inflight,
             available,
             circuit,

@@ -42,7 +42,7 @@ from ._index import PrefixIndex
 from ._keys import position
 from ._lease import Lease
 from ._memory import PrefixMemory
-from ._metrics import RouterCollector
+from ._metrics import RoundTrips, RouterCollector
 from ._request import CONTEXT_HEADER, SESSION_HEADER, Key, Request, slice_of
 from ._sessions import Session, SessionTable
 from ._settings import Settings
@@ -214,6 +214,8 @@ class Router:
         self._kv_block_sizes: dict[str, int] = {}
         """The block size, in tokens, of each node's KV events (`apply_kv`)."""
         self.kv_block_size_mismatches: dict[str, int] = {}
+        self.round_trips = RoundTrips()
+        """The engines' `/tokenize` round trips made for this router's text requests (`EngineTokenizer`)."""
         """Requests placed on a node whose KV events name blocks of another size than the request's hashes, by node:
         the prefix index can never match them (an engine's block or page size unlike the callers')."""
         self._has_table = threading.Event()

@@ -132,12 +132,13 @@ class EngineTokenizer:
         if asked is None:
             return None
         endpoint, target, payload = asked
+        started = time.perf_counter()
         try:
             status, answer = self._poster.post(target, payload)
         except Exception:
-            self._bench(endpoint)
+            self._failed(endpoint, started)
             raise
-        return self._tokens(endpoint, status, answer)
+        return self._tokens(endpoint, status, answer, started)
 
     async def acall(self, body: dict[str, Any]) -> list[int] | None:
         """`self(body)` for a coroutine, over connections of the event loop's own (the async transport's way: no
@@ -146,12 +147,13 @@ class EngineTokenizer:
         if asked is None:
             return None
         endpoint, target, payload = asked
+        started = time.perf_counter()
         try:
             status, answer = await self._poster.apost(target, payload)
         except Exception:
-            self._bench(endpoint)
+            self._failed(endpoint, started)
             raise
-        return self._tokens(endpoint, status, answer)
+        return self._tokens(endpoint, status, answer, started)
 
     def _ask(self, body: dict[str, Any]) -> tuple[str, Target, bytes] | None:
         """(endpoint, its tokenize target, what to post) for `body`; None where nothing is asked (see `__call__`)."""
@@ -163,21 +165,29 @@ class EngineTokenizer:
         endpoint, target = self._next()
         return endpoint, target, msgspec.json.encode(request)
 
-    def _tokens(self, endpoint: str, status: int, answer: bytes) -> list[int]:
-        """The ids `endpoint` answered with; an answer that is an error of the engine's, or has no ids, benches it
-        and raises, a refusal of the body (`CALLERS_FAULT`) raises alone."""
+    def _tokens(self, endpoint: str, status: int, answer: bytes, started: float) -> list[int]:
+        """The ids `endpoint` answered with, the round trip begun at `started` (`time.perf_counter`) recorded; an
+        answer that is an error of the engine's, or has no ids, benches it and raises, a refusal of the body
+        (`CALLERS_FAULT`) raises alone."""
         if status in CALLERS_FAULT:
+            self._router.round_trips.record(time.perf_counter() - started, ok=False)
             raise ValueError(f"{endpoint}{TOKENIZE_PATH} refused the body: {status}")
         try:
             if not 200 <= status < 300:
                 raise ValueError(f"{endpoint}{TOKENIZE_PATH} answered {status}")
             tokens = msgspec.json.decode(answer, type=_Tokens).tokens
         except Exception as exc:
-            self._bench(endpoint)
+            self._failed(endpoint, started)
             if isinstance(exc, msgspec.DecodeError):
                 raise ValueError(f"{endpoint}{TOKENIZE_PATH} answered without a tokens list: {exc}") from None
             raise
+        self._router.round_trips.record(time.perf_counter() - started, ok=True)
         return tokens
+
+    def _failed(self, endpoint: str, started: float) -> None:
+        """A round trip begun at `started` that failed by `endpoint`'s fault: recorded, and the endpoint benched."""
+        self._router.round_trips.record(time.perf_counter() - started, ok=False)
+        self._bench(endpoint)
 
     @property
     def asks(self) -> bool:

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from prismlb.cli import main
 from prismlb.router import (
@@ -128,6 +129,28 @@ def test_a_failing_engine_is_passed_over_for_retry_s_and_with_every_engine_faili
             tokenize(CHAT)
         with pytest.raises(LookupError, match="all 1 engines failed to tokenize"):
             tokenize(CHAT)
+
+
+def test_round_trips_are_exported_in_a_histogram_with_the_failed_ones_counted(engines: tuple[Engine, Engine]) -> None:
+    registry = CollectorRegistry()
+    nodes = [
+        TableNode(node_id=f"n{i}", endpoint=e, weight=1.0)
+        for i, e in enumerate((refused_address(), engines[0].address))
+    ]
+    table = RoutingTable(epoch=1, version=1, issued_unix_s=time.time(), slices=[SliceTable(name="llm", nodes=nodes)])
+    router = hearing(Router.from_table(table, registry=registry))
+    assert registry.get_sample_value("prism_router_tokenize_seconds_count") == 0
+    with EngineTokenizer(router) as tokenize:
+        with pytest.raises(ConnectionRefusedError):
+            tokenize(CHAT)
+        for _ in range(3):
+            tokenize(CHAT)
+        tokenize({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})  # not asked
+    assert registry.get_sample_value("prism_router_tokenize_seconds_count") == 4
+    assert registry.get_sample_value("prism_router_tokenize_failures_total") == 1
+    assert registry.get_sample_value("prism_router_tokenize_seconds_bucket", {"le": "+Inf"}) == 4
+    assert registry.get_sample_value("prism_router_tokenize_seconds_bucket", {"le": "0.5"}) == 4
+    assert 0 < (registry.get_sample_value("prism_router_tokenize_seconds_sum") or 0) < 2.0
 
 
 def test_only_the_engines_text_requests_go_to_are_asked_not_another_slices(engines: tuple[Engine, Engine]) -> None:
