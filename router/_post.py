@@ -19,6 +19,7 @@ import contextlib
 import socket
 import ssl
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Final
 
@@ -284,18 +285,24 @@ class JsonPoster:
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise answer.lost(exc) from None
 
-    def close(self) -> None:
-        """Close the idle connections of `post` and `apost` (an async stream closes without waiting for the loop)."""
+    def retain(self, targets: Collection[Target]) -> None:
+        """Close the idle connections to every target but `targets` (the endpoints a new table still has), so that
+        nodes leaving over days of tables leave no connections behind."""
         with self._lock:
-            socks = [s for kept in self._idle.values() for s in kept]
-            self._idle.clear()
+            gone = [t for t in self._idle if t not in targets]
+            socks = [s for t in gone for s in self._idle.pop(t)]
         for sock in socks:
             sock.close()
-        self._close_streams()
+        self._close_streams([t for t in self._aidle if t not in targets])
 
-    def _close_streams(self) -> None:
-        streams = [w for kept in self._aidle.values() for _, w in kept]
-        self._aidle.clear()
-        for writer in streams:
+    def close(self) -> None:
+        """Close the idle connections of `post` and `apost` (an async stream closes without waiting for the loop)."""
+        self.retain(())
+
+    def _close_streams(self, targets: Collection[Target] | None = None) -> None:
+        """Close the idle streams to `targets` (None: all)."""
+        gone = list(self._aidle) if targets is None else targets
+        writers = [w for t in gone for _, w in self._aidle.pop(t, [])]
+        for writer in writers:
             with contextlib.suppress(RuntimeError):  # its loop already closed: so is the socket
                 writer.close()

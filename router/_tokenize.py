@@ -208,6 +208,7 @@ class EngineTokenizer:
                 self._table = table
                 seen = self._text_endpoints(table)
                 self._endpoints = list(seen.items())
+                self._poster.retain(set(seen.values()))
                 self._benched = {e: until for e, until in self._benched.items() if e in seen}
             endpoints = self._endpoints
             if not endpoints:

@@ -217,3 +217,21 @@ def test_a_refused_connect_raises_and_close_ends_the_kept_connections() -> None:
         poster.post(server.target, b"{}")
         poster.close()
         assert closed.wait(2), "the kept connection stayed open after close"
+
+
+def test_retain_closes_the_kept_connections_to_endpoints_a_table_dropped_and_keeps_the_rest() -> None:
+    dropped_closed = threading.Event()
+
+    def until_closed(conn: socket.socket) -> None:
+        keep_alive(conn)
+        dropped_closed.set()
+
+    with raw_server(keep_alive) as kept, raw_server(until_closed) as dropped:
+        poster = JsonPoster(timeout_s=1.0)
+        poster.post(kept.target, b"{}")
+        poster.post(dropped.target, b"{}")
+        poster.retain({kept.target})
+        assert dropped_closed.wait(2), "the dropped endpoint's connection stayed open"
+        poster.post(kept.target, b"{}")
+        assert kept.connections == 1
+        poster.close()
