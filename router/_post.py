@@ -8,8 +8,9 @@ halved what a gateway or an app on one core could relay. This client does only w
 line, three headers, a body by `Content-Length`, an answer by `Content-Length`, chunks or the connection's end.
 
 Bounds: `timeout_s` on connecting and on each wait for bytes; an answer's head at most `MAX_HEAD_BYTES` and its
-body `MAX_BODY_BYTES`; at most `MAX_IDLE` idle connections kept per endpoint. A kept connection the server closed
-meanwhile is found on use (nothing comes back, or the write fails) and the call goes once more on a new one.
+body `MAX_BODY_BYTES`; at most `MAX_IDLE` idle connections kept per endpoint, and none to an endpoint the caller no
+longer names (`retain`). A kept connection the server closed meanwhile is found on use (nothing comes back, or
+the write fails) and the call goes again on another kept one or a new one; a new one's failure raises.
 """
 
 from __future__ import annotations
