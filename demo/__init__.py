@@ -33,7 +33,7 @@ from ._processes import (
     wait_healthy,
 )
 from ._results import UNFINISHED, llm_nodes, moved_keys
-from ._run import DEFAULT_LOAD, DEFAULT_NODES, SLOW_S, TIME_SCALE_RANGE
+from ._run import DEFAULT_LOAD, DEFAULT_NODES, TIME_SCALE_RANGE
 from ._view import percentile
 from ._window import BATCH_WINDOWS, DEFAULT_BATCH_WINDOW, WindowReport, read_window
 from ._workload import BLOCK_CHARS, TOKEN_SCALE, TRACE, DemoRequest, load_requests, prefill_work_s, prefix_cache_bound
@@ -45,7 +45,6 @@ __all__ = [
     "DEFAULT_LOAD",
     "DEFAULT_NODES",
     "DRAIN_LIMIT_S",
-    "SLOW_S",
     "TIME_SCALE_RANGE",
     "TOKEN_SCALE",
     "TRACE",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from prismlb.router import Router, Settings
+from prismlb.router import Router
 from prismlb.sim import PROFILES
 
 from ._load import Demo
@@ -36,9 +36,6 @@ MAX_WALL_S = 115.0
 """Everything, set-up and tear-down included, ends within this (the demo's promise is two minutes)."""
 STARTUP_LIMIT_S = 30.0
 TIME_SCALE_RANGE = (0.25, 4.0)
-SLOW_S = 0.3
-"""The breaker's slow first token for the demo (the library's default is longer, for long prompts): the demo's
-prompts are short and interactive, where a first token after 300 ms is slow."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +119,7 @@ def run(options: Options, out: IO[str] = sys.stdout) -> int:
             file=out,
             flush=True,
         )
-        with Router.connect(cluster.address, settings=Settings(slow_s=SLOW_S * time_scale)) as router:
+        with Router.connect(cluster.address) as router:  # the library's defaults, as a caller's router runs
             wanted = {n.node_id for n in cluster.nodes}
             ready_by = min(deadline, time.monotonic() + STARTUP_LIMIT_S)
             while {n.node_id for n in llm_nodes(router.table)} != wanted:
