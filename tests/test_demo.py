@@ -109,6 +109,8 @@ def test_a_reduced_demo_runs_end_to_end() -> None:
     hit = re.search(r"prefix-cache hit rate: ([\d.]+)% of (\d+) prompt tokens", out)
     assert hit and float(hit.group(1)) > 0, out
     assert re.search(r"kill: a100-3 at .* out of the table at .* without a weight change: 0", out), out
+    asked = re.search(r"router: (\d+) round trips to the engines' /tokenize for a request's token ids", out)
+    assert asked and int(asked.group(1)) >= 30, out  # the engines' KV events reach the router: it asks for ids
     for node in ("h100-1", "a100-2", "l40s-4"):
         spans = re.search(rf"agent {node}: (\d+) spans received over OTLP, (\d+) KV events", out)
         assert spans and int(spans.group(1)) > 0 and int(spans.group(2)) > 0, out
