@@ -41,7 +41,7 @@ CHUNKS = 8
 GATEWAYS = {"prism gateway": "engine", "prism gateway, text blocks": "text"}
 """The gateway's routes by `--tokenize`: its default, a round trip to the engine's `/tokenize` before each request
 is placed, and the text blocks alone."""
-IN_PROCESS = {"prism transport, in-process": "engine", "prism transport, in-process, text blocks": None}
+IN_PROCESS = {"prism transport, in-process": "engine", "prism transport, in-process, text blocks": "text"}
 """The in-process routes by the async transport's `tokenize`, as `GATEWAYS`."""
 BODY = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "What does the report say? " * 40}]}
 
@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("| concurrency | route | first chunk p50 | p99 | end p50 | p99 | requests/s | p50 added to direct |")
         print("|---|---|---|---|---|---|---|---|")
         routed: dict[str, tuple[str, str | None]] = {name: (url, None) for name, url in routes.items()}
-        routed.update({name: (engine_url, tokenize or "text") for name, tokenize in IN_PROCESS.items()})
+        routed.update({name: (engine_url, tokenize) for name, tokenize in IN_PROCESS.items()})
         for level in levels:
             direct_p50 = None
             for name, (url, transported) in routed.items():

@@ -134,9 +134,10 @@ class _Prompt:
         streamed = isinstance(body, dict) and body.get("stream") is True
         return cls(described, body, text, _prompt_tokens(body), streamed)
 
-    def asks(self, tokenize: object) -> bool:
-        """Whether `tokenize` is asked for this prompt's ids: a conversation without ids of its own."""
-        return tokenize is not None and self.tokens is None and self.text is not None
+    @property
+    def asks(self) -> bool:
+        """Whether a tokenize is asked for this prompt's ids: a conversation without ids of its own."""
+        return self.tokens is None and self.text is not None
 
     def request(self, tokens: list[int] | None, prefix_tokens: int) -> Request:
         """The router's view, its key, cost and blocks from `tokens` (the engines' ids) or else the text."""
@@ -158,7 +159,7 @@ def describe(
     `tokenize` failures are counted in `rejects`."""
     prompt = _Prompt.of(request, block_size, rejects)
     tokens = prompt.tokens
-    if tokenize is not None and prompt.asks(tokenize):
+    if tokenize is not None and prompt.asks:
         tokens = _token_ids(_outcome(tokenize, prompt.body), rejects)
     return prompt.request(tokens, prefix_tokens), prompt.streamed
 
@@ -418,7 +419,7 @@ class _Routing(Generic[_Transport]):
         rejects = self._router.rejects
         prompt = _Prompt.of(request, self._block_size, rejects)
         tokens = prompt.tokens
-        if self._tokenize is not None and prompt.asks(self._tokenize):
+        if self._tokenize is not None and prompt.asks:
             if self._engines is not None:
                 tokens = _token_ids(await _aoutcome(self._engines.acall, prompt.body), rejects)
             else:
