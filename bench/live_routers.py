@@ -54,6 +54,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import json
 import subprocess
 import sys
 import tempfile
@@ -89,10 +90,33 @@ from prismlb.router import AsyncPrismTransport, Router, Settings
 from prismlb.semantics import Slice, ttft_slo_s
 from prismlb.service import whole_number_at_least
 from prismlb.sim import PROFILES
-from prismlb.sim._engine import MODEL_NAME
+from prismlb.sim._engine import BLOCK_SIZE_TOKENS, CHARS_PER_TOKEN, MODEL_NAME, prompt_tokens
 
-PINS = {"sglang-router": "0.3.2", "vllm-router": "0.1.17"}
+PINS = {"sglang-router": "0.3.2", "vllm-router": "0.1.17", "ai-dynamo": "1.6.1"}
 """The peers' wheels, pinned: the versions pip found current when this bakeoff was written."""
+INSTALLS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "ai-dynamo": (
+        ("--no-deps", "ai-dynamo==1.6.1", "ai-dynamo-runtime==1.6.1"),
+        (
+            "aiohttp>=3.14.3,<4",
+            "msgspec>=0.19",
+            "prometheus-client>=0.23.1,<1",
+            "pyzmq>=26",
+            "redis>=6.2,<9",
+            "tqdm",
+            "transformers>=4.56",
+            "typing-extensions>=4.10",
+            "zstandard>=0.23,<1",
+            "kubernetes>=32.0.1,<33",
+            "pydantic>=2.10.6,<=2.13.5",
+            "uvloop>=0.21",
+        ),
+    ),
+}
+"""pip runs for a peer that its pin alone does not install. `ai-dynamo` requires `aisimulate`, a placeholder on PyPI
+that downloads its wheel from pypi.nvidia.com while installing (unreachable from a host that has PyPI alone) and
+that only Dynamo's planner and replay import: the two wheels go in without their requirements, then every other
+requirement of theirs as their metadata pins it."""
 DEFAULT_VENV = Path.home() / ".cache" / "prism-bench" / "live-routers"
 DEFAULT_REQUESTS = 800
 DEFAULT_DURATION_S = 40.0
@@ -105,6 +129,9 @@ and a uniformly slower engine keeps its profile's ratio of prefill to decode."""
 STARTUP_LIMIT_S = 30.0
 """A router, or Prism's first routing table with every node, must be up within this."""
 ROUTERS = 4
+DYNAMO_WORKER = Path(__file__).with_name("dynamo_worker.py")
+DYNAMO_STARTUP_LIMIT_S = 90.0
+"""Dynamo's frontend and its four workers import Dynamo and transformers at once on the host's cores."""
 """Routers of the "routers" contenders, as the replay's `4-routers` ablation deals requests to."""
 
 
@@ -154,6 +181,7 @@ CONTENDERS = (
     Contender("sglang", "sglang-router", "sglang_router.launch_router", "power_of_two"),
     Contender("vllm", "vllm-router", "vllm_router.launch_router", "kv_aware", "vllm-kv-aware"),
     Contender("vllm", "vllm-router", "vllm_router.launch_router", "cache_aware", "sglang"),
+    Contender("dynamo", "ai-dynamo", "dynamo.frontend", "kv", "dynamo-kv"),
 )
 """The vLLM router began as a fork of SGLang's; its `cache_aware` is the same approximate-tree policy, so the
 replay's `sglang` model stands for both. `power_of_two` has no replay model."""
@@ -227,18 +255,23 @@ def install_peers(venv: Path, packages: Sequence[str], out: Path) -> dict[str, s
                 return {p: f"! no virtualenv at {venv} (python -m venv failed)" for p in packages}
         for package in packages:
             pin = f"{package}=={PINS[package]}"
-            try:
-                done = subprocess.run(
-                    [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", pin],
-                    stdout=log,
-                    stderr=log,
-                    timeout=INSTALL_LIMIT_S,
-                )
-            except subprocess.TimeoutExpired:
-                versions[package] = f"! pip install {pin} ran past {INSTALL_LIMIT_S:.0f} s"
-                continue
-            if done.returncode != 0:
-                versions[package] = f"! pip install {pin} failed (see {out})"
+            failed = None
+            for run in INSTALLS.get(package, ((pin,),)):
+                try:
+                    done = subprocess.run(
+                        [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", *run],
+                        stdout=log,
+                        stderr=log,
+                        timeout=INSTALL_LIMIT_S,
+                    )
+                except subprocess.TimeoutExpired:
+                    failed = f"! pip install {pin} ran past {INSTALL_LIMIT_S:.0f} s"
+                    break
+                if done.returncode != 0:
+                    failed = f"! pip install {pin} failed (see {out})"
+                    break
+            if failed is not None:
+                versions[package] = failed
                 continue
             shown = subprocess.run(
                 [str(python), "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
@@ -265,6 +298,58 @@ def peer_args(contender: Contender, cluster: Cluster, port: int, debug: bool = F
     else:
         args += ["--log-level", "debug" if debug else "warn"]
     return args
+
+
+def dynamo_model_dir(requests: Sequence[DemoRequest], out: Path) -> Path:
+    """The model directory Dynamo's frontend tokenizes with (`bench/dynamo_worker.py` registers it): a word-level
+    tokenizer whose words are the engines' 4-character chunks, each with the id the engines' emulated tokenizer
+    gives it (`prompt_tokens`), so that Dynamo's router hashes the ids the engines' KV events carry; and a chat
+    template that joins the messages' text as the engines do. Its vocabulary is every chunk of `requests`."""
+    vocab = {"<eos>": 0, "tok ": 1}
+    for request in requests:
+        for start in range(0, len(request.text), CHARS_PER_TOKEN):
+            chunk = request.text[start : start + CHARS_PER_TOKEN]
+            vocab.setdefault(chunk, prompt_tokens(chunk)[0])
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Split",
+            "pattern": {"Regex": "[\\s\\S]{1,%d}" % CHARS_PER_TOKEN},
+            "behavior": "Isolated",
+            "invert": False,
+        },
+        "post_processor": None,
+        "decoder": {"type": "Fuse"},
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "tok "},
+    }
+    template = "{% for m in messages %}{% if not loop.first %}\n{% endif %}{{ m['content'] }}{% endfor %}"
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": template,
+        "eos_token": "<eos>",
+        "unk_token": "tok ",
+        "bos_token": None,
+    }
+    model = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 131_072}
+    out.mkdir(parents=True)
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps({**model, "eos_token_id": 0, "vocab_size": 2**31}))
+    return out
+
+
+def dynamo_ready(port: int, proc: subprocess.Popen[bytes], nodes: int, deadline: float) -> bool:
+    """Whether Dynamo's frontend on `port` lists `nodes` worker instances before `deadline`."""
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if len(httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).json().get("instances") or []) == nodes:
+                return True
+        time.sleep(0.2)
+    return False
 
 
 def gateway_ready(port: int, proc: subprocess.Popen[bytes], nodes: int, deadline: float) -> bool:
@@ -370,6 +455,30 @@ def run_one(
                     [AsyncPrismTransport(r, transport=httpx.AsyncHTTPTransport(limits=limits)) for r in routers]
                 )
                 client = httpx.AsyncClient(transport=dealt, base_url="http://prism", timeout=timeout)
+        elif contender.package == "ai-dynamo":
+            port = free_port()
+            log = logs / "router.log"
+            env = {
+                "DYN_DISCOVERY_BACKEND": "file",
+                "DYN_FILE_KV": str(logs / "dynamo-discovery"),
+                "DYN_REQUEST_PLANE": "tcp",
+                "DYN_LOG": "debug" if debug else "warn",
+            }
+            model = dynamo_model_dir(requests, logs / "dynamo-model")
+            for node in cluster.nodes:
+                worker = [str(DYNAMO_WORKER), "--engine", node.url, "--kv-events", f"tcp://127.0.0.1:{node.kv_port}"]
+                worker += ["--model-dir", str(model), "--model-name", MODEL_NAME]
+                worker += ["--block-size", str(BLOCK_SIZE_TOKENS)]
+                procs.append(spawn(worker, logs / f"dynamo-{node.node_id}.log", executable=str(python), env=env))
+            frontend = ["-m", contender.module, "--router-mode", contender.policy, "--http-host", "127.0.0.1"]
+            frontend += ["--http-port", str(port), "--kv-cache-block-size", str(BLOCK_SIZE_TOKENS)]
+            peer = spawn(frontend, log, executable=str(python), env=env)
+            procs.append(peer)
+            if not dynamo_ready(port, peer, len(cluster.nodes), time.monotonic() + DYNAMO_STARTUP_LIMIT_S):
+                limit = f"{DYNAMO_STARTUP_LIMIT_S:.0f} s"
+                outcome.problem = f"no frontend with every worker within {limit}: {log_tail(log)}"
+                return outcome
+            client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=timeout, limits=limits)
         else:
             port = free_port()
             log = logs / "router.log"
@@ -624,7 +733,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated contenders to run (prism, prism-gateway, prism-routers, sglang, vllm); all by default",
+        help="comma-separated contenders to run (prism, prism-gateway, prism-routers, sglang, vllm, dynamo); all by "
+        "default",
     )
     parser.add_argument(
         "--peer-debug", action="store_true", help="the peers log every routing decision (in their router.log)"

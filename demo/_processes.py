@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,16 +71,19 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
-def spawn(args: Sequence[str], log: Path, executable: str = sys.executable) -> subprocess.Popen[bytes]:
+def spawn(
+    args: Sequence[str], log: Path, executable: str = sys.executable, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """A child process in its own session (Ctrl-C reaches only the demo, which stops it), output to `log`;
-    `executable` runs `args` (this Python by default; another program for a router under comparison)."""
+    `executable` runs `args` (this Python by default; another program for a router under comparison), with `env`
+    added to this process's environment."""
     with log.open("wb") as out:
         return subprocess.Popen(
             [executable, *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
             preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
