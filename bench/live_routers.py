@@ -1,4 +1,4 @@
-"""Live bakeoff: Prism against the real SGLang Model Gateway and the real vLLM router, same cluster, same trace.
+"""Live bakeoff: Prism against the real SGLang gateway, vLLM router and Dynamo KV router, same cluster, same trace.
 
 Run: .venv/bin/python bench/live_routers.py   (about 9 minutes a round; the first run also installs the peers, ~20 s)
 
@@ -32,6 +32,11 @@ gateway drops Prism's `X-Modality-Signature` header). Contenders:
 - SGLang Model Gateway (`sglang-router`), policies `cache_aware` and `power_of_two`.
 - vLLM router (`vllm-router`), `kv_aware` fed by the engines' KV events (`--kv-event-source`,
   `--kv-event-model`), and `cache_aware`.
+- NVIDIA Dynamo (`ai-dynamo`): its frontend with `--router-mode kv`, the KV router on the engines' KV events. Dynamo
+  routes to workers registered with its runtime (file discovery, TCP request plane, no etcd or NATS), so each engine
+  gets a worker process, `bench/dynamo_worker.py`, that relays the engine's KV events and its answers; the model's
+  tokenizer, written for the run (`dynamo_model_dir`), gives the engines' own token ids. That worker's hop is a
+  cost a real Dynamo deployment (its engine inside the worker) does not pay.
 
 Reported per contender: the share of requests whose TTFT met their SLO (`slo_ms`: `prism eval`'s rule, on the
 engines' slowed clock; a request not answered misses it), TTFT p50/p99 (the load generator's clock, to the first

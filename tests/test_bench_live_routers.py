@@ -4,12 +4,17 @@ and the verdict on whether live and replay order the contenders alike."""
 from __future__ import annotations
 
 import argparse
+import json
+import re
+from pathlib import Path
 from types import ModuleType
 
+import jinja2
 import pytest
 
+from prismlb.demo import DemoRequest
 from prismlb.sim import PROFILES
-from prismlb.sim._engine import CHARS_PER_TOKEN
+from prismlb.sim._engine import CHARS_PER_TOKEN, request_tokens
 
 from .conftest import load_bench
 
@@ -45,7 +50,7 @@ def test_agreement_names_the_pairs_ordered_differently(bench: ModuleType) -> Non
 
 def test_replay_models_run_on_the_live_cluster(bench: ModuleType) -> None:
     p99 = bench.replay_p99_ms(bench.CONTENDERS, 60, 0.6)
-    assert set(p99) == {"prism", "4-routers", "4-routers-own-turns", "sglang", "vllm-kv-aware"}
+    assert set(p99) == {"prism", "4-routers", "4-routers-own-turns", "sglang", "vllm-kv-aware", "dynamo-kv"}
     assert all(value > 0 for value in p99.values())
 
 
@@ -89,3 +94,24 @@ def test_the_slo_is_the_replays_on_the_engines_slowed_clock(bench: ModuleType) -
     long = 20 * int(l40s)  # 20 s alone on the slowest engine: its SLO is five times that
     assert bench.slo_ms(request(long), 2.0, gpus) == pytest.approx(2 * 5 * 20_000, rel=1e-3)
     assert bench.slo_ms(request(long), 2.0, ("h100",)) < bench.slo_ms(request(long), 2.0, gpus)
+
+
+def test_dynamos_tokenizer_gives_the_ids_the_engines_kv_events_carry(bench: ModuleType, tmp_path: Path) -> None:
+    """Dynamo's frontend renders the chat template and splits the text with the tokenizer's pattern into words it
+    looks up; done here with Python's `re` and jinja2, as `tokenizers` (not in Prism's environment) does it."""
+    texts = ["the quick brown fox jumps over", "the quick brown fox jumps over the lazy dog\nagain", "ab"]
+    requests = [DemoRequest(i, 0.0, text, 4, "k") for i, text in enumerate(texts)]
+    out = bench.dynamo_model_dir(requests, tmp_path / "model")
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    template = json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
+    vocab = tokenizer["model"]["vocab"]
+    pattern = tokenizer["pre_tokenizer"]["pattern"]["Regex"]
+    for text in texts:
+        messages = [{"role": "user", "content": text}]
+        rendered = jinja2.Template(template).render(messages=messages)
+        assert rendered == text
+        ids = [vocab[word] for word in re.findall(pattern, rendered)]
+        assert ids == request_tokens({"messages": messages})
+    two = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert jinja2.Template(template).render(messages=two) == "be brief\nhi", "joined as the engines join them"
+    assert vocab["<eos>"] == 0 and vocab["tok "] == 1, "the worker's output token is not the end of sequence"
