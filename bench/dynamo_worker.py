@@ -112,9 +112,13 @@ async def serve(args: argparse.Namespace) -> None:
         worker_type=WorkerType.Aggregated,
         kv_cache_block_size=args.block_size,
     )
-    KvEventPublisher(endpoint, kv_block_size=args.block_size, zmq_endpoint=args.kv_events)
+    # The relay lives as long as this reference: a publisher collected unregisters its event channel at once.
+    relay = KvEventPublisher(endpoint, kv_block_size=args.block_size, zmq_endpoint=args.kv_events)
     print(f"dynamo worker: {args.engine} registered as {args.model_name}", flush=True)
-    await endpoint.serve_endpoint(worker.generate)
+    try:
+        await endpoint.serve_endpoint(worker.generate)
+    finally:
+        relay.shutdown()
 
 
 def main() -> None:
