@@ -738,8 +738,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated contenders to run (prism, prism-gateway, prism-routers, sglang, vllm, dynamo); all by "
-        "default",
+        help="contenders to run, comma-separated: prism, prism-gateway, prism-routers, sglang, vllm, dynamo (all)",
     )
     parser.add_argument(
         "--peer-debug", action="store_true", help="the peers log every routing decision (in their router.log)"
