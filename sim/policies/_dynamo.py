@@ -6,7 +6,9 @@ Source: ai-dynamo/dynamo `lib/llm/src/kv_router/` at db19bd2a659d4cb04998fb4101c
 (`ActiveSequences`: `potential_blocks_and_tokens`, `new_tokens`, `mark_prefill_completed`), `indexer.rs` (the
 radix tree's `find_matches`: overlap and tree size per worker), with `KvRouterConfig::default()`:
 overlap_score_weight 1.0, router_temperature 0.0, use_kv_events true, router_track_active_blocks true,
-router_track_output_blocks false.
+router_track_output_blocks false. The released frontend that `bench/live_routers.py` runs (ai-dynamo 1.6.1) dumps
+the same defaults under their new names: overlap_score_credit 1.0 with no decay, router_temperature 0.0, no
+router queue threshold, active blocks and prefill tokens tracked, output blocks not.
 
 Per request, with `overlap(w)` the request's leading blocks the index places on worker `w`, the router's own
 books of the requests it has in flight on each worker give
