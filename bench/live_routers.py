@@ -101,7 +101,7 @@ PINS = {"sglang-router": "0.3.2", "vllm-router": "0.1.17", "ai-dynamo": "1.6.1"}
 """The peers' wheels, pinned: the versions pip found current when this bakeoff was written."""
 INSTALLS: dict[str, tuple[tuple[str, ...], ...]] = {
     "ai-dynamo": (
-        ("--no-deps", "ai-dynamo==1.6.1", "ai-dynamo-runtime==1.6.1"),
+        ("--no-deps", f"ai-dynamo=={PINS['ai-dynamo']}", f"ai-dynamo-runtime=={PINS['ai-dynamo']}"),
         (
             "aiohttp>=3.14.3,<4",
             "msgspec>=0.19",
@@ -121,7 +121,7 @@ INSTALLS: dict[str, tuple[tuple[str, ...], ...]] = {
 """pip runs for a peer that its pin alone does not install. `ai-dynamo` requires `aisimulate`, a placeholder on PyPI
 that downloads its wheel from pypi.nvidia.com while installing (unreachable from a host that has PyPI alone) and
 that only Dynamo's planner and replay import: the two wheels go in without their requirements, then every other
-requirement of theirs as their metadata pins it."""
+requirement of theirs as their metadata pins it (the runtime's version is the frontend's, as `ai-dynamo` requires)."""
 DEFAULT_VENV = Path.home() / ".cache" / "prism-bench" / "live-routers"
 DEFAULT_REQUESTS = 800
 DEFAULT_DURATION_S = 40.0
@@ -134,10 +134,10 @@ and a uniformly slower engine keeps its profile's ratio of prefill to decode."""
 STARTUP_LIMIT_S = 30.0
 """A router, or Prism's first routing table with every node, must be up within this."""
 ROUTERS = 4
+"""Routers of the "routers" contenders, as the replay's `4-routers` ablation deals requests to."""
 DYNAMO_WORKER = Path(__file__).with_name("dynamo_worker.py")
 DYNAMO_STARTUP_LIMIT_S = 90.0
 """Dynamo's frontend and its four workers import Dynamo and transformers at once on the host's cores."""
-"""Routers of the "routers" contenders, as the replay's `4-routers` ablation deals requests to."""
 
 
 class Dealt(httpx.AsyncBaseTransport):
@@ -347,21 +347,14 @@ def dynamo_model_dir(requests: Sequence[DemoRequest], out: Path) -> Path:
     return out
 
 
-def dynamo_ready(port: int, proc: subprocess.Popen[bytes], nodes: int, deadline: float) -> bool:
-    """Whether Dynamo's frontend on `port` lists `nodes` worker instances before `deadline`."""
+def serves_all(port: int, proc: subprocess.Popen[bytes], field: str, nodes: int, deadline: float) -> bool:
+    """Whether the router on `port` (`proc`) names all `nodes` in its `GET /health` answer before `deadline`
+    (`time.monotonic()`): its `field` counts them (`prism gateway`'s table `endpoints`) or lists them (Dynamo's
+    frontend's worker `instances`)."""
     while time.monotonic() < deadline and proc.poll() is None:
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            if len(httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).json().get("instances") or []) == nodes:
-                return True
-        time.sleep(0.2)
-    return False
-
-
-def gateway_ready(port: int, proc: subprocess.Popen[bytes], nodes: int, deadline: float) -> bool:
-    """Whether `prism gateway` on `port` has a table with all `nodes` before `deadline` (`time.monotonic()`)."""
-    while time.monotonic() < deadline and proc.poll() is None:
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).json().get("endpoints") == nodes:
+        with contextlib.suppress(httpx.HTTPError, ValueError, TypeError, AttributeError):
+            named = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).json().get(field)
+            if (named if isinstance(named, int) else len(named or [])) == nodes:
                 return True
         time.sleep(0.1)
     return False
@@ -432,7 +425,7 @@ def run_one(
             args += flags
             proc = spawn(args, log)
             procs.append(proc)
-            if not gateway_ready(port, proc, len(cluster.nodes), time.monotonic() + STARTUP_LIMIT_S):
+            if not serves_all(port, proc, "endpoints", len(cluster.nodes), time.monotonic() + STARTUP_LIMIT_S):
                 outcome.problem = f"no routing table with every node: {log_tail(log)}"
                 return outcome
             client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=timeout, limits=limits)
@@ -479,7 +472,8 @@ def run_one(
             frontend += ["--http-port", str(port), "--kv-cache-block-size", str(BLOCK_SIZE_TOKENS)]
             peer = spawn(frontend, log, executable=str(python), env=env)
             procs.append(peer)
-            if not dynamo_ready(port, peer, len(cluster.nodes), time.monotonic() + DYNAMO_STARTUP_LIMIT_S):
+            ready_by = time.monotonic() + DYNAMO_STARTUP_LIMIT_S
+            if not serves_all(port, peer, "instances", len(cluster.nodes), ready_by):
                 limit = f"{DYNAMO_STARTUP_LIMIT_S:.0f} s"
                 outcome.problem = f"no frontend with every worker within {limit}: {log_tail(log)}"
                 return outcome
