@@ -2,7 +2,8 @@
 
 Run by the live bakeoff with the peers' Python (the one `ai-dynamo` is installed in), one per engine:
 
-    python bench/dynamo_worker.py --engine http://127.0.0.1:PORT --kv-events tcp://127.0.0.1:PORT --model-dir DIR
+    python bench/dynamo_worker.py --engine http://127.0.0.1:PORT --kv-events tcp://127.0.0.1:PORT \
+        --model-dir DIR --model-name NAME --block-size 16
 
 NVIDIA Dynamo's frontend routes tokenized requests to workers that registered with its runtime, not to HTTP
 servers: its KV router picks a worker from the prompt's token ids and the KV events the workers relay. A real
@@ -36,7 +37,6 @@ from dynamo.runtime import DistributedRuntime
 OUTPUT_TOKEN_ID = 1
 """The id this worker answers each generated token with: the model directory's `tok ` (not its end of sequence, 0,
 which would end the answer at its first token)."""
-DEFAULT_MAX_TOKENS = 16
 
 
 def texts_by_id(model_dir: Path) -> dict[int, str]:
@@ -64,14 +64,15 @@ class Worker:
         """One tokenized request (Dynamo's preprocessed form: `token_ids`, `stop_conditions`) as the engine's
         streamed answer; an engine that fails ends it with an `error:` finish reason, as Dynamo's backends do."""
         text = "".join(self._texts.get(token, "") for token in request.get("token_ids") or [])
-        max_tokens = (request.get("stop_conditions") or {}).get("max_tokens") or DEFAULT_MAX_TOKENS
-        body = {
+        body: dict[str, Any] = {
             "model": self._model,
             "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        max_tokens = (request.get("stop_conditions") or {}).get("max_tokens")
+        if max_tokens:  # else the engine's own default, as for a caller that sets none
+            body["max_tokens"] = max_tokens
         try:
             async with self._client().post(self._url, json=body) as response:
                 if response.status != 200:
@@ -126,8 +127,8 @@ def main() -> None:
     parser.add_argument("--engine", required=True, help="the emulated engine's base URL")
     parser.add_argument("--kv-events", required=True, help="the engine's KV event publisher (tcp://host:port)")
     parser.add_argument("--model-dir", type=Path, required=True, help="tokenizer and config of the served model")
-    parser.add_argument("--model-name", default="prism-emulated-8b")
-    parser.add_argument("--block-size", type=int, default=16, help="the engine's KV block size in tokens")
+    parser.add_argument("--model-name", required=True, help="the name the engine serves its model under")
+    parser.add_argument("--block-size", type=int, required=True, help="the engine's KV block size in tokens")
     parser.add_argument("--namespace", default="dynamo")
     uvloop.run(serve(parser.parse_args()))
 

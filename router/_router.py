@@ -214,10 +214,10 @@ class Router:
         self._kv_block_sizes: dict[str, int] = {}
         """The block size, in tokens, of each node's KV events (`apply_kv`)."""
         self.kv_block_size_mismatches: dict[str, int] = {}
-        self.round_trips = RoundTrips()
-        """The engines' `/tokenize` round trips made for this router's text requests (`EngineTokenizer`)."""
         """Requests placed on a node whose KV events name blocks of another size than the request's hashes, by node:
         the prefix index can never match them (an engine's block or page size unlike the callers')."""
+        self.round_trips = RoundTrips()
+        """The engines' `/tokenize` round trips made for this router's text requests (`EngineTokenizer`)."""
         self._has_table = threading.Event()
         self._drop_refused: tuple[tuple[str, int, int], float] | None = None  # (table, first refused at)
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
