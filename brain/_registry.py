@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prismlb.semantics import Health, Slice, health
+from prismlb.semantics import STALL_SMOOTHING_S, Health, Slice, health, network_stall_ms
 from prismlb.wire import FutureSampleError, NodeMetrics, NodeVector
 
 _log = logging.getLogger("prism.brain")
@@ -18,16 +18,9 @@ MAX_CLOCK_SKEW_S = 30.0
 """How far ahead of the brain's clock a vector's sample time may be: more is refused, so a vector stamped in
 the future (a spoofed one, or a host with a broken clock) can hold off its node's real vectors (which look
 older) for at most this long."""
-QUALITY_SMOOTHING_S = 15.0
-"""Time constant of the exponential averages of a node's quality and network stall: one window's noise cannot
-swing its weight or its expected time."""
-RTO_MIN_MS = 200.0
-"""Linux's minimum TCP retransmission timeout (`TCP_RTO_MIN`): what one lost segment of a request costs at the
-least when nothing follows it in flight to trigger a fast retransmit, as with a request's or a first token's
-last segments."""
-MAX_RETRANSMITS_PER_REQUEST = 10.0
-"""A window's retransmits per request are capped here (2 s of stall): more says that its requests are too few to
-divide by, or that the link is down, which the node's failing requests tell the routers sooner."""
+QUALITY_SMOOTHING_S = STALL_SMOOTHING_S
+"""Time constant of the exponential averages of a node's quality and network stall (the stall's, shared with the
+routers' own): one window's noise cannot swing its weight or its expected time."""
 
 
 def quality(h: Health) -> float:
@@ -37,14 +30,15 @@ def quality(h: Health) -> float:
 
 def stall_ms(metrics: NodeMetrics) -> float | None:
     """The network stall one request on the node can expect: the segments its host retransmitted per request it
-    served, each a retransmission timeout (`RTO_MIN_MS`). None without both rates (no eBPF tracer, no requests).
+    served, each a retransmission timeout (`semantics.network_stall_ms`). None without both rates (no eBPF tracer,
+    no requests).
 
     A time to add, not a factor: a lost segment costs a short request what it costs a long one, which the health
     score's share of the weight (a stretch of the expected time) cannot say."""
     retransmits, requests = metrics.tcp_retransmits_per_s, metrics.requests_per_s
     if retransmits is None or not requests:
         return None
-    return min(retransmits / requests, MAX_RETRANSMITS_PER_REQUEST) * RTO_MIN_MS
+    return network_stall_ms(retransmits, requests)
 
 
 MAX_ADMIT_MS = 60_000.0

@@ -14,9 +14,12 @@ overloaded rather than one endpoint broken, and opening every circuit would only
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
+
+from prismlb.semantics import STALL_SMOOTHING_S, network_stall_ms
 
 from ._settings import Settings
 
@@ -59,6 +62,11 @@ class EndpointStatus:
     """The prompt tokens this router expected the endpoint to compute for its requests that reported a first token,
     over the seconds from their start to it, summed since the router started: the endpoint's prefill speed as its
     callers see it (a busy engine's queue included), in tokens per second; None before a first token."""
+    retransmitted: int = 0
+    """Segments this router's connections to the endpoint retransmitted for its requests, since the router started
+    (`Lease.retransmitted`): the loss on the way there."""
+    stall_s: float = 0.0
+    """The network stall those retransmits forecast for a request there now (`EndpointState.stall_s`)."""
 
 
 def classify(exc: BaseException) -> Outcome:
@@ -92,6 +100,10 @@ class EndpointState:
         "opened_at",
         "outcomes",
         "peers",
+        "retransmit_at",
+        "retransmit_requests",
+        "retransmits",
+        "retransmitted",
         "settings",
         "silent",
         "state",
@@ -119,6 +131,10 @@ class EndpointState:
         self.outcomes: dict[Outcome, int] = {}
         self.first_token_tokens = 0  # the prompt tokens of the requests that reported a first token ...
         self.first_token_s = 0.0  # ... and the seconds they waited for it (`EndpointStatus.first_token_speed`)
+        self.retransmits = 0.0  # segments this router's connections retransmitted for requests here, decayed ...
+        self.retransmit_requests = 0.0  # ... and the requests they were counted for, decayed alike (`stall_s`) ...
+        self.retransmit_at = 0.0  # ... as of this time
+        self.retransmitted = 0  # the segments, not decayed (`EndpointStatus.retransmitted`)
 
     def circuit(self, now: float) -> Circuit:
         if self.state is Circuit.OPEN and now - self.opened_at >= self.settings.open_s:
@@ -139,9 +155,34 @@ class EndpointState:
         """`EndpointStatus.first_token_speed`, now."""
         return self.first_token_tokens / self.first_token_s if self.first_token_s > 0 else None
 
+    def count_retransmits(self, segments: int, now: float) -> None:
+        """Count one request's retransmitted segments (`Lease.retransmitted`) in the averages `stall_s` reads."""
+        keep = math.exp(-max(0.0, now - self.retransmit_at) / STALL_SMOOTHING_S)
+        self.retransmits = self.retransmits * keep + segments
+        self.retransmit_requests = self.retransmit_requests * keep + 1
+        self.retransmit_at = now
+        self.retransmitted += segments
+
+    def stall_s(self, now: float) -> float:
+        """The network stall a request here can expect from what this router's own connections retransmitted
+        (`Settings.client_stall`): segments per request, both averaged over `STALL_SMOOTHING_S`, priced by
+        `semantics.network_stall_ms`, with one request that lost nothing counted beside them, so that the stall of
+        an endpoint that gets no requests decays to nothing and it is tried again. 0 while nothing was lost."""
+        if not self.retransmits or not self.settings.client_stall:
+            return 0.0
+        keep = math.exp(-max(0.0, now - self.retransmit_at) / STALL_SMOOTHING_S)
+        return network_stall_ms(self.retransmits * keep, self.retransmit_requests * keep + 1) / 1000
+
     def status(self, now: float) -> EndpointStatus:
         return EndpointStatus(
-            self.inflight, self.admits(now), self.circuit(now), dict(self.outcomes), self.load, self.first_token_speed
+            self.inflight,
+            self.admits(now),
+            self.circuit(now),
+            dict(self.outcomes),
+            self.load,
+            self.first_token_speed,
+            self.retransmitted,
+            self.stall_s(now),
         )
 
     def start(self, now: float, units: int) -> bool:

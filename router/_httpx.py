@@ -21,7 +21,9 @@ A response's status is the endpoint's outcome: a 5xx or a 429 is a failure (pass
 success (a 4xx is the caller's fault). A request whose connection was refused, or that got a 503 or 429 back (the
 endpoint did not take it), goes again to an endpoint it has not tried, up to `tries` attempts (`Attempts`); the
 last attempt's response reaches the caller whatever its status, so the client sees what the endpoint said. The
-lease ends when the response is closed. For a successful `"stream": true` request the first non-empty chunk of
+lease ends when the response is closed; before that, the segments its connection retransmitted for it (the caller's
+kernel's count, `_tcpinfo`) are counted on the endpoint, which adds the loss on the way there to its expected time to
+first token (`Settings.client_stall`). For a successful `"stream": true` request the first non-empty chunk of
 the body is the first token (the head comes at once; the first chunk once the prompt is prefilled); a response
 that is not streamed has no first token, so its whole time is not judged and its load is released at its end.
 """
@@ -46,10 +48,13 @@ from ._keys import BLOCK_SIZE, PREFIX_TOKENS
 from ._lease import Lease
 from ._request import TTFT_SLO_HEADER, Request
 from ._router import Router
+from ._tcpinfo import Retransmits
 from ._tokenize import EngineTokenizer, endpoint_url
 
 _Stream = TypeVar("_Stream", httpx.SyncByteStream, httpx.AsyncByteStream)
 _Transport = TypeVar("_Transport", httpx.BaseTransport, httpx.AsyncBaseTransport)
+_Counted = tuple[Retransmits, object]
+"""A transport's count of its connections' retransmits, and the connection (network stream) a response came over."""
 
 _PART_MODALITY = {
     "text": "text",
@@ -319,10 +324,11 @@ class _LeaseBody(Generic[_Stream]):
     The sync and async bodies differ only in how they read and close `stream`.
     """
 
-    def __init__(self, stream: _Stream, lease: Lease, tokens: bool) -> None:
+    def __init__(self, stream: _Stream, lease: Lease, tokens: bool, counted: _Counted) -> None:
         self._stream: _Stream = stream
         self._lease = lease
         self._tokens = tokens
+        self._counted = counted
 
     def _chunk(self, chunk: bytes) -> bytes:
         """`chunk`, read; the first non-empty one of a streamed completion reports the first token."""
@@ -334,6 +340,14 @@ class _LeaseBody(Generic[_Stream]):
     def _broken(self, exc: Exception) -> None:
         """Reading the body raised `exc`: the endpoint's outcome."""
         self._lease.fail(outcome_of(exc))
+
+    def _retransmits(self) -> None:
+        """Before the connection goes back to the pool (or closes): the segments it retransmitted for this request,
+        counted on the lease's endpoint (`Lease.retransmitted`)."""
+        retransmits, connection = self._counted
+        segments = retransmits.since_last(connection)
+        if segments is not None:
+            self._lease.retransmitted(segments)
 
 
 class _LeaseStream(_LeaseBody[httpx.SyncByteStream], httpx.SyncByteStream):
@@ -348,6 +362,7 @@ class _LeaseStream(_LeaseBody[httpx.SyncByteStream], httpx.SyncByteStream):
             raise
 
     def close(self) -> None:
+        self._retransmits()
         try:
             self._stream.close()
         finally:
@@ -366,6 +381,7 @@ class _AsyncLeaseStream(_LeaseBody[httpx.AsyncByteStream], httpx.AsyncByteStream
             raise
 
     async def aclose(self) -> None:
+        self._retransmits()
         try:
             await self._stream.aclose()
         finally:
@@ -398,6 +414,7 @@ class _Routing(Generic[_Transport]):
         self._block_size = block_size
         self._prefix_tokens = prefix_tokens
         self._tries = tries
+        self._retransmits = Retransmits()
         self._engines = EngineTokenizer(router) if isinstance(tokenize, str) else None
         """The transport's own tokenizer (`tokenize="engine"`), closed with it."""
         self._tokenize: Tokenize | None = self._engines if isinstance(tokenize, str) else tokenize
@@ -409,6 +426,10 @@ class _Routing(Generic[_Transport]):
             request, self._block_size, self._prefix_tokens, self._tokenize, self._router.rejects
         )
         return self._started(described, streamed)
+
+    def _counted(self, response: httpx.Response) -> _Counted:
+        """What the handed response's body counts its connection's retransmits with (`_tcpinfo`)."""
+        return self._retransmits, response.extensions.get("network_stream")
 
     def _started(self, described: Request, streamed: bool) -> tuple[Attempts, bool]:
         return Attempts(self._router, described, self._tries, first_tokens=streamed), streamed
@@ -448,7 +469,8 @@ class PrismTransport(_Routing[httpx.BaseTransport], httpx.BaseTransport):
             finished = run.retried(response.status_code)
             if finished is None:
                 assert isinstance(response.stream, httpx.SyncByteStream)
-                return _leased(response, _LeaseStream(response.stream, run.lease, run.tokens(response)))
+                counted = self._counted(response)
+                return _leased(response, _LeaseStream(response.stream, run.lease, run.tokens(response), counted))
             try:
                 response.close()
             finally:
@@ -483,7 +505,8 @@ class AsyncPrismTransport(_Routing[httpx.AsyncBaseTransport], httpx.AsyncBaseTra
             finished = run.retried(response.status_code)
             if finished is None:
                 assert isinstance(response.stream, httpx.AsyncByteStream)
-                return _leased(response, _AsyncLeaseStream(response.stream, run.lease, run.tokens(response)))
+                counted = self._counted(response)
+                return _leased(response, _AsyncLeaseStream(response.stream, run.lease, run.tokens(response), counted))
             try:
                 await response.aclose()
             finally:

@@ -19,7 +19,8 @@ class Lease:
     exception leaving the block is classified (`ConnectionRefusedError`: CONNECT, `TimeoutError`: TIMEOUT,
     other `OSError`: ERROR, anything else: not the endpoint's doing), a normal exit is a success, and
     `fail()` names the outcome explicitly. Call `first_token()` when the first token (or the head of a
-    streamed response) arrives: one that took `slow_s` or more counts as a timeout for the circuit breaker.
+    streamed response) arrives: one that took `slow_s` or more counts as a timeout for the circuit breaker, and
+    `retransmitted()` with the connection's retransmitted segments before leaving, where the caller can read them.
     `headers` are the ones to add to the request (the session token and its context signature);
     `moved_from` names the node the session was on when it had to move (failover or model-version switch).
     """
@@ -123,6 +124,18 @@ class Lease:
                 self._drop_load()
         if dropped and self._wake is not None:
             self._wake()
+
+    def retransmitted(self, segments: int) -> None:
+        """Count the segments this request's connection retransmitted on its way (the caller's kernel's `TCP_INFO`
+        count, which the httpx transports read): a lost request or handshake is sent again by the caller, never by
+        the node, so only the caller sees it. The endpoint's expected time to first token grows by the stall they
+        forecast (`Settings.client_stall`). Call before `end`, with 0 too (a request that lost nothing counts);
+        ignored outside `begin`..`end`."""
+        if self._started is None:
+            return
+        now = self._clock()
+        with self._lock:
+            self._state.count_retransmits(segments, now)
 
     def fail(self, outcome: Outcome = Outcome.ERROR) -> None:
         """Report this outcome when the lease ends, whatever else happens."""

@@ -90,8 +90,22 @@ class RouterCollector:
             "since the start (absent before a first token)",
             labels=["endpoint"],
         )
+        retransmitted = CounterMetricFamily(
+            "prism_router_retransmitted_segments",
+            "TCP segments this caller's connections to the endpoint retransmitted (the kernel's TCP_INFO), read as "
+            "each response ended",
+            labels=["endpoint"],
+        )
+        stall = GaugeMetricFamily(
+            "prism_router_network_stall_seconds",
+            "The network stall those retransmits forecast for a request to the endpoint, added to its expected time "
+            "to first token (client_stall)",
+            labels=["endpoint"],
+        )
         for label, status in router.status().items():
             inflight.add_metric([label], status.inflight)
+            retransmitted.add_metric([label], status.retransmitted)
+            stall.add_metric([label], status.stall_s)
             available.add_metric([label], float(status.available))
             circuit.add_metric([label], int(status.circuit))
             if status.first_token_speed is not None:
@@ -132,6 +146,8 @@ class RouterCollector:
             circuit,
             outcomes,
             speed,
+            retransmitted,
+            stall,
             sessions,
             waiting,
             turns,

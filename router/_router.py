@@ -1113,8 +1113,9 @@ class Router:
         It is the entry's queued prefill work (what this router and, through the brain, its peer routers sent there
         that has no first token yet: `apply_cluster_load`) plus the request's tokens its cache lacks, over its prefill
         speed, stretched by its weight (`Group.stretch`), plus the network stall its kernel's retransmits forecast
-        (`Group.stall`); where the brain says its engine's KV cache has no room for the request (`Group.admit`), the
-        wait for room replaces the queue's part when longer. The queue is weighed by each node's speed, so the
+        (`Group.stall`) and the one this router's connections to it forecast (`EndpointState.stall_s`, also only
+        while `Group.timed`); where the brain says its engine's KV cache has no room for the request (`Group.admit`),
+        the wait for room replaces the queue's part when longer. The queue is weighed by each node's speed, so the
         equal-share bounded-load limit does not apply. In a group larger than `ttft_candidates` only the nodes
         holding the prefix, the `kept` entry (the session's) and the first entries along the key's probe order are
         weighed."""
@@ -1143,6 +1144,8 @@ class Router:
             queued = self._queued(group, i, peers, echo, fresh)
             own = cost - self._cached(request, depths.get(endpoint.node_id, 0))
             scale, stall = group.stretch[i] / group.rates[i], group.stall[i]
+            if group.timed:
+                stall += state.stall_s(now)
             out[i] = (max(queued * scale, group.admit[i]) + own * scale + stall, own * scale + stall)
         return out, echo
 

@@ -115,6 +115,13 @@ class Settings:
     prefill alone) the margin shrinks with it, so that it stays the same share of the request's budget: scored and
     ordered by three times, 1.2 reached 1.019 times the goodput of 2 over the 20 workloads (1.5: 1.016, 0.8: 0.991;
     docs/eval.md, "Under an SLO the routers do not assume"). Under a looser one it stays: 4 at ten times, 0.992."""
+    client_stall: bool = True
+    """Add to each endpoint's expected time to first token the network stall that this router's own connections to it
+    forecast: the segments they retransmitted per request over the last `semantics.STALL_SMOOTHING_S` (15 s), each a
+    minimum retransmission timeout (200 ms), counted by the httpx transports from the kernel's `TCP_INFO`
+    (`Lease.retransmitted`). A request lost on its way to a node is sent again by the caller's kernel, never by the
+    node's, so the node's agent, whose retransmits make the brain's stall (`TableNode.stall_ms`), cannot see it;
+    the two add up (docs/router.md)."""
     hold_max_s: float = 10.0
     """The longest a request waits for its turn; then it goes whatever the queues (counted as expired)."""
     balance: float = 1.05

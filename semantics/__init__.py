@@ -1,6 +1,6 @@
 """What the parts of Prism must agree on beyond the wire format: node health, NUMA weights, A/B arm and
-zone assignment, modality slices, the TTFT SLO, the KV Bloom filter, the published prefill speed and the one
-quantile rule."""
+zone assignment, modality slices, the TTFT SLO, the KV Bloom filter, the published prefill speed, the network stall and
+the one quantile rule."""
 
 from ._arms import assign_arm, assign_zone
 from ._bloom import (
@@ -18,6 +18,7 @@ from ._modality import DEFAULT_SLICE, ENGINE_LATENCY_KEY, MODALITY_HEADER, Slice
 from ._numa import CROSS_NUMA, SAME_NUMA, numa_factor
 from ._slo import SLO_SCALE, TAU0_MS, ttft_slo_s
 from ._speed import callers_speeds, held_speed
+from ._stall import MAX_RETRANSMITS_PER_REQUEST, RTO_MIN_MS, STALL_SMOOTHING_S, network_stall_ms
 from ._stats import quantile
 
 __all__ = [
@@ -31,9 +32,12 @@ __all__ = [
     "Dimension",
     "ENGINE_LATENCY_KEY",
     "Health",
+    "MAX_RETRANSMITS_PER_REQUEST",
     "MODALITY_HEADER",
+    "RTO_MIN_MS",
     "SAME_NUMA",
     "SLO_SCALE",
+    "STALL_SMOOTHING_S",
     "Slice",
     "TAU0_MS",
     "assign_arm",
@@ -45,6 +49,7 @@ __all__ = [
     "callers_speeds",
     "health",
     "held_speed",
+    "network_stall_ms",
     "numa_factor",
     "parse_signature",
     "quantile",

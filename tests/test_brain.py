@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from prismlb.brain import BrainConfig, Registry, TableBuilder, compute_weights, next_epoch, resolve_config
-from prismlb.brain._registry import MAX_ADMIT_MS, QUALITY_SMOOTHING_S, RTO_MIN_MS, admit_ms, stall_ms
-from prismlb.semantics import Slice, health
+from prismlb.brain._registry import MAX_ADMIT_MS, QUALITY_SMOOTHING_S, admit_ms, stall_ms
+from prismlb.semantics import RTO_MIN_MS, Slice, health
 from prismlb.wire import ConfigError, NodeMetrics, NodeVector
 
 from ._helpers_vectors import node_vector
