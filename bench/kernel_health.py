@@ -58,7 +58,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -88,11 +88,24 @@ SAMPLE_S = 0.5
 STEP_S = 5.0
 """The timeline's step: the lossy node's weight and share every this many seconds of the loss window."""
 RETRANSMIT_ALARM = "tcp_retransmits_per_conn"
-VARIANTS: dict[str, type[Brain]] = {
-    "full": Brain,
-    "no-health": NoHealthBrain,
-    "no-stall": NoStallBrain,
-    "flat": FlatWeightsBrain,
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a variant changes: the brain's class, and whether the router adds its own connections' stall."""
+
+    brain: type[Brain]
+    client_stall: bool = True
+    """`Settings.client_stall`: the stall forecast by the segments the router's connections to a node retransmitted
+    (the caller's `TCP_INFO`), the loss toward the node that its agent does not see."""
+
+
+VARIANTS: dict[str, Variant] = {
+    "full": Variant(Brain),
+    "no-health": Variant(NoHealthBrain),
+    "no-stall": Variant(NoStallBrain),
+    "no-client-stall": Variant(Brain, client_stall=False),
+    "flat": Variant(FlatWeightsBrain),
 }
 _WORDS = (
     "the model cache token prefix route node weight batch decode prefill latency tail span trace agent brain "
@@ -213,6 +226,8 @@ class Sample:
     retransmits_per_conn: float | None = None
     alarms: tuple[str, ...] = ()
     seq: int = -1
+    client_stalls: dict[str, float] = field(default_factory=dict)
+    """Each node's network stall from the router's own connections' retransmits, ms (`EndpointStatus.stall_s`)."""
 
 
 @dataclass
@@ -459,8 +474,9 @@ async def _watch(run: Run, router: Router, brain: Brain, start: float) -> None:
     while True:
         retransmits, alarms, seq = _lossy_vector(brain, run.lossy)
         table = router.table
-        sample = Sample(time.monotonic() - start, _llm_weights(table), _llm_stalls(table), retransmits, alarms, seq)
-        run.samples.append(sample)
+        own = {label: 1000 * status.stall_s for label, status in router.status().items()}
+        stalls = _llm_stalls(table)
+        run.samples.append(Sample(time.monotonic() - start, _llm_weights(table), stalls, retransmits, alarms, seq, own))
         await asyncio.sleep(SAMPLE_S)
 
 
@@ -522,13 +538,14 @@ def run_variant(
         train_budget_s=0.0,
         admin_port=0,
     )
-    brain = VARIANTS[variant](config, CollectorRegistry())
+    brain = VARIANTS[variant].brain(config, CollectorRegistry())
+    settings = replace(plan.settings, client_stall=VARIANTS[variant].client_stall)
     stopped = threading.Event()
     thread = threading.Thread(target=brain.run, args=(stopped,), name=f"brain-{variant}", daemon=True)
     loss = Loss(lossy, plan.drop_percent, plan.direction)
     thread.start()
     try:
-        with Router.connect(BrainAddress(config.updates, config.snapshot), settings=plan.settings) as router:
+        with Router.connect(BrainAddress(config.updates, config.snapshot), settings=settings) as router:
             wanted = {n.name for n in nodes}
             deadline = time.monotonic() + limit_s
             while set(_llm_weights(router.table)) != wanted:
@@ -576,9 +593,10 @@ def table(runs: Sequence[Run], slow_ms: float) -> list[str]:
         f"| brain | round | requests | errors | p50 ms | p99 ms | max ms | mean ms | over {slow_ms:.0f} ms (on the "
         "lossy node) | "
         "lossy node's share | "
-        "its weight: lowest / at end | its stall ms: highest | its retransmits/conn (vectors alarming) | "
+        "its weight: lowest / at end | its stall ms: highest | the router's own stall ms: highest | "
+        "its retransmits/conn (vectors alarming) | "
         "packets dropped | warm-up p50 / p99 ms | warm-up share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         if run.problem is not None and not run.results:
@@ -591,6 +609,8 @@ def table(runs: Sequence[Run], slow_ms: float) -> list[str]:
         weight = "-" if lowest is None or at_end is None else f"{lowest:.2f} / {at_end:.2f}"
         stalls = [t.stalls.get(run.lossy, 0.0) for t in run.samples if run.loss_start_s <= t.at_s <= run.loss_end_s]
         stall = f"{max(stalls):.0f}" if stalls else "-"
+        own = [t.client_stalls.get(run.lossy, 0.0) for t in run.samples if run.loss_start_s <= t.at_s <= run.loss_end_s]
+        own_stall = f"{max(own):.0f}" if own else "-"
         vectors = run.lossy_vectors(run.loss_start_s, run.loss_end_s + 1.0)
         measured = [v.retransmits_per_conn for v in vectors if v.retransmits_per_conn is not None]
         alarming = sum(RETRANSMIT_ALARM in v.alarms for v in vectors)
@@ -598,7 +618,7 @@ def table(runs: Sequence[Run], slow_ms: float) -> list[str]:
         lines.append(
             f"| {run.variant} | {run.round} | {s.count} | {s.errors} | {_ms(s.p50_ms)} | {_ms(s.p99_ms)} | "
             f"{_ms(s.max_ms)} | {_ms(s.mean_ms)} | {s.slow} ({s.slow_lossy}) | {_share(s.lossy_share)} | {weight} | "
-            f"{stall} | {retransmits} | {'-' if run.dropped is None else run.dropped} | "
+            f"{stall} | {own_stall} | {retransmits} | {'-' if run.dropped is None else run.dropped} | "
             f"{_ms(w.p50_ms)} / {_ms(w.p99_ms)} | {_share(w.lossy_share)} |"
         )
     return lines

@@ -44,7 +44,8 @@ def _run(bench: ModuleType, variant: str, lossy_latency_ms: float, lossy_every: 
         weight = 0.5 if i / 2 > 10.0 and variant == "full" else 1.0
         alarms = ("tcp_retransmits_per_conn",) if variant == "full" and i / 2 >= 6.0 else ()
         stalls = {"node-1": 60.0} if variant == "full" and i / 2 >= 8.0 else {}
-        sample = bench.Sample(i / 2, {"node-1": weight, "node-2": 1.0}, stalls, 0.6, alarms, seq=i // 2)
+        own = {"node-1": 40.0 if i / 2 < 12.0 else 25.0} if variant == "full" and i / 2 >= 7.0 else {}
+        sample = bench.Sample(i / 2, {"node-1": weight, "node-2": 1.0}, stalls, 0.6, alarms, i // 2, own)
         run.samples.append(sample)
     return run
 
@@ -54,10 +55,11 @@ def test_the_tables_show_the_loss_window_the_ratios_and_the_timeline(bench: Modu
     rows = bench.table([full, bare], 300.0)
     assert rows[0].startswith("| brain | round | requests | errors | p50 ms | p99 ms | max ms | mean ms | over 300 ms")
     # 100 requests in the window; node-1 got 25 of them (50 without health: the median halfway), each in 400 ms;
-    # 0.5 at its lowest; a 60 ms stall published from 8 s
-    full_row = "| full | 1 | 100 | 0 | 100 | 400 | 400 | 175 | 25 (25) | 25.0% | 0.50 / 0.50 | 60 | 0.60 ("
+    # 0.5 at its lowest; a 60 ms stall published from 8 s; the router's own stall 40 ms at most
+    full_row = "| full | 1 | 100 | 0 | 100 | 400 | 400 | 175 | 25 (25) | 25.0% | 0.50 / 0.50 | 60 | 40 | 0.60 ("
     assert rows[2].startswith(full_row)
-    assert rows[3].startswith("| no-health | 1 | 100 | 0 | 250 | 400 | 400 | 250 | 50 (50) | 50.0% | 1.00 / 1.00 | 0 |")
+    bare_row = "| no-health | 1 | 100 | 0 | 250 | 400 | 400 | 250 | 50 (50) | 50.0% | 1.00 / 1.00 | 0 | 0 |"
+    assert rows[3].startswith(bare_row)
     ratios = bench.ratios([full, bare], 300.0)
     assert ratios[2] == "| full / no-health | 0.40 | 1.00 | 1.00 | 0.70 | 0.50 | 0.50 |"
     assert bench.timeline(full) == (
