@@ -27,12 +27,15 @@ Variants, one run each on the same nodes and agents, with the same request sched
 brain and router: `full` (the library's `Brain`: weights of health alone), `no-health` (`sim._ablations.NoHealthBrain`:
 every node weighed as perfectly healthy, so every weight is 1.0 as `flat`'s, since the library weighs no latency
 unless `BrainConfig.latency_weights`) and, when `--variants` names them, `no-stall`
-(`NoStallBrain`: no network stall published, so the router adds none to the lossy node's expected time) and `flat`
-(`FlatWeightsBrain`: every weight 1.0). `--rounds` repeats the sequence, the variants alternating.
+(`NoStallBrain`: no network stall published, so the router adds none to the lossy node's expected time),
+`no-client-stall` (the library's brain, and the router with `Settings(client_stall=False)`: it adds no stall of its
+own connections' retransmits, which is all that sees the loss toward a node) and `flat` (`FlatWeightsBrain`: every
+weight 1.0). `--rounds` repeats the sequence, the variants alternating.
 
 Printed: per run, for the requests sent in the loss window, client latency p50/p99/max/mean, how many took over
-`--slow-ms` (or failed), node-1's share of them, its published weight (lowest, and at the window's end), its
-retransmits per connection as the brain saw them (and how many of its vectors raised that alarm) and the packets
+`--slow-ms` (or failed), node-1's share of them, its published weight (lowest, and at the window's end), the
+highest network stall published for it and the highest its router's own connections forecast, its retransmits per
+connection as the brain saw them (and how many of its vectors raised that alarm) and the packets
 the rule dropped; the warm-up's p50/p99 and share for reference; the ratios between variants (every round
 pooled); node-1's weight and share every 5 s of the window. Every namespace, nftables table and process is
 removed on every exit path: an error, Ctrl-C or SIGTERM.
