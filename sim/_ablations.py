@@ -203,6 +203,13 @@ def no_stall(block_tokens: int) -> Policy:
     return PrismPolicy(block_tokens=block_tokens, brain=NoStallBrain)
 
 
+def no_client_stall(block_tokens: int) -> Policy:
+    """No network stall from the routers' own connections (`Settings(client_stall=False)`): the segments of requests
+    lost on the way to a node, which only their callers send again, are not held against it (the node's own
+    retransmits still are, through the brain's stall)."""
+    return PrismPolicy(block_tokens=block_tokens, settings=Settings(client_stall=False))
+
+
 def no_admit_wait(block_tokens: int) -> Policy:
     """No wait for KV-cache room in the expected time to first token (`NoAdmitWaitBrain`): a node whose cache is
     full of long replies looks as short as its queued prompt tokens."""
@@ -307,6 +314,7 @@ VARIANTS: dict[str, Callable[[int], Policy]] = {
     "node-max-prediction": node_max_prediction,
     "no-predictor": no_predictor,
     "no-stall": no_stall,
+    "no-client-stall": no_client_stall,
     "no-admit-wait": no_admit_wait,
     "class-rate": class_rate,
     "fleet-rate": fleet_rate,
@@ -321,6 +329,7 @@ GRAY_VARIANTS = (
     "flat-weights",
     "latency-weights",
     "no-stall",
+    "no-client-stall",
     "class-rate",
     "no-predictor",
     "ewma",

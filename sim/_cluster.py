@@ -7,8 +7,10 @@ Each live node's agent sends a node vector every `vector_period_s`: `prism agent
 that read the simulated engine where the agent reads the hardware (`_Node`); the policy's `tick` runs every
 `tick_s`. A node killed mid-run loses its requests in flight (each tried again elsewhere) and stops
 answering and reporting. A degraded node (`Degrade`, a gray failure) keeps answering, slower: its GPU at a
-fraction of its speed, or its network losing segments, which stall requests on retransmission timeouts and show
-in its agent's kernel counters (`tcp_retransmits_per_conn`), or shared with callers that do not go through the
+fraction of its speed, or its network losing segments both ways, which stall requests on retransmission timeouts
+and show where they are sent again: a request's lost segments in its caller's kernel (the policy's `retransmitted`,
+which Prism's routers read from `TCP_INFO`), a first token's in the node's (its agent's `tcp_retransmits_per_conn`),
+or shared with callers that do not go through the
 policy (foreign requests its engine serves beside the policy's, which only its agent's figures show).
 """
 
@@ -40,6 +42,8 @@ from ._model import PROFILES, EngineModel, Event, GpuClass, Job
 from ._types import EngineStats, KvEvent, Outcome, Policy, RunResult, SimNode, SimRequest, SliceStats, Workload
 
 MAX_ATTEMPTS = 4
+_IN_TRANSIT = frozenset({"arrive", "deliver", "seen"})
+"""Events that carry a request still to be answered: a request to send, to reach its engine or to reach its caller."""
 TIMELINE_WINDOW_S = 10.0
 RECOVERY_WINDOW_S = 1.0
 CONNECT_REFUSED_S = 0.001
@@ -83,11 +87,12 @@ class Kill:
 class Degrade:
     """A gray failure from `at_fraction` of the arrival span on: the node keeps answering and reporting, but
     its GPU runs `slowdown` times slower (thermal throttling, a noisy neighbour, a failing memory stack) and each
-    segment of a request sent to it is lost with probability `loss` (a flaky NIC, a congested switch port),
-    stalling the request `RTO_S` per lost segment before the engine sees it; and callers that do not go through
-    the policy (another team's gateway, a batch job, clients with the node's address) send it `foreign` times its
-    prefill capacity in prompts like the workload's: work no router placed, so no router counts it, while the
-    node's agent sees its requests and latency as the engine's metrics do."""
+    segment between it and its callers is lost with probability `loss` (a flaky NIC, a congested switch port): a
+    request's, stalling it `RTO_S` per lost segment before the engine sees it (its caller sends them again), and its
+    first token's, stalling the response `RTO_S` (the node sends it again; what follows waits behind it); and
+    callers that do not go through the policy (another team's gateway, a batch job, clients with the node's
+    address) send it `foreign` times its prefill capacity in prompts like the workload's: work no router placed,
+    so no router counts it, while the node's agent sees its requests and latency as the engine's metrics do."""
 
     node: str
     at_fraction: float = 0.25
@@ -381,6 +386,12 @@ class _Attempt:
     node: str
     slice_name: str
     first_token_s: float | None = None
+    retransmits: int = 0
+    """The request's segments its caller sent again on the way (reported to the policy as the attempt ends)."""
+    held_until: float = 0.0
+    """Until when the response waits on the wire for its lost first segment, sent again by the node."""
+    broken: bool = False
+    """The node died under it: what the wire still held of its response never arrives."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,6 +478,7 @@ class Simulation:
             "kill": self._kill,
             "degrade": self._degrade,
             "deliver": self._deliver,
+            "seen": self._seen,
             "foreign": self._foreign,
         }
         now = 0.0
@@ -496,7 +508,7 @@ class Simulation:
         return (
             all(not n.model.running and not n.model.waiting for n in self.nodes.values())
             and not self.policy.holding
-            and not any(kind == "arrive" for _, _, kind, _ in self._heap)
+            and not any(kind in _IN_TRANSIT for _, _, kind, _ in self._heap)
         )
 
     # --- events -------------------------------------------------------------------------------------------
@@ -529,7 +541,7 @@ class Simulation:
         if node.loss:
             lost = sum(self._rng.random() < node.loss for _ in range(segments(request)))
             if lost:
-                node.retransmits += lost
+                job.tag.retransmits = lost
                 self._push(now + lost * RTO_S, "deliver", (name, job))
                 return 0
         return self._apply(node, now, node.model.advance(now) + node.model.submit(job, now))
@@ -577,18 +589,19 @@ class Simulation:
                 continue
             assert isinstance(attempt, _Attempt)
             if kind == "first_token":
-                attempt.first_token_s = t
-                ttft = t - attempt.request.arrival_s
-                slo = TAU0_MS[Slice(attempt.slice_name)] / 1000 if self.slo_s is None else self.slo_s(attempt.request)
-                self.ttft.append((attempt.slice_name, t, ttft, ttft <= slo))
-                self.policy.first_token(node.spec.name, attempt.request, t)
+                if node.loss and self._rng.random() < node.loss:
+                    node.retransmits += 1
+                    attempt.held_until = t + RTO_S
+                    self._push(attempt.held_until, "seen", (attempt, kind))
+                else:
+                    self._first_token(attempt, t)
             elif kind == "finished":
                 node.jobs.discard(job)
                 node.account(t, -1)
-                assert attempt.first_token_s is not None
-                self.completed_ttft[attempt.request.id] = attempt.first_token_s - attempt.request.arrival_s
-                self.policy.finished(node.spec.name, attempt.request, t, Outcome.OK)
-                done += 1
+                if attempt.held_until > t:
+                    self._push(attempt.held_until, "seen", (attempt, kind))
+                else:
+                    done += self._finished(attempt, t)
         if self.view.kv_subscribed and (node.model.stored or node.model.removed):
             self._publish(node, now)
         node.model.stored.clear()
@@ -668,12 +681,40 @@ class Simulation:
         self._push(now + rng.expovariate(node.foreign_per_s), "foreign", node.spec.name)
         return self._apply(node, now, node.model.advance(now) + node.model.submit(job, now))
 
+    def _first_token(self, attempt: _Attempt, t: float) -> None:
+        """The caller has the attempt's first token."""
+        attempt.first_token_s = t
+        ttft = t - attempt.request.arrival_s
+        slo = TAU0_MS[Slice(attempt.slice_name)] / 1000 if self.slo_s is None else self.slo_s(attempt.request)
+        self.ttft.append((attempt.slice_name, t, ttft, ttft <= slo))
+        self.policy.first_token(attempt.node, attempt.request, t)
+
+    def _finished(self, attempt: _Attempt, t: float) -> int:
+        """The caller has the attempt's whole response: 1, a request done."""
+        assert attempt.first_token_s is not None
+        self.completed_ttft[attempt.request.id] = attempt.first_token_s - attempt.request.arrival_s
+        self.policy.retransmitted(attempt.node, attempt.request, attempt.retransmits, t)
+        self.policy.finished(attempt.node, attempt.request, t, Outcome.OK)
+        return 1
+
+    def _seen(self, now: float, payload: object) -> int:
+        """A response held on the wire behind its lost first segment reaches its caller: the first token, or, for
+        a reply that ended meanwhile, the end after it."""
+        attempt, kind = cast(tuple[_Attempt, str], payload)
+        if attempt.broken:
+            return 0
+        if kind == "first_token":
+            self._first_token(attempt, now)
+            return 0
+        return self._finished(attempt, now)
+
     def _kill(self, now: float, name: object) -> int:
         node = self.nodes[cast(str, name)]
         lost = self._apply(node, now, node.model.advance(now))
         node.alive = False
         self.killed_at = now
         for attempt in sorted((cast(_Attempt, job.tag) for job in node.jobs), key=lambda a: a.request.id):
+            attempt.broken = True
             node.account(now, -1)
             self.failed_attempts += 1
             self.policy.finished(node.spec.name, attempt.request, now, Outcome.CONNECT_ERROR)

@@ -6,9 +6,10 @@ time after ingesting the vectors the simulated agents sent; each new table goes 
 (`Router.index`) `KV_EVENT_DELAY_S` after the engine published them, as the agents' relay through the brain delivers
 them; the routers' queued prefill work reaches every router through the brain's `LoadRelay` as often; requests
 carry their prompt's block ids as the library's helpers hash them (`caller_blocks`); requests take `Router.request`
-leases, which count them in flight and report first tokens and failures to the router's health and circuit
-breakers. The predictor trains `train_steps` optimiser steps every `train_interval_s` (a step count, not a CPU
-budget, so runs are deterministic). All of it runs on the simulation's clock.
+leases, which count them in flight and the segments their callers sent again on the way (the routers' own network
+stall), and report first tokens and failures to the router's health and circuit breakers. The predictor trains
+`train_steps` optimiser steps every `train_interval_s` (a step count, not a CPU budget, so runs are deterministic).
+All of it runs on the simulation's clock.
 """
 
 from __future__ import annotations
@@ -219,6 +220,13 @@ class PrismPolicy(Policy):
         lease = self._leases.get(request.id)
         if lease is not None:
             lease.first_token()
+
+    def retransmitted(self, node: str, request: SimRequest, segments: int, now: float) -> None:
+        """Counted on the attempt's lease, as the httpx transports count what `TCP_INFO` says."""
+        self.now = now
+        lease = self._leases.get(request.id)
+        if lease is not None:
+            lease.retransmitted(segments)
 
     def finished(self, node: str, request: SimRequest, now: float, outcome: SimOutcome) -> None:
         self.now = now

@@ -152,6 +152,10 @@ class Policy(ABC):
     def finished(self, node: str, request: SimRequest, now: float, outcome: Outcome) -> None:
         """The attempt ended (completed, or failed to connect)."""
 
+    def retransmitted(self, node: str, request: SimRequest, segments: int, now: float) -> None:
+        """Just before a completed attempt's `finished`: the segments of the request that the caller's kernel sent
+        again on the way to `node` (0 for most), as a caller reads them from its connection (`TCP_INFO`)."""
+
     def tick(self, view: ClusterView, now: float) -> None:
         """Periodic work: scrape metrics, ingest vectors, publish tables."""
 

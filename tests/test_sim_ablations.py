@@ -72,6 +72,7 @@ def test_every_variant_is_listed_with_a_docstring() -> None:
         "node-max-prediction",
         "no-predictor",
         "no-stall",
+        "no-client-stall",
         "no-admit-wait",
         "class-rate",
         "fleet-rate",
@@ -92,6 +93,7 @@ ROUTER_VARIANTS: dict[str, dict[str, object]] = {
     "no-cache-affinity": {"cache_affinity": 1.0},
     "no-overflow": {"overflow": 0.0},
     "no-overflow-yield": {"overflow_yields": False},
+    "no-client-stall": {"client_stall": False},
     "4-routers-own-turns": {"share_turns": False},
     "4-routers-no-share": {"share_load": False},
 }
