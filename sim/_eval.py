@@ -56,7 +56,8 @@ seven to ten times per policy."""
 GRAY_SLOWDOWN = 3.0
 """How much slower the gray-failure replays' first node runs from a quarter of the way in (`gray_failure`)."""
 GRAY_LOSS = 0.05
-"""The share of segments lost on the way to the gray-failure replays' last node from a quarter of the way in."""
+"""The share of segments lost between the gray-failure replays' last node and its callers, each way, from a quarter
+of the way in."""
 GRAY_FOREIGN = 0.5
 """The share of its prefill capacity that callers outside Prism take on the gray-failure replays' middle node."""
 QUICK_LIMIT = 1000
@@ -230,7 +231,7 @@ def _p99_floor_ms(trace: str | Path, seed: int, limit: int | None, cluster: str 
 
 def gray_failure(nodes: Sequence[NodeSpec]) -> tuple[Degrade, ...]:
     """Three nodes in trouble without going down, a quarter of the way in: the first runs `GRAY_SLOWDOWN` times
-    slower (a GPU throttled by heat or a failing fan), the last loses `GRAY_LOSS` of the segments sent to it (a
+    slower (a GPU throttled by heat or a failing fan), the last loses `GRAY_LOSS` of the segments to and from it (a
     flaky NIC or cable), the middle one also serves callers that do not go through Prism (`GRAY_FOREIGN` of its
     prefill capacity: another team's gateway, a batch job). Health checks pass on all three; what they cost is
     what the brain's signals are for."""
@@ -246,7 +247,7 @@ def gray_text() -> str:
     return (
         f"three nodes in trouble a quarter of the way into every probe (`_eval.gray_failure`): the first "
         f"{GRAY_SLOWDOWN:g} times slower, the middle one serving callers outside Prism ({GRAY_FOREIGN:.0%} of its "
-        f"prefill capacity), the last losing {GRAY_LOSS:.0%} of the segments sent to it"
+        f"prefill capacity), the last losing {GRAY_LOSS:.0%} of the segments between it and its callers, both ways"
     )
 
 
