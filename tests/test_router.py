@@ -358,6 +358,13 @@ def test_exports_the_table_in_use_and_each_endpoint_as_gauges() -> None:
     assert registry.get_sample_value("prism_router_endpoint_available", {"endpoint": "a0"}) == 1
     assert registry.get_sample_value("prism_router_circuit_state", {"endpoint": "a0"}) == 0
     assert registry.get_sample_value("prism_router_requests_total", {"endpoint": "a0", "outcome": "ok"}) == 1
+    assert registry.get_sample_value("prism_router_retransmitted_segments_total", {"endpoint": "a0"}) == 0
+    assert registry.get_sample_value("prism_router_network_stall_seconds", {"endpoint": "a0"}) == 0
+    with router.request(Request(key="k", cost=500)) as lease:
+        lease.retransmitted(3)  # as a transport reads them from the connection's TCP_INFO
+    assert registry.get_sample_value("prism_router_retransmitted_segments_total", {"endpoint": "a0"}) == 3
+    stall = registry.get_sample_value("prism_router_network_stall_seconds", {"endpoint": "a0"})
+    assert stall == pytest.approx(3 / 2 * 0.2, rel=0.01)  # 3 segments, 1 request and 1 that lost nothing, 200 ms each
     assert registry.get_sample_value("prism_router_sessions") == 1
 
 

@@ -341,3 +341,38 @@ def test_a_streamed_request_waits_for_its_turn_and_one_read_whole_does_not(serve
     slow_s, held_s, whole_s = asyncio.run(main())
     assert whole_s < 0.3 <= slow_s <= held_s
     assert router.turns.counts == {"granted": 2, "expired": 0, "left": 0, "passed": 0} and idle(router)
+
+
+def test_both_transports_count_each_responses_retransmits_on_its_endpoint(
+    servers: dict[str, NamedServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loopback loses nothing, so the kernel's count is stood in for: each read of a connection's `TCP_INFO` says it
+    has retransmitted two segments more. Every response, streamed or not, sync or async, is then counted once, on the
+    endpoint it came from, with what its connection sent again since the last read."""
+    totals: dict[int, int] = {}
+
+    def two_more(sock: object) -> int:
+        totals[id(sock)] = totals.get(id(sock), 0) + 2
+        return totals[id(sock)]
+
+    monkeypatch.setattr("prismlb.router._tcpinfo.total_retransmits", two_more)
+    addresses = {name: s.address for name, s in servers.items()}
+    sync, concurrent = make_router(addresses), make_router(addresses)
+    with httpx.Client(transport=PrismTransport(sync), base_url="http://prism.invalid/v1") as client:
+        for c in range(6):
+            client.post("/chat/completions", json=chat(c, 1))
+        with client.stream("POST", "/chat/completions", json={**chat(0, 1), "stream": True}) as response:
+            response.read()
+
+    async def main() -> None:
+        async with httpx.AsyncClient(
+            transport=AsyncPrismTransport(concurrent), base_url="http://prism.invalid/v1"
+        ) as client:
+            await asyncio.gather(*(client.post("/chat/completions", json=chat(c, 1)) for c in range(7)))
+
+    asyncio.run(main())
+    for router in (sync, concurrent):
+        counted = {label: (sum(s.outcomes.values()), s.retransmitted) for label, s in router.status().items()}
+        assert sum(ended for ended, _ in counted.values()) == 7
+        assert all(segments == 2 * ended for ended, segments in counted.values()), counted
+        assert all((s.stall_s > 0) == (s.retransmitted > 0) for s in router.status().values())
