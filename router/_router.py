@@ -1144,7 +1144,7 @@ class Router:
             queued = self._queued(group, i, peers, echo, fresh)
             own = cost - self._cached(request, depths.get(endpoint.node_id, 0))
             scale, stall = group.stretch[i] / group.rates[i], group.stall[i]
-            if group.timed:
+            if state.retransmits and group.timed:  # most endpoints have lost nothing: no call
                 stall += state.stall_s(now)
             out[i] = (max(queued * scale, group.admit[i]) + own * scale + stall, own * scale + stall)
         return out, echo
