@@ -155,9 +155,13 @@ class EndpointState:
         """`EndpointStatus.first_token_speed`, now."""
         return self.first_token_tokens / self.first_token_s if self.first_token_s > 0 else None
 
+    def _kept(self, now: float) -> float:
+        """The share of the retransmit averages' weight still standing at `now` (exponential decay)."""
+        return math.exp(-max(0.0, now - self.retransmit_at) / STALL_SMOOTHING_S)
+
     def count_retransmits(self, segments: int, now: float) -> None:
         """Count one request's retransmitted segments (`Lease.retransmitted`) in the averages `stall_s` reads."""
-        keep = math.exp(-max(0.0, now - self.retransmit_at) / STALL_SMOOTHING_S)
+        keep = self._kept(now)
         self.retransmits = self.retransmits * keep + segments
         self.retransmit_requests = self.retransmit_requests * keep + 1
         self.retransmit_at = now
@@ -170,7 +174,7 @@ class EndpointState:
         an endpoint that gets no requests decays to nothing and it is tried again. 0 while nothing was lost."""
         if not self.retransmits or not self.settings.client_stall:
             return 0.0
-        keep = math.exp(-max(0.0, now - self.retransmit_at) / STALL_SMOOTHING_S)
+        keep = self._kept(now)
         return network_stall_ms(self.retransmits * keep, self.retransmit_requests * keep + 1) / 1000
 
     def status(self, now: float) -> EndpointStatus:

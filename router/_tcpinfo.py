@@ -36,7 +36,7 @@ def total_retransmits(sock: _Sock) -> int | None:
         return None
     try:
         raw = sock.getsockopt(socket.IPPROTO_TCP, option, _TCP_INFO_BYTES)
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):
         return None
     if len(raw) < _TCP_INFO_BYTES:
         return None
@@ -60,7 +60,10 @@ class Retransmits:
         extra = getattr(stream, "get_extra_info", None)
         if extra is None:
             return None
-        sock = extra("socket")
+        try:
+            sock = extra("socket")
+        except Exception:  # a transport's own stream type: the count is lost, never the response
+            return None
         if sock is None or not hasattr(sock, "getsockopt"):
             return None
         total = total_retransmits(sock)

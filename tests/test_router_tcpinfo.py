@@ -209,3 +209,16 @@ def test_without_the_client_stall_the_lossy_node_keeps_its_share(nodes: dict[str
     router, after = _phases(nodes, Settings(client_stall=False))
     assert router.status()["lossy"].stall_s == 0
     assert "lossy" in after  # equal expected times: the two nodes share the prompts by their keys
+
+
+def test_a_stream_that_fails_to_say_its_socket_counts_nothing_and_raises_nothing() -> None:
+    class Broken:
+        def get_extra_info(self, info: str) -> object:
+            raise RuntimeError("not a socket stream")
+
+    class Odd:
+        def getsockopt(self, level: int, option: int, buflen: int) -> bytes:
+            return b"short"
+
+    assert Retransmits().since_last(Broken()) is None
+    assert Retransmits().since_last(_FakeStream(Odd())) is None
