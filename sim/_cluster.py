@@ -10,8 +10,8 @@ answering and reporting. A degraded node (`Degrade`, a gray failure) keeps answe
 fraction of its speed, or its network losing segments both ways, which stall requests on retransmission timeouts
 and show where they are sent again: a request's lost segments in its caller's kernel (the policy's `retransmitted`,
 which Prism's routers read from `TCP_INFO`), a first token's in the node's (its agent's `tcp_retransmits_per_conn`),
-or shared with callers that do not go through the
-policy (foreign requests its engine serves beside the policy's, which only its agent's figures show).
+or shared with callers that do not go through the policy (foreign requests its engine serves beside the policy's,
+which only its agent's figures show).
 """
 
 from __future__ import annotations
@@ -534,14 +534,15 @@ class Simulation:
         if node.info.numa_node != self.gateway_numa(request):
             self.cross_numa += 1
         job = engine_job(request, node.model, now)
-        job.tag = _Attempt(request, name, parse_signature(request.signature)[0].value)
+        attempt = _Attempt(request, name, parse_signature(request.signature)[0].value)
+        job.tag = attempt
         node.opened += 1
         node.account(now, +1)
         node.jobs.add(job)
         if node.loss:
             lost = sum(self._rng.random() < node.loss for _ in range(segments(request)))
             if lost:
-                job.tag.retransmits = lost
+                attempt.retransmits = lost
                 self._push(now + lost * RTO_S, "deliver", (name, job))
                 return 0
         return self._apply(node, now, node.model.advance(now) + node.model.submit(job, now))
