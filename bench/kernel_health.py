@@ -606,14 +606,12 @@ def table(runs: Sequence[Run], slow_ms: float) -> list[str]:
             lines.append(f"| {run.variant} | {run.round} | did not run: {run.problem} |")
             continue
         s, w = stats(run.loss_window(), run.lossy, slow_ms), stats(run.warmup(), run.lossy)
-        in_window = [run.weight_at(t.at_s) for t in run.samples if run.loss_start_s <= t.at_s <= run.loss_end_s]
-        lowest = min((x for x in in_window if x is not None), default=None)
+        window = [t for t in run.samples if run.loss_start_s <= t.at_s <= run.loss_end_s]
+        lowest = min((x for t in window if (x := run.weight_at(t.at_s)) is not None), default=None)
         at_end = run.weight_at(run.loss_end_s)
         weight = "-" if lowest is None or at_end is None else f"{lowest:.2f} / {at_end:.2f}"
-        stalls = [t.stalls.get(run.lossy, 0.0) for t in run.samples if run.loss_start_s <= t.at_s <= run.loss_end_s]
-        stall = f"{max(stalls):.0f}" if stalls else "-"
-        own = [t.client_stalls.get(run.lossy, 0.0) for t in run.samples if run.loss_start_s <= t.at_s <= run.loss_end_s]
-        own_stall = f"{max(own):.0f}" if own else "-"
+        stall = f"{max(t.stalls.get(run.lossy, 0.0) for t in window):.0f}" if window else "-"
+        own_stall = f"{max(t.client_stalls.get(run.lossy, 0.0) for t in window):.0f}" if window else "-"
         vectors = run.lossy_vectors(run.loss_start_s, run.loss_end_s + 1.0)
         measured = [v.retransmits_per_conn for v in vectors if v.retransmits_per_conn is not None]
         alarming = sum(RETRANSMIT_ALARM in v.alarms for v in vectors)

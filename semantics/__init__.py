@@ -18,7 +18,7 @@ from ._modality import DEFAULT_SLICE, ENGINE_LATENCY_KEY, MODALITY_HEADER, Slice
 from ._numa import CROSS_NUMA, SAME_NUMA, numa_factor
 from ._slo import SLO_SCALE, TAU0_MS, ttft_slo_s
 from ._speed import callers_speeds, held_speed
-from ._stall import MAX_RETRANSMITS_PER_REQUEST, RTO_MIN_MS, STALL_SMOOTHING_S, network_stall_ms
+from ._stall import RTO_MIN_MS, STALL_SMOOTHING_S, network_stall_ms
 from ._stats import quantile
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "Dimension",
     "ENGINE_LATENCY_KEY",
     "Health",
-    "MAX_RETRANSMITS_PER_REQUEST",
     "MODALITY_HEADER",
     "RTO_MIN_MS",
     "SAME_NUMA",
